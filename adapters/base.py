@@ -1,0 +1,160 @@
+"""The adapter protocol: what a model family must provide to run on ppmedia's first stage.
+
+An adapter knows one family's media layout. Given a :class:`~ppmedia.VlmMediaChunk` taken by
+:func:`~ppmedia.next_vlm_media_chunk`, it runs the model's own vision encoder on exactly that
+microbatch's media and scatters the features into that microbatch's placeholder positions.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Mapping
+
+import torch
+from torch import Tensor
+
+from ..chunk import VlmMediaChunk
+
+__all__ = ["VlmAdapter", "config_value"]
+
+
+def config_value(config: Any, *names: str) -> Any:
+    """Return the first of ``names`` set on ``config`` (a dotted name walks sub-configs).
+
+    Raises ``AttributeError`` naming every name tried when none is set.
+    """
+    for name in names:
+        value: Any = config
+        for part in name.split("."):
+            value = getattr(value, part, None)
+            if value is None:
+                break
+        if value is not None:
+            return value
+    raise AttributeError(f"{type(config).__name__} has none of {', '.join(names)}")
+
+
+class VlmAdapter(abc.ABC):
+    """Base class of every family adapter. Subclasses are stateless; one instance serves any model.
+
+    Class attributes:
+        name: short family name, e.g. ``"qwen2_5_vl"``.
+        model_types: the ``config.model_type`` strings this adapter serves (first is canonical).
+        layout: the media layout it reads from a chunk, in words (shown by ``ppmedia adapters``).
+    """
+
+    name: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    layout: ClassVar[str]
+
+    # -- token side -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
+        """Count each sample's images and videos from its placeholder tokens.
+
+        Args:
+            input_ids: ``[B, S]`` token ids.
+            config: the model's config.
+
+        Returns:
+            ``(images, videos)``, two ``[B]`` int64 tensors on ``input_ids.device``; pass them to
+            :func:`ppmedia.split_media` as ``images_per_sample`` / ``videos_per_sample``.
+        """
+
+    @abc.abstractmethod
+    def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
+        """``{modality: [B, S] bool}``: where each modality's features go (``"image"``, ``"video"``)."""
+
+    # -- media side -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor | int]:
+        """``{modality: number of feature rows}`` the chunk will produce, from its metadata.
+
+        An ``int`` when it follows from shapes alone, else a 0-dim tensor computed on the chunk's
+        device (no host read here; :meth:`merge` reads it together with the placeholder count).
+        """
+
+    @abc.abstractmethod
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:
+        """Run the model's own vision encoder on ``chunk``.
+
+        Returns:
+            ``{modality: [tokens, hidden]}`` features in placeholder order, already projected to the
+            language model's width.
+        """
+
+    # -- first stage ------------------------------------------------------------------------
+    def merge(
+        self,
+        model: torch.nn.Module,
+        input_ids: Tensor,
+        inputs_embeds: Tensor,
+        chunk: VlmMediaChunk | None,
+    ) -> Tensor:
+        """Scatter the chunk's features into ``inputs_embeds`` at the placeholder positions.
+
+        Args:
+            model: the ``...ForConditionalGeneration`` model (or one with the same module paths).
+            input_ids: ``[b, S]`` the microbatch's token ids.
+            inputs_embeds: ``[b, S, hidden]`` their text embeddings.
+            chunk: the microbatch's media, or ``None`` for a text-only microbatch.
+
+        Returns:
+            ``[b, S, hidden]``: ``inputs_embeds`` itself when ``chunk`` is ``None``, else a new tensor.
+
+        Raises:
+            ValueError: before the encoder runs, when a modality's feature count differs from its
+                placeholder count (both numbers in the message); or when placeholders are present
+                but the chunk has no media for them.
+        """
+        config = model.config
+        masks = self.placeholder_masks(input_ids, config)
+        expected = {} if chunk is None else self.feature_counts(chunk, config)
+        self._check_counts(masks, expected)
+        if chunk is None:
+            return inputs_embeds
+        features = self.encode(model, chunk)
+        for modality, feats in features.items():
+            mask = masks[modality].unsqueeze(-1).expand_as(inputs_embeds)
+            inputs_embeds = inputs_embeds.masked_scatter(mask, feats.to(inputs_embeds.dtype))
+        return inputs_embeds
+
+    @staticmethod
+    def _check_counts(masks: Mapping[str, Tensor], expected: Mapping[str, Tensor | int]) -> None:
+        # One host read for every count of the microbatch: the placeholder counts (and any feature
+        # count that needs tensor data) are stacked and read together.
+        names = sorted(set(masks) | set(expected))
+        if not names:
+            return
+        device = next(iter(masks.values())).device
+        parts = []
+        for name in names:
+            mask = masks.get(name)
+            parts.append(mask.sum() if mask is not None else torch.zeros((), dtype=torch.int64, device=device))
+            value = expected.get(name, 0)
+            parts.append(torch.as_tensor(value, dtype=torch.int64, device=device).reshape(()))
+        counts = torch.stack([p.to(torch.int64) for p in parts]).tolist()
+        for i, name in enumerate(names):
+            placeholders, features = counts[2 * i], counts[2 * i + 1]
+            if placeholders != features:
+                raise ValueError(
+                    f"{name}: the microbatch has {placeholders} placeholder tokens but its media "
+                    f"give {features} feature rows"
+                )
+
+    def position_ids(
+        self,
+        model: torch.nn.Module,
+        input_ids: Tensor,
+        chunk: VlmMediaChunk | None,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor | None:
+        """Position ids the language model needs for this microbatch, or ``None`` for the default.
+
+        Families with multimodal rotary positions (Qwen2.5-VL's mrope, ``[3, b, S]``) override this
+        and compute them from the chunk's grids (metadata only).
+        """
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, model_types={self.model_types!r})"

@@ -1,0 +1,138 @@
+"""The consumer side: one microbatch's staged media, taken in schedule order.
+
+The contract is the one NeMo Automodel's pipeline staging uses, so media staged by either library can
+be consumed by the other. A producer hangs one list per media tensor on the first stage module (see
+:data:`STAGED_ATTRIBUTES`) plus a cursor ``_vlm_chunk_idx``; every forward call of that stage calls
+:func:`next_vlm_media_chunk` once and gets the entries at the cursor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CURSOR_ATTRIBUTE",
+    "STAGED_ATTRIBUTES",
+    "VlmMediaChunk",
+    "next_vlm_media_chunk",
+]
+
+
+@dataclass(slots=True)
+class VlmMediaChunk:
+    """One microbatch's media, each field the staged tensor itself (a view of the batch, never a copy).
+
+    A field is ``None`` when nothing was staged for it or its staged tensor is empty.
+
+    Attributes:
+        pixel_values: image pixels in the processor's layout, images or patches on axis 0: complete
+            images ``[images, C, H, W]``, padded patches ``[images, max_patches, D]``, LLaVA-NeXT crops
+            ``[images, max_crops, C, H, W]``, flat patch rows ``[patches, D]`` or patch-major patches
+            ``[patches, C, ph, pw]``.
+        image_grid: per-image metadata, images on axis 0: patch grid ``[images, 2]`` (h, w) or
+            ``[images, 3]`` (t, h, w), original sizes ``[images, 2]``, or per-patch positions
+            ``[images, max_patches, 2]``.
+        pixel_values_videos: video pixels with patches on axis 0, e.g. flat patch rows ``[patches, D]``,
+            in video order.
+        video_grid: ``[videos, 3]``, the (t, h, w) patch grid of each video.
+        patch_pixel_values: Step3 crop patches ``[patches, C, h, w]``, concatenated in image order.
+        num_patches: Step3 ``[batch]``, each sample's crop-patch count; indexes ``patch_pixel_values``
+            and ``patch_newline_mask``.
+        patch_newline_mask: Step3 ``[patches]``, marks the crop patches that end a row.
+    """
+
+    pixel_values: Tensor | None
+    image_grid: Tensor | None
+    pixel_values_videos: Tensor | None
+    video_grid: Tensor | None
+    patch_pixel_values: Tensor | None = None
+    num_patches: Tensor | None = None
+    patch_newline_mask: Tensor | None = None
+
+
+#: chunk field -> the list attribute on the first stage module that stages it, in field order.
+STAGED_ATTRIBUTES: dict[str, str] = {
+    "pixel_values": "_vlm_pixel_values_chunks",
+    "image_grid": "_vlm_image_grid_hws_chunks",
+    "pixel_values_videos": "_vlm_pixel_values_videos_chunks",
+    "video_grid": "_vlm_video_grid_thw_chunks",
+    "patch_pixel_values": "_vlm_patch_pixel_values_chunks",
+    "num_patches": "_vlm_num_patches_chunks",
+    "patch_newline_mask": "_vlm_patch_newline_mask_chunks",
+}
+#: the attribute holding the index of the next microbatch to consume.
+CURSOR_ATTRIBUTE = "_vlm_chunk_idx"
+
+assert tuple(STAGED_ATTRIBUTES) == tuple(f.name for f in fields(VlmMediaChunk))
+_ATTRS = tuple(STAGED_ATTRIBUTES.values())
+_MISSING = object()
+_Tensor = torch.Tensor
+
+
+def _lookup(module: torch.nn.Module, state: dict, name: str) -> object:
+    # nn.Module keeps plain attributes (lists, ints) in __dict__; reading it directly skips
+    # Module.__getattr__, whose miss path costs microseconds. Fall back for anything else.
+    value = state.get(name, _MISSING)
+    if value is _MISSING:
+        value = getattr(module, name, None)
+    return value
+
+
+def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
+    """Take the next microbatch's staged media from ``module`` and advance its cursor once.
+
+    Call it exactly once per forward of the first pipeline stage. The cursor advances also for a
+    text-only microbatch, so later microbatches always get their own media. Only tensor metadata
+    (``numel()``) is read: no tensor data reaches the host, so no device sync happens here.
+
+    Args:
+        module: the first stage's module, carrying the lists named in :data:`STAGED_ATTRIBUTES` and
+            the cursor :data:`CURSOR_ATTRIBUTE`.
+
+    Returns:
+        ``None`` when nothing is staged (every list absent or ``None``, or the cursor ``None``; nothing
+        changes then) or when the microbatch is text-only (every entry absent or empty); otherwise a
+        :class:`VlmMediaChunk` whose non-``None`` fields are the staged tensor objects themselves.
+
+    Raises:
+        ValueError: a staged list has no entry at the cursor (the schedule ran more microbatches than
+            were staged).
+        TypeError: a staged entry is neither a tensor nor ``None``.
+    """
+    state = module.__dict__
+    k = _lookup(module, state, CURSOR_ATTRIBUTE)
+    if k is None:
+        return None
+    lists = [_lookup(module, state, name) for name in _ATTRS]
+    values: list[Tensor | None] = [None] * len(_ATTRS)
+    staged_any = present = False
+    for i, staged in enumerate(lists):
+        if staged is None:
+            continue
+        staged_any = True
+        if not 0 <= k < len(staged):
+            raise ValueError(
+                f"{_ATTRS[i]} has {len(staged)} entries but microbatch {k} was requested: the "
+                f"schedule ran more microbatches than were staged"
+            )
+        entry = staged[k]
+        if entry is None:
+            continue
+        if not isinstance(entry, _Tensor):
+            raise TypeError(
+                f"{_ATTRS[i]}[{k}] is a {type(entry).__name__}; expected a torch.Tensor or None "
+                f"(microbatch {k})"
+            )
+        if entry.numel():
+            values[i] = entry
+            present = True
+    if not staged_any:
+        return None
+    if CURSOR_ATTRIBUTE in state:
+        state[CURSOR_ATTRIBUTE] = k + 1
+    else:
+        setattr(module, CURSOR_ATTRIBUTE, k + 1)
+    return VlmMediaChunk(*values) if present else None
