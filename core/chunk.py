@@ -116,7 +116,8 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
         if not 0 <= k < len(staged):
             raise ValueError(
                 f"{_ATTRS[i]} has {len(staged)} entries but microbatch {k} was requested: the "
-                f"schedule ran more microbatches than were staged"
+                f"schedule ran more microbatches than were staged (a schedule's first step also runs a "
+                f"shape-inference forward: stage with ppmedia.stage_media(first_pipeline_stage, ...))"
             )
         entry = staged[k]
         if entry is None:

@@ -1,0 +1,209 @@
+"""LLaVA-NeXT (``llava_next``): anyres crops, original image sizes, ``image_newline`` packing.
+
+Media layout of a chunk:
+
+* ``chunk.pixel_values``: the processor's padded crops ``[images, max_crops, C, H, W]`` (crops past an
+  image's own count are padding and ignored), or the same crops flattened ``[crops, C, H, W]``,
+  concatenated in image order with no padding.
+* ``chunk.image_grid``: ``image_sizes`` ``[images, 2]``, each image's original (height, width).
+
+Everything follows from ``image_sizes`` and the config, exactly as in the model: the best resolution is
+the pinpoint of ``config.image_grid_pinpoints`` that keeps the most pixels (ties: least waste, first
+listed); an image has ``1 + grid_h * grid_w`` crops (``grid = best_resolution // crop side``), and
+``P * P + rows * (cols + 1)`` tokens, with ``P = image_size // patch_size`` feature rows per crop side,
+``P * P`` rows of the base crop first, then the ``grid_h * P x grid_w * P`` feature map of the grid
+crops with the letterbox padding of the original aspect ratio removed (``rows x cols`` left), each row
+ending in one ``image_newline`` row.
+
+Crops per image in the flat layout: nothing in the chunk says where one image's crops end; they are
+derived from ``image_sizes`` (``1 + grid_h * grid_w``), which is what the model's own
+``get_image_features`` does with 4-D ``pixel_values``. :meth:`LlavaNextAdapter.encode` checks that they
+add up to the number of crop rows before running the vision tower.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers.image_processing_utils import select_best_resolution
+
+from ..chunk import VlmMediaChunk
+from .base import VlmAdapter, config_value
+
+__all__ = ["LlavaNextAdapter", "image_token_counts"]
+
+
+def _geometry(config: Any) -> tuple[int, int, list[tuple[int, int]], bool]:
+    crop = int(config_value(config, "vision_config.image_size"))
+    patch = int(config_value(config, "vision_config.patch_size"))
+    pinpoints = [(int(h), int(w)) for h, w in config_value(config, "image_grid_pinpoints")]
+    strategy = getattr(config, "vision_feature_select_strategy", "default")
+    return crop, crop // patch, pinpoints, strategy == "full"
+
+
+def image_token_counts(image_sizes: Tensor, config: Any) -> Tensor:
+    """Image tokens of each image, ``[images]`` int64 on ``image_sizes.device``, without a host read.
+
+    Mirrors the model's ``select_best_resolution``, ``get_anyres_image_grid_shape`` and ``unpad_image``
+    step by step in float64, so the float roundings (``int(width * scale)``, ``round(x, 7)``) are the
+    model's own. Needs float64 on the device (not on MPS).
+
+    Args:
+        image_sizes: ``[images, 2]`` original (height, width).
+        config: a ``LlavaNextConfig`` (or any config with the same fields).
+    """
+    crop, side, pinpoints, full = _geometry(config)
+    sizes = image_sizes.to(torch.float64)
+    height, width = sizes[:, 0], sizes[:, 1]
+    area = height * width
+
+    # select_best_resolution: most effective pixels, then least waste; the first listed wins ties.
+    best_h = torch.full_like(height, pinpoints[0][0])
+    best_w = torch.full_like(width, pinpoints[0][1])
+    max_effective = torch.zeros_like(height)
+    min_wasted = torch.full_like(height, float("inf"))
+    for pin_h, pin_w in pinpoints:
+        scale = torch.minimum(pin_w / width, pin_h / height)
+        effective = torch.minimum(torch.trunc(width * scale) * torch.trunc(height * scale), area)
+        wasted = pin_h * pin_w - effective
+        better = (effective > max_effective) | ((effective == max_effective) & (wasted < min_wasted))
+        max_effective = torch.where(better, effective, max_effective)
+        min_wasted = torch.where(better, wasted, min_wasted)
+        best_h = torch.where(better, torch.full_like(best_h, pin_h), best_h)
+        best_w = torch.where(better, torch.full_like(best_w, pin_w), best_w)
+
+    # the grid crops' feature map, then unpad_image to the original aspect ratio
+    map_h = torch.div(best_h, crop, rounding_mode="floor") * side
+    map_w = torch.div(best_w, crop, rounding_mode="floor") * side
+    wider = (width / height) > (map_w / map_h)
+    new_h = torch.trunc(torch.round(height * (map_w / width), decimals=7))
+    new_w = torch.trunc(torch.round(width * (map_h / height), decimals=7))
+    rows = torch.where(wider, map_h - 2 * torch.div(map_h - new_h, 2, rounding_mode="floor"), map_h)
+    cols = torch.where(wider, map_w, map_w - 2 * torch.div(map_w - new_w, 2, rounding_mode="floor"))
+
+    base = side * side + (1 if full else 0)  # "full" keeps the CLS row
+    return (base + rows * (cols + 1)).to(torch.int64)
+
+
+def _crops_per_image(sizes: list[list[int]], config: Any) -> list[int]:
+    # host side, from sizes already read: the model's own select_best_resolution
+    crop, _, pinpoints, _ = _geometry(config)
+    counts = []
+    for size in sizes:
+        best_h, best_w = select_best_resolution(size, [list(p) for p in pinpoints])
+        counts.append(1 + (best_h // crop) * (best_w // crop))
+    return counts
+
+
+def _inner_model(model: torch.nn.Module) -> torch.nn.Module:
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "get_image_features"):
+        return inner
+    if hasattr(model, "get_image_features"):
+        return model
+    raise TypeError(
+        f"{type(model).__name__} has neither .model.get_image_features nor .get_image_features; "
+        f"expected a LlavaNextForConditionalGeneration or LlavaNextModel"
+    )
+
+
+class LlavaNextAdapter(VlmAdapter):
+    """LLaVA-NeXT adapter (``LlavaNextForConditionalGeneration``).
+
+    Module paths used: ``model.model.get_image_features`` (``model.get_image_features`` when ``model``
+    is the inner ``LlavaNextModel``), which runs ``vision_tower``, ``multi_modal_projector`` and packs with
+    ``image_newline``; ``model.config`` fields ``image_token_id``, ``image_grid_pinpoints``,
+    ``vision_feature_select_strategy``, ``vision_config.image_size`` and ``vision_config.patch_size``.
+    """
+
+    name = "llava_next"
+    model_types = ("llava_next",)
+    layout = (
+        "padded crops [images, max_crops, C, H, W] (or flat crops [crops, C, H, W]) "
+        "with original sizes [images, 2]"
+    )
+
+    # -- token side -------------------------------------------------------------------------
+    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
+        """Images per sample = runs of consecutive image tokens (an image is one contiguous run).
+
+        Two images with no token between them would count as one; the processor always separates
+        them. No videos in this family: the second tensor is zeros.
+        """
+        is_image = input_ids == config_value(config, "image_token_id", "image_token_index")
+        starts = is_image.clone()
+        starts[:, 1:] &= ~is_image[:, :-1]
+        images = starts.sum(dim=1, dtype=torch.int64)
+        return images, torch.zeros_like(images)
+
+    def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
+        return {"image": input_ids == config_value(config, "image_token_id", "image_token_index")}
+
+    # -- media side -------------------------------------------------------------------------
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor | int]:
+        """``{"image": n}``: a 0-dim int64 tensor on the sizes' device (depends on ``image_sizes`` only).
+
+        Raises:
+            ValueError: the chunk carries videos, pixels without ``image_sizes``, or a padded-crops
+                ``pixel_values`` whose image count differs from ``image_sizes`` (shapes only).
+        """
+        if chunk.pixel_values_videos is not None or chunk.video_grid is not None:
+            raise ValueError("llava_next takes no video input, but the chunk carries videos")
+        pixels, sizes = chunk.pixel_values, chunk.image_grid
+        if pixels is None and sizes is None:
+            return {"image": 0}
+        if pixels is None or sizes is None:
+            missing = "pixel_values" if pixels is None else "image sizes (image_grid)"
+            raise ValueError(f"llava_next chunk has images but no {missing}")
+        if sizes.dim() != 2 or sizes.shape[-1] != 2:
+            raise ValueError(f"llava_next image sizes must be [images, 2], got {tuple(sizes.shape)}")
+        if pixels.dim() == 5 and pixels.shape[0] != sizes.shape[0]:
+            raise ValueError(
+                f"llava_next padded crops hold {pixels.shape[0]} images but image sizes describe "
+                f"{sizes.shape[0]}"
+            )
+        if pixels.dim() not in (4, 5):
+            raise ValueError(
+                f"llava_next pixel_values must be [images, max_crops, C, H, W] or [crops, C, H, W], "
+                f"got {tuple(pixels.shape)}"
+            )
+        return {"image": image_token_counts(sizes, config).sum()}
+
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:
+        """The model's own ``get_image_features``: vision tower, projector, unpad and newline packing.
+
+        Reads ``image_sizes`` to the host once (the model needs them there to cut crops into grids) and
+        checks the crop layout against them before the vision tower runs.
+
+        Raises:
+            ValueError: fewer padded crops than an image needs, or flat crops that do not add up to
+                the crops the sizes imply.
+        """
+        pixels, image_sizes = chunk.pixel_values, chunk.image_grid
+        if pixels is None:
+            return {}
+        if image_sizes is None:
+            raise ValueError("llava_next chunk has pixel_values but no image sizes (image_grid)")
+        inner = _inner_model(model)
+        sizes = image_sizes.tolist()  # one host read for the whole chunk
+        crops = _crops_per_image(sizes, model.config)
+        if pixels.dim() == 5:
+            if pixels.shape[0] != len(sizes) or pixels.shape[1] < max(crops, default=0):
+                raise ValueError(
+                    f"llava_next padded crops {tuple(pixels.shape[:2])} cannot hold {len(sizes)} images "
+                    f"of {crops} crops"
+                )
+        elif pixels.dim() == 4:
+            if pixels.shape[0] != sum(crops):
+                raise ValueError(
+                    f"llava_next flat crops: pixel_values has {pixels.shape[0]} crops but the image "
+                    f"sizes imply {sum(crops)} ({crops} per image)"
+                )
+        else:
+            raise ValueError(f"llava_next pixel_values must be 4-D or 5-D, got {tuple(pixels.shape)}")
+        # A list of [h, w] is accepted everywhere the model uses image_sizes and spares it a host
+        # read per image.
+        out = inner.get_image_features(pixels, sizes, return_dict=True)
+        return {"image": torch.cat(list(out.pooler_output), dim=0)}

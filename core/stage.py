@@ -1,0 +1,136 @@
+"""Staging: hang one batch's split media on the first stage for exactly one schedule step."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from .chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES
+from .split import StagedMedia
+
+__all__ = ["stage_media"]
+
+_INFRA = "_prepare_forward_infra"
+
+
+def _resolve(target: Any) -> tuple[torch.nn.Module, Any | None]:
+    if isinstance(target, torch.nn.Module):
+        return target, None
+    submod = getattr(target, "submod", None)
+    if isinstance(submod, torch.nn.Module):
+        if getattr(target, "is_first", True) is False:
+            raise ValueError(
+                f"stage_media: got pipeline stage {getattr(target, 'stage_index', '?')}, which is not the "
+                f"first stage; expected the first stage (media are consumed there)"
+            )
+        return submod, target
+    raise TypeError(
+        f"stage_media: got {type(target).__name__}; expected the first PipelineStage or its torch.nn.Module"
+    )
+
+
+def _is_staged(module: torch.nn.Module) -> bool:
+    state = module.__dict__
+    return state.get(CURSOR_ATTRIBUTE) is not None or any(
+        state.get(name) is not None for name in STAGED_ATTRIBUTES.values()
+    )
+
+
+def _clear(module: torch.nn.Module) -> None:
+    state = module.__dict__
+    for name in (*STAGED_ATTRIBUTES.values(), CURSOR_ATTRIBUTE):
+        state.pop(name, None)
+
+
+@contextlib.contextmanager
+def _rewind_shape_inference(stage: Any, module: torch.nn.Module) -> Iterator[None]:
+    """Give back whatever the schedule's shape-inference forward takes from the cursor.
+
+    Without static ``input_args``/``output_args``, a schedule's first ``step()`` (and the first after a
+    train/eval switch) calls the stage's ``_prepare_forward_infra``, which runs the first stage's
+    forward once on microbatch 0 to learn the shapes. That forward takes chunk 0 like any other; the
+    cursor is put back when the preparation returns, so the real microbatch 0 gets chunk 0 again.
+    """
+    original = getattr(stage, _INFRA, None)
+    if original is None:
+        raise TypeError(
+            f"stage_media: {type(stage).__name__} has no {_INFRA}; this torch version's pipeline stage is "
+            f"not supported; pass the stage's module and give the stages static input_args/output_args"
+        )
+    had_own = _INFRA in vars(stage)
+    previous = vars(stage).get(_INFRA)
+
+    def prepare_forward_infra(*args: Any, **kwargs: Any) -> Any:
+        state = module.__dict__
+        saved = state.get(CURSOR_ATTRIBUTE)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state[CURSOR_ATTRIBUTE] = saved
+
+    setattr(stage, _INFRA, prepare_forward_infra)
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(stage, _INFRA, previous)
+        else:
+            delattr(stage, _INFRA)
+
+
+@contextlib.contextmanager
+def stage_media(target: Any, staged: StagedMedia) -> Iterator[StagedMedia]:
+    """Stage ``staged`` on the first pipeline stage for one ``schedule.step()``.
+
+    Sets the per-microbatch lists of :data:`ppmedia.STAGED_ATTRIBUTES` (``None`` for a field the batch
+    lacks) and the cursor ``_vlm_chunk_idx = 0`` on the module, and always removes them on exit.
+
+    Pass the first :class:`~torch.distributed.pipelining.PipelineStage` (preferred) or its module. With a
+    stage, the extra forward a schedule runs for shape inference on its first step does not cost a
+    chunk; with a bare module, give the stages static ``input_args``/``output_args``.
+
+    Example::
+
+        staged = ppmedia.split_media(batch, n_microbatches=4)
+        with ppmedia.stage_media(stage, staged):
+            schedule.step(batch["input_ids"], target=labels)
+
+    Raises:
+        ValueError: the module is already staged (nested or leaked staging); or, on a normal exit, the
+            step consumed a different number of chunks than were staged ("consumed X of Y").
+        TypeError: ``target`` is neither a module nor a pipeline stage; ``staged`` is not a
+            :class:`~ppmedia.StagedMedia`.
+    """
+    if not isinstance(staged, StagedMedia):
+        raise TypeError(f"stage_media: staged is a {type(staged).__name__}; expected ppmedia.StagedMedia")
+    module, stage = _resolve(target)
+    if _is_staged(module):
+        raise ValueError(
+            f"stage_media: {type(module).__name__} is already staged (cursor "
+            f"{module.__dict__.get(CURSOR_ATTRIBUTE)!r}); expected an unstaged first stage: finish the "
+            f"previous step's staging first"
+        )
+    state = module.__dict__
+    for name, chunks in staged.staged_lists().items():
+        state[STAGED_ATTRIBUTES[name]] = chunks
+    state[CURSOR_ATTRIBUTE] = 0
+    guard = _rewind_shape_inference(stage, module) if stage is not None else contextlib.nullcontext()
+    try:
+        with guard:
+            yield staged
+        consumed = state.get(CURSOR_ATTRIBUTE)
+    finally:
+        _clear(module)
+    if consumed != staged.n_microbatches:
+        hint = (
+            " (a schedule's shape-inference forward on its first step also calls the first stage: pass "
+            "the PipelineStage to stage_media, or give the stages static input_args/output_args)"
+            if stage is None and isinstance(consumed, int) and consumed > staged.n_microbatches
+            else ""
+        )
+        raise ValueError(
+            f"stage_media: the step consumed {consumed} of {staged.n_microbatches} staged microbatches; "
+            f"expected every one exactly once{hint}"
+        )

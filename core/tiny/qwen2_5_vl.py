@@ -1,0 +1,208 @@
+"""Tiny seeded Qwen2.5-VL model and a mixed image + video batch.
+
+Qwen2.5-VL stages flat patch rows: every image (or video) is cut into ``temporal_patch x patch x
+patch`` pixel cubes, each flattened to one row of ``D = C * temporal_patch * patch * patch`` values,
+and the rows of all images are concatenated on axis 0: ``pixel_values`` ``[patches, D]`` with
+``image_grid_thw`` ``[images, 3]`` holding each image's ``(t, h, w)`` patch grid. Videos do the same
+in ``pixel_values_videos`` / ``video_grid_thw``. The vision tower merges ``2 x 2`` patch blocks, so an
+image or video contributes ``t * h * w / 4`` placeholder tokens, written as the processor writes them:
+``VISION_START, IMAGE * n, VISION_END`` (``VIDEO`` for a video).
+
+Tiny config: ``D = 3 * 2 * 4 * 4 = 96``; text hidden 64, vocabulary 128.
+
+Batch layout (``build_batch``), 8 samples right-padded to ``S = SEQ_LEN = 28`` with ``PAD_TOKEN_ID``;
+media in placeholder order, grids ``(t, h, w)`` in patches, then patch rows -> placeholder tokens::
+
+    sample  media
+    0       image (1, 4, 4) 16 -> 4
+    1       image (1, 4, 6) 24 -> 6, image (1, 2, 2) 4 -> 1
+    2       video (2, 4, 4) 32 -> 8
+    3       image (1, 6, 4) 24 -> 6, video (2, 2, 4) 16 -> 4
+    4       text only
+    5       text only
+    6       image (1, 8, 8) 64 -> 16
+    7       image (1, 2, 4) 8 -> 2, video (2, 4, 2) 16 -> 4, image (1, 4, 2) 8 -> 2
+
+That is 7 images (148 patch rows, 37 tokens) and 3 videos (64 patch rows, 16 tokens). Split in 4
+microbatches: microbatch 0 has images only, 1 and 3 have images and videos, 2 (samples 4 and 5) is
+text-only. Every sample starts with ``BOS`` and ends with ``EOS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BOS_TOKEN_ID",
+    "EOS_TOKEN_ID",
+    "IMAGE_TOKEN_ID",
+    "MODEL_TYPE",
+    "PAD_TOKEN_ID",
+    "PATCH_DIM",
+    "SAMPLES",
+    "SEQ_LEN",
+    "VIDEO_TOKEN_ID",
+    "VISION_END_TOKEN_ID",
+    "VISION_START_TOKEN_ID",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "reference_inputs",
+]
+
+MODEL_TYPE = "qwen2_5_vl"
+
+PAD_TOKEN_ID = 0
+BOS_TOKEN_ID = 1
+EOS_TOKEN_ID = 2
+VISION_START_TOKEN_ID = 3
+VISION_END_TOKEN_ID = 4
+IMAGE_TOKEN_ID = 5
+VIDEO_TOKEN_ID = 6
+_FIRST_TEXT_ID = 10
+_VOCAB = 128
+
+CHANNELS = 3
+PATCH_SIZE = 4
+TEMPORAL_PATCH_SIZE = 2
+MERGE = 2
+PATCH_DIM = CHANNELS * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE
+SEQ_LEN = 28
+
+#: per sample, its sequence: an int is a run of that many text tokens, ``("image", (t, h, w))`` or
+#: ``("video", (t, h, w))`` a media block.
+SAMPLES: tuple[tuple[Any, ...], ...] = (
+    (3, ("image", (1, 4, 4)), 4),
+    (2, ("image", (1, 4, 6)), 3, ("image", (1, 2, 2)), 2),
+    (4, ("video", (2, 4, 4)), 5),
+    (1, ("image", (1, 6, 4)), 2, ("video", (2, 2, 4)), 3),
+    (9,),
+    (14,),
+    (2, ("image", (1, 8, 8)), 6),
+    (1, ("image", (1, 2, 4)), 1, ("video", (2, 4, 2)), 2, ("image", (1, 4, 2)), 1),
+)
+
+
+def build_config() -> Any:
+    """The tiny :class:`~transformers.Qwen2_5_VLConfig` (text hidden 64, vision hidden 32)."""
+    from transformers import Qwen2_5_VLConfig
+
+    text_config = {
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        # mrope_section sums to head_dim / 2 = 64 / 4 / 2 = 8.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
+        "pad_token_id": PAD_TOKEN_ID,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+    }
+    vision_config = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "in_channels": CHANNELS,
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "spatial_merge_size": MERGE,
+        # 16 pixels = 2 merged units of 2 x 4-pixel patches: the 8x8 image spans several windows.
+        "window_size": 16,
+        "out_hidden_size": 64,
+        "fullatt_block_indexes": [1],
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_TOKEN_ID,
+        vision_end_token_id=VISION_END_TOKEN_ID,
+    )
+
+
+def build_model(seed: int = 0) -> torch.nn.Module:
+    """A :class:`~transformers.Qwen2_5_VLForConditionalGeneration`, float32, eval mode, seeded."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config = build_config()
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    return model.to(torch.float32).eval()
+
+
+def _tokens(grid: tuple[int, int, int]) -> int:
+    t, h, w = grid
+    return t * h * w // (MERGE * MERGE)
+
+
+def build_batch(seed: int = 0) -> dict[str, Tensor]:
+    """The processor-style batch described in the module docstring, drawn from ``seed``.
+
+    Keys: ``input_ids`` / ``attention_mask`` ``[8, SEQ_LEN]``, ``pixel_values`` ``[148, 96]``,
+    ``image_grid_thw`` ``[7, 3]``, ``pixel_values_videos`` ``[64, 96]``, ``video_grid_thw`` ``[3, 3]``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rows: list[list[int]] = []
+    image_grids: list[tuple[int, int, int]] = []
+    video_grids: list[tuple[int, int, int]] = []
+    for sample in SAMPLES:
+        ids = [BOS_TOKEN_ID]
+        for part in sample:
+            if isinstance(part, int):
+                ids += torch.randint(_FIRST_TEXT_ID, _VOCAB, (part,), generator=gen).tolist()
+                continue
+            kind, grid = part
+            token = IMAGE_TOKEN_ID if kind == "image" else VIDEO_TOKEN_ID
+            (image_grids if kind == "image" else video_grids).append(grid)
+            ids += [VISION_START_TOKEN_ID] + [token] * _tokens(grid) + [VISION_END_TOKEN_ID]
+        ids.append(EOS_TOKEN_ID)
+        rows.append(ids)
+    longest = max(len(ids) for ids in rows)
+    if longest != SEQ_LEN:  # keeps the documented layout honest
+        raise AssertionError(f"tiny qwen2_5_vl batch is {longest} tokens long, documented {SEQ_LEN}")
+    input_ids = torch.full((len(rows), SEQ_LEN), PAD_TOKEN_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), SEQ_LEN), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention_mask[i, : len(ids)] = 1
+
+    def pixels(grids: list[tuple[int, int, int]]) -> Tensor:
+        n = sum(t * h * w for t, h, w in grids)
+        return torch.randn((n, PATCH_DIM), generator=gen, dtype=torch.float32)
+
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "pixel_values": pixels(image_grids),
+        "image_grid_thw": torch.tensor(image_grids, dtype=torch.long),
+        "pixel_values_videos": pixels(video_grids),
+        "video_grid_thw": torch.tensor(video_grids, dtype=torch.long),
+    }
+
+
+def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
+    """Keyword arguments of the model's own full-batch forward on ``batch``.
+
+    Adds ``mm_token_type_ids`` (text 0, image 1, video 2): without it the model silently falls back to
+    1-D positions instead of mrope.
+    """
+    ids = batch["input_ids"]
+    mm_token_type_ids = (ids == IMAGE_TOKEN_ID).long() + 2 * (ids == VIDEO_TOKEN_ID).long()
+    return {
+        "input_ids": ids,
+        "attention_mask": batch["attention_mask"],
+        "pixel_values": batch["pixel_values"],
+        "image_grid_thw": batch["image_grid_thw"],
+        "pixel_values_videos": batch["pixel_values_videos"],
+        "video_grid_thw": batch["video_grid_thw"],
+        "mm_token_type_ids": mm_token_type_ids,
+        "use_cache": False,
+    }
