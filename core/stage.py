@@ -99,7 +99,8 @@ def stage_media(target: Any, staged: StagedMedia) -> Iterator[StagedMedia]:
 
     Raises:
         ValueError: the module is already staged (nested or leaked staging); or, on a normal exit, the
-            step consumed a different number of chunks than were staged ("consumed X of Y").
+            step consumed a different number of chunks than were staged ("consumed X of Y"). A batch
+            without media stages only ``None`` lists, which the consumer never advances: no check then.
         TypeError: ``target`` is neither a module nor a pipeline stage; ``staged`` is not a
             :class:`~ppmedia.StagedMedia`.
     """
@@ -123,7 +124,8 @@ def stage_media(target: Any, staged: StagedMedia) -> Iterator[StagedMedia]:
         consumed = state.get(CURSOR_ATTRIBUTE)
     finally:
         _clear(module)
-    if consumed != staged.n_microbatches:
+    # A batch without media stages only None lists; the contract leaves the cursor alone then.
+    if staged.tensors and consumed != staged.n_microbatches:
         hint = (
             " (a schedule's shape-inference forward on its first step also calls the first stage: pass "
             "the PipelineStage to stage_media, or give the stages static input_args/output_args)"

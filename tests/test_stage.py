@@ -131,3 +131,11 @@ def test_bare_module_loses_a_chunk_and_says_why(world_of_one):
     cause = info.value.__cause__  # the schedule wraps the stage's error
     assert isinstance(cause, ValueError) and "microbatch 4" in str(cause) and "shape-inference forward" in str(cause)
     assert _attrs(module) == set()
+
+
+def test_text_only_batch_needs_no_consumption(first_stage):
+    staged = split_media({"input_ids": torch.zeros(4, 3)}, 2)
+    with stage_media(first_stage, staged):
+        assert next_vlm_media_chunk(first_stage) is None
+        assert first_stage._vlm_chunk_idx == 0
+    assert _attrs(first_stage) == set()
