@@ -140,7 +140,8 @@ class KimiVLAdapter(VlmAdapter):
             tower = inner.vision_tower
             if grid.shape[-1] == 2:
                 grid = torch.cat([grid.new_ones((grid.shape[0], 1)), grid], dim=-1)
-            out = inner.get_image_features(_as_tower_dtype(pixels, tower), image_grid_thw=grid, return_dict=True)
+            pixels = _as_tower_dtype(pixels, tower)
+            out = inner.get_image_features(pixels, image_grid_thw=grid, return_dict=True)
             features = out.pooler_output
         elif hasattr(model, "_extract_image_features") and hasattr(model, "vision_tower"):
             if grid.shape[-1] == 3:

@@ -27,7 +27,6 @@ TOKENS_PER_SAMPLE = [4, 4, 1, 6, 0, 0, 7, 6]
 
 @pytest.fixture(scope="module")
 def model():
-    torch.set_num_threads(1)
     return tiny.build_model(seed=0)
 
 
@@ -59,7 +58,8 @@ def _split(batch, n: int, images_per_sample: torch.Tensor, columns: int = 2):
     media = {k: v for k, v in batch.items() if k != "image_grid_hws"}
     media["image_grid_hws" if columns == 2 else "image_grid_thw"] = _grid(batch, columns)
     staged = split_media(media, n, images_per_sample=images_per_sample)
-    expected = [(int(r[0]), int(r[-1]) + 1) for r in torch.tensor_split(torch.arange(len(images_per_sample)), n)]
+    rows = torch.tensor_split(torch.arange(len(images_per_sample)), n)
+    expected = [(int(r[0]), int(r[-1]) + 1) for r in rows]
     assert list(staged.samples) == expected
     return staged
 
@@ -155,7 +155,8 @@ def test_merge_matches_model(adapter, model, batch, reference, n, columns):
             else:
                 assert chunk.image_grid.shape == (sum(IMAGES_PER_SAMPLE[b0:b1]), columns)
                 # the chunk is a view of the batch's pixels, untouched by the adapter
-                assert chunk.pixel_values.untyped_storage().data_ptr() == batch["pixel_values"].untyped_storage().data_ptr()
+                storage = chunk.pixel_values.untyped_storage().data_ptr()
+                assert storage == batch["pixel_values"].untyped_storage().data_ptr()
                 assert merged is not embeds
             torch.testing.assert_close(merged, reference[b0:b1], atol=ATOL, rtol=0)
     if n == 4:
