@@ -40,7 +40,7 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _grid_thw(grid: Tensor | None, what: str) -> Tensor | None:
-    """``grid`` as ``[n, 3]`` ``(t, h, w)``: a ``[n, 2]`` ``(h, w)`` grid gets ``t = 1`` prepended (on its device)."""
+    """``grid`` as ``[n, 3]`` ``(t, h, w)``; an ``[n, 2]`` ``(h, w)`` grid gets ``t = 1`` prepended."""
     if grid is None:
         return None
     if grid.dim() != 2 or grid.shape[1] not in (2, 3):

@@ -148,7 +148,8 @@ def test_placeholder_masks_and_feature_counts(adapter, model, batch):
     )
     with HostReadCounter() as reads:
         counts = adapter.feature_counts(whole, model.config)
-        only_images = adapter.feature_counts(dataclasses.replace(whole, pixel_values_videos=None, video_grid=None), model.config)
+        images_only = dataclasses.replace(whole, pixel_values_videos=None, video_grid=None)
+        only_images = adapter.feature_counts(images_only, model.config)
     assert reads.total == 0, reads.counts
     assert counts == {"image": IMAGE_TOKENS, "video": VIDEO_TOKENS}
     assert only_images == {"image": IMAGE_TOKENS, "video": 0}
@@ -205,7 +206,8 @@ def test_pipeline_forward_matches_model_logits(adapter, model, batch):
             ids, mask = batch["input_ids"][s0:s1], batch["attention_mask"][s0:s1]
             embeds = adapter.merge(model, ids, model.get_input_embeddings()(ids), chunk)
             positions = adapter.position_ids(model, ids, chunk, attention_mask=mask)
-            logits = model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask, use_cache=False).logits
+            out = model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask, use_cache=False)
+            logits = out.logits
             valid = mask.bool()
             torch.testing.assert_close(logits[valid], full[s0:s1][valid], atol=ATOL, rtol=0)
 
@@ -241,7 +243,9 @@ def encoder_calls(model):
 def test_dropped_image_raises_before_the_encoder(adapter, model, batch, encoder_calls):
     chunk = _chunks(adapter, model, batch, 4)[0]  # samples 0, 1: images of 4 + 6 + 1 tokens
     last_rows = int(chunk.image_grid[-1].prod())
-    dropped = dataclasses.replace(chunk, pixel_values=chunk.pixel_values[:-last_rows], image_grid=chunk.image_grid[:-1])
+    dropped = dataclasses.replace(
+        chunk, pixel_values=chunk.pixel_values[:-last_rows], image_grid=chunk.image_grid[:-1]
+    )
     ids = batch["input_ids"][0:2]
     with pytest.raises(ValueError, match=r"image.*\b11\b.*\b10\b"):
         adapter.merge(model, ids, model.get_input_embeddings()(ids), dropped)

@@ -1,0 +1,18 @@
+"""The built-in adapters, registered with the registry as the plugin ``ppmedia (built-in)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..registry.hookspecs import hookimpl
+
+
+@hookimpl
+def ppmedia_adapters() -> list[Any]:
+    """ppmedia's four families (imported here, on first registry use, not at ``import ppmedia``)."""
+    from .kimi_vl import KimiVLAdapter
+    from .llava_next import LlavaNextAdapter
+    from .qwen2_5_vl import Qwen2_5_VLAdapter
+    from .step3 import Step3Adapter
+
+    return [Qwen2_5_VLAdapter, LlavaNextAdapter, Step3Adapter, KimiVLAdapter]
