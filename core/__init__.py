@@ -13,6 +13,7 @@ from .hostreads import HostReadCounter
 from .collate import PipelineBatch, collate_for_pipeline
 from .split import IMAGE_GRID_KEYS, MEDIA_KEYS, StagedMedia, microbatch_bounds, split_media
 from .stage import stage_media
+from .registry import get_adapter, hookimpl, list_adapters, register_adapter
 
 __version__ = "0.1.0"
 
@@ -26,8 +27,12 @@ __all__ = [
     "StagedMedia",
     "VlmMediaChunk",
     "collate_for_pipeline",
+    "get_adapter",
+    "hookimpl",
+    "list_adapters",
     "microbatch_bounds",
     "next_vlm_media_chunk",
+    "register_adapter",
     "split_media",
     "stage_media",
 ]

@@ -1,0 +1,82 @@
+"""Golden tensors: split -> stage -> next chunk -> merge reproduces the model's own merged embeddings.
+
+The expected tensors in fixtures/<family>/ come from the model's own full-batch forward
+(fixtures/generate.py); they are compared per microbatch with ppmedia's path, for n in {1, 2, 4}.
+"""
+
+import filecmp
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ppmedia
+from ppmedia.tiny import FAMILIES, capture_merged_embeds, load
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures"
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("ppmedia_fixture_generator", FIXTURES / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    name = request.param
+    tiny = load(name)
+    model = tiny.build_model(seed=0)
+    inputs = load_file(str(FIXTURES / name / "inputs.safetensors"))
+    golden = load_file(str(FIXTURES / name / "expected.safetensors"))["inputs_embeds"]
+    live = capture_merged_embeds(model, **tiny.reference_inputs(dict(inputs)))
+    return name, tiny, model, inputs, golden, live
+
+
+def test_fixture_config_is_the_tiny_config(family):
+    name, tiny, model, *_ = family
+    on_disk = json.loads((FIXTURES / name / "config.json").read_text())
+    assert on_disk == json.loads(_generator().config_json(model.config))
+
+
+def test_live_full_batch_run_matches_the_golden(family):
+    *_, golden, live = family
+    assert live.shape == golden.shape
+    assert (live - golden).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_microbatches_match_golden_and_live(family, n):
+    name, tiny, model, inputs, golden, live = family
+    adapter = ppmedia.get_adapter(model)
+    batch = dict(inputs)
+    input_ids = batch["input_ids"]
+    images, videos = adapter.media_per_sample(input_ids, model.config)
+    staged = ppmedia.split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
+    first_stage = torch.nn.Module()
+    rows = torch.tensor_split(torch.arange(input_ids.shape[0]), n)
+    text_only = []
+    with ppmedia.stage_media(first_stage, staged), torch.no_grad():
+        for k in range(n):
+            ids = input_ids[rows[k]]
+            chunk = ppmedia.next_vlm_media_chunk(first_stage)
+            if chunk is None:
+                text_only.append(k)
+            embeds = model.get_input_embeddings()(ids)
+            merged = adapter.merge(model, ids, embeds, chunk)
+            assert (merged - golden[rows[k]]).abs().max().item() <= 1e-5, (name, n, k)
+            assert (merged - live[rows[k]]).abs().max().item() <= 1e-5, (name, n, k)
+    # the batches put samples 4 and 5 (text only) together when n = 4
+    assert text_only == ([2] if n == 4 else [])
+
+
+def test_goldens_regenerate_bit_for_bit(tmp_path):
+    _generator().main(["--out", str(tmp_path)])
+    for name in FAMILIES:
+        for file in ("config.json", "inputs.safetensors", "expected.safetensors"):
+            assert filecmp.cmp(tmp_path / name / file, FIXTURES / name / file, shallow=False), (name, file)
