@@ -1,0 +1,31 @@
+# Quick start: `make demo`, then `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ppmedia-installed
+# torch first: 2.13.0 is the CPU wheel this machine carries; another version would pull a CUDA build.
+TORCH := torch==2.13.0
+TRANSFORMERS := transformers==5.23.0
+
+.PHONY: demo test bench fixtures clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q $(TORCH) $(TRANSFORMERS) -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ppmedia demo
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+bench: $(STAMP)
+	$(BIN)/python tests/bench/run.py
+
+fixtures: $(STAMP)
+	$(BIN)/python fixtures/generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis bench-results.json
