@@ -9,6 +9,7 @@ be consumed by the other. A producer hangs one list per media tensor on the firs
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Iterable
 
 import torch
 from torch import Tensor
@@ -68,6 +69,7 @@ CURSOR_ATTRIBUTE = "_vlm_chunk_idx"
 
 assert tuple(STAGED_ATTRIBUTES) == tuple(f.name for f in fields(VlmMediaChunk))
 _ATTRS = tuple(STAGED_ATTRIBUTES.values())
+_ATTR_SET = frozenset(_ATTRS)
 _MISSING = object()
 _Tensor = torch.Tensor
 
@@ -103,33 +105,44 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
         TypeError: a staged entry is neither a tensor nor ``None``.
     """
     state = module.__dict__
-    k = _lookup(module, state, CURSOR_ATTRIBUTE)
+    k = state.get(CURSOR_ATTRIBUTE, _MISSING)
+    if k is _MISSING:
+        k = getattr(module, CURSOR_ATTRIBUTE, None)
     if k is None:
         return None
-    lists = [_lookup(module, state, name) for name in _ATTRS]
-    values: list[Tensor | None] = [None] * len(_ATTRS)
+    if _ATTR_SET <= state.keys():  # the usual case: every list set on the module itself
+        lists: Iterable[object] = map(state.__getitem__, _ATTRS)
+    else:
+        lists = [_lookup(module, state, name) for name in _ATTRS]
+    # values[i] is field i of the chunk; its length is also the index of the list being read.
+    values: list[Tensor | None] = []
+    append = values.append
     staged_any = present = False
-    for i, staged in enumerate(lists):
+    for staged in lists:
         if staged is None:
+            append(None)
             continue
         staged_any = True
         if not 0 <= k < len(staged):
             raise ValueError(
-                f"{_ATTRS[i]} has {len(staged)} entries but microbatch {k} was requested: the "
+                f"{_ATTRS[len(values)]} has {len(staged)} entries but microbatch {k} was requested: the "
                 f"schedule ran more microbatches than were staged (a schedule's first step also runs a "
                 f"shape-inference forward: stage with ppmedia.stage_media(first_pipeline_stage, ...))"
             )
         entry = staged[k]
         if entry is None:
+            append(None)
             continue
         if not isinstance(entry, _Tensor):
             raise TypeError(
-                f"{_ATTRS[i]}[{k}] is a {type(entry).__name__}; expected a torch.Tensor or None "
+                f"{_ATTRS[len(values)]}[{k}] is a {type(entry).__name__}; expected a torch.Tensor or None "
                 f"(microbatch {k})"
             )
         if entry.numel():
-            values[i] = entry
+            append(entry)
             present = True
+        else:
+            append(None)
     if not staged_any:
         return None
     if CURSOR_ATTRIBUTE in state:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, MutableMapping, Sequence
 
@@ -200,6 +202,11 @@ class _HostReader:
                 offset += self._sizes[i]
 
 
+def _diffs(offsets: list[int]) -> tuple[int, ...]:
+    """``offsets[k + 1] - offsets[k]`` for every ``k``."""
+    return tuple(map(operator.sub, offsets[1:], offsets))
+
+
 def _microbatch_of(bounds: list[int], sample: int) -> int:
     """The microbatch holding ``sample``, given :func:`microbatch_bounds`."""
     return bisect.bisect_right(bounds, sample) - 1
@@ -212,21 +219,35 @@ def _locate(cum: list[int], item: int, bounds: list[int]) -> tuple[int, int]:
 
 
 def _per_item_rows(
-    key: str, grid_key: str, grid: list[int], columns: int, rows: int, items: int, cum: list[int], bounds: list[int]
+    key: str, grid_key: str, grid: list[int], columns: int, rows: int, items: int, counts: list[int], bounds: list[int]
 ) -> list[int]:
-    """Rows of the pixel tensor per image/video: the grid products for patch rows, else 1."""
-    products = []
-    for i in range(items):
-        entry = grid[i * columns : (i + 1) * columns]
-        if min(entry) <= 0:
-            sample, mb = _locate(cum, i, bounds)
-            raise ValueError(
-                f"{grid_key}: row {i} (sample {sample}, microbatch {mb}) is {entry}; expected positive entries"
-            )
-        product = 1
-        for v in entry:
-            product *= v
-        products.append(product)
+    """Rows of the pixel tensor per image/video: the grid products for patch rows, else 1.
+
+    ``counts`` are the items per sample (they locate an offending row in the error message).
+    """
+    values = grid[: items * columns]
+    if items and min(values) > 0:
+        # The usual case, every entry positive: products column by column (no per-row slicing).
+        if columns == 3:
+            products = [t * h * w for t, h, w in zip(values[0::3], values[1::3], values[2::3])]
+        elif columns == 2:
+            products = [h * w for h, w in zip(values[0::2], values[1::2])]
+        else:
+            products = [math.prod(values[i * columns : (i + 1) * columns]) for i in range(items)]
+    else:
+        # Row by row, so the message names the first row with a non-positive entry.
+        products = []
+        for i in range(items):
+            entry = grid[i * columns : (i + 1) * columns]
+            if min(entry) <= 0:
+                sample, mb = _locate([0, *itertools.accumulate(counts)], i, bounds)
+                raise ValueError(
+                    f"{grid_key}: row {i} (sample {sample}, microbatch {mb}) is {entry}; expected positive entries"
+                )
+            product = 1
+            for v in entry:
+                product *= v
+            products.append(product)
     total = sum(products)
     if total == rows:
         return products
@@ -240,8 +261,8 @@ def _per_item_rows(
 
 def _group(sizes: list[int], groups: list[int]) -> list[int]:
     """Cumulative offsets of ``sizes``, read at the item offsets ``groups``."""
-    cum = [0, *itertools.accumulate(sizes)]
-    return [cum[g] for g in groups]
+    cum = list(itertools.accumulate(sizes, initial=0))
+    return list(map(cum.__getitem__, groups))
 
 
 def split_media(
@@ -392,10 +413,9 @@ def split_media(
 
     if pixels is not None:
         item_at = _group(image_counts, bounds)
-        cum_items = [0, *itertools.accumulate(image_counts)]
         if grid_slot is not None:
             per_image = _per_item_rows(
-                "pixel_values", grid_key, reader.values[grid_slot], grid.shape[1], pixels.shape[0], n_images, cum_items, bounds
+                "pixel_values", grid_key, reader.values[grid_slot], grid.shape[1], pixels.shape[0], n_images, image_counts, bounds
             )
         else:
             if pixels.shape[0] != n_images:
@@ -410,26 +430,26 @@ def split_media(
         if grid is not None:
             ranges["image_grid"] = tuple(zip(item_at, item_at[1:]))
             tensors["image_grid"], sources["image_grid"] = grid, grid_key
-        images = tuple(b - a for a, b in zip(item_at, item_at[1:]))
-        image_rows = tuple(b - a for a, b in zip(row_at, row_at[1:]))
+        images = _diffs(item_at)
+        image_rows = _diffs(row_at)
 
     if vpixels is not None:
         item_at = _group(video_counts, bounds)
-        cum_items = [0, *itertools.accumulate(video_counts)]
         per_video = _per_item_rows(
-            "pixel_values_videos", "video_grid_thw", reader.values[vgrid_slot], 3, vpixels.shape[0], n_videos, cum_items, bounds
+            "pixel_values_videos", "video_grid_thw", reader.values[vgrid_slot], 3, vpixels.shape[0], n_videos, video_counts, bounds
         )
         row_at = _group(per_video, item_at)
         ranges["pixel_values_videos"] = tuple(zip(row_at, row_at[1:]))
         ranges["video_grid"] = tuple(zip(item_at, item_at[1:]))
         tensors["pixel_values_videos"], sources["pixel_values_videos"] = vpixels, "pixel_values_videos"
         tensors["video_grid"], sources["video_grid"] = vgrid, "video_grid_thw"
-        videos = tuple(b - a for a, b in zip(item_at, item_at[1:]))
-        video_rows = tuple(b - a for a, b in zip(row_at, row_at[1:]))
+        videos = _diffs(item_at)
+        video_rows = _diffs(row_at)
 
     if num_patches is not None:
         per_sample = reader.values[np_slot]
-        for s, v in enumerate(per_sample):
+        # min() first: the sample-by-sample scan (for the message) runs only when a count is negative.
+        for s, v in enumerate(per_sample if per_sample and min(per_sample) < 0 else ()):
             if v < 0:
                 raise ValueError(
                     f"num_patches: sample {s} (microbatch {_microbatch_of(bounds, s)}) has {v}; expected >= 0"
@@ -442,7 +462,7 @@ def split_media(
                 f"{_shape(crops) if crops is not None else '(absent)'} (whole batch)"
             )
         crop_at = _group(per_sample, bounds)
-        crop_rows = tuple(b - a for a, b in zip(crop_at, crop_at[1:]))
+        crop_rows = _diffs(crop_at)
         # A microbatch with neither images nor crops stages an empty num_patches, so it stays text-only.
         ranges["num_patches"] = tuple(
             (a, b) if images[k] or crop_rows[k] else (a, a) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))
@@ -530,7 +550,8 @@ def _resolve_counts(
     if counts is None:
         return [0] * bounds[-1]
     values = reader.values[counts] if isinstance(counts, _Slot) else counts
-    for s, v in enumerate(values):
+    # min() first: the sample-by-sample scan (for the message) runs only when a count is negative.
+    for s, v in enumerate(values if values and min(values) < 0 else ()):
         if v < 0:
             raise ValueError(
                 f"{key}: sample {s} (microbatch {_microbatch_of(bounds, s)}) has {v} {what}; expected >= 0"

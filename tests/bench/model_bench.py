@@ -1,0 +1,417 @@
+"""Adapter overhead and the whole first stage, on the four tiny seeded models (``ppmedia.tiny``).
+
+Each family's 8-sample tiny batch is split in 4 microbatches (``torch.tensor_split`` rows 2, 2, 2, 2;
+microbatch 2 is text-only). Everything runs under ``torch.no_grad()``.
+
+* ``merge``: ``adapter.merge`` on every media-bearing microbatch, against the **direct** call on the
+  same microbatch: the model's own ``get_image_features`` (``get_video_features`` for Qwen videos),
+  ``torch.cat`` of its ``pooler_output`` as the model's forward does, and ``masked_scatter`` into the
+  placeholder positions (``input_ids == image_token_id``). The direct side is handed the media in
+  the model's own argument form, prepared untimed (Qwen/Kimi ``image_grid_thw``, LLaVA-NeXT
+  ``image_sizes``, Step3 ``num_local_patches`` per image); the adapter starts from the
+  :class:`~ppmedia.VlmMediaChunk` and checks feature counts against placeholders (one host read).
+* ``first stage``: embedding + media merge of the whole batch, microbatch by microbatch.
+  *With* ppmedia: ``adapter.media_per_sample`` + ``split_media`` + ``stage_media`` on the model, then
+  per microbatch the embedding, ``next_vlm_media_chunk`` and ``adapter.merge``. *Without*: the caller
+  counts media per sample from the tokens, reads counts (and grid products) to the host once, slices
+  the media by hand per microbatch and calls the direct merge above.
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+import ppmedia
+from ppmedia import HostReadCounter, next_vlm_media_chunk, split_media, stage_media
+from ppmedia.tiny import FAMILIES, load
+
+from timing import Side, interleaved
+
+__all__ = ["FamilySetup", "run_first_stage", "run_merge", "setup_family"]
+
+N_MICROBATCHES = 4
+
+_ADAPTERS = {
+    "qwen2_5_vl": ("ppmedia.adapters.qwen2_5_vl", "Qwen2_5_VLAdapter"),
+    "llava_next": ("ppmedia.adapters.llava_next", "LlavaNextAdapter"),
+    "step3": ("ppmedia.adapters.step3", "Step3Adapter"),
+    "kimi_vl": ("ppmedia.adapters.kimi_vl", "KimiVLAdapter"),
+}
+
+
+def _adapter(family: str) -> Any:
+    module, name = _ADAPTERS[family]
+    return getattr(importlib.import_module(module), name)()
+
+
+def _bounds(batch_size: int, n: int) -> list[int]:
+    """Sample offsets of ``torch.tensor_split(range(B), n)``, written out by hand."""
+    q, r = divmod(batch_size, n)
+    out = [0]
+    for k in range(n):
+        out.append(out[-1] + q + (1 if k < r else 0))
+    return out
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return out
+
+
+def _scatter(embeds: Tensor, input_ids: Tensor, token_id: int, features: Tensor) -> Tensor:
+    mask = (input_ids == token_id).unsqueeze(-1).expand_as(embeds)
+    return embeds.masked_scatter(mask, features.to(embeds.dtype))
+
+
+# ------------------------------------------------------------------------------------------------
+# per family: the direct merge (model's own encoder + masked_scatter) and the hand split
+
+
+def _direct_qwen(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+    inner, config = model.model, model.config
+    if "image" in media:
+        pixels, grid = media["image"]
+        out = inner.get_image_features(pixels, grid, return_dict=True)
+        embeds = _scatter(embeds, input_ids, config.image_token_id, torch.cat(out.pooler_output, dim=0))
+    if "video" in media:
+        pixels, grid = media["video"]
+        out = inner.get_video_features(pixels, grid, return_dict=True)
+        embeds = _scatter(embeds, input_ids, config.video_token_id, torch.cat(out.pooler_output, dim=0))
+    return embeds
+
+
+def _direct_llava(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+    out = model.model.get_image_features(media["pixel_values"], media["image_sizes"], return_dict=True)
+    return _scatter(embeds, input_ids, model.config.image_token_id, torch.cat(out.pooler_output, dim=0))
+
+
+def _direct_step3(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+    out = model.model.get_image_features(
+        pixel_values=media["pixel_values"],
+        pixel_values_local=media["pixel_values_local"],
+        num_local_patches=media["num_local_patches"],
+        return_dict=True,
+    )
+    return _scatter(embeds, input_ids, model.config.image_token_id, torch.cat(out.pooler_output, dim=0))
+
+
+def _direct_kimi(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+    out = model.model.get_image_features(media["pixel_values"], image_grid_thw=media["image_grid_thw"], return_dict=True)
+    return _scatter(embeds, input_ids, model.config.image_token_id, torch.cat(out.pooler_output, dim=0))
+
+
+def _native_from_chunk(family: str, chunk: ppmedia.VlmMediaChunk, input_ids: Tensor, config: Any) -> dict[str, Any]:
+    """The chunk's media in the model's own argument form (untimed preparation of the direct side)."""
+    if family == "qwen2_5_vl":
+        media: dict[str, Any] = {}
+        if chunk.pixel_values is not None:
+            media["image"] = (chunk.pixel_values, chunk.image_grid)
+        if chunk.pixel_values_videos is not None:
+            media["video"] = (chunk.pixel_values_videos, chunk.video_grid)
+        return media
+    if family == "llava_next":
+        return {"pixel_values": chunk.pixel_values, "image_sizes": chunk.image_grid}
+    if family == "step3":
+        has_image = (input_ids == config.image_token_id).any(dim=-1).tolist()
+        crops = chunk.num_patches.tolist()
+        return {
+            "pixel_values": chunk.pixel_values,
+            "pixel_values_local": chunk.patch_pixel_values,
+            "num_local_patches": [c for c, h in zip(crops, has_image) if h],
+        }
+    grid = chunk.image_grid
+    thw = torch.cat([grid.new_ones((grid.shape[0], 1)), grid], dim=1) if grid.shape[1] == 2 else grid
+    return {"pixel_values": chunk.pixel_values, "image_grid_thw": thw}
+
+
+def _runs(mask: Tensor) -> Tensor:
+    """Per row, the number of runs of True (an image is one run of its placeholder tokens)."""
+    starts = mask.clone()
+    starts[:, 1:] &= ~mask[:, :-1]
+    return starts.sum(dim=1)
+
+
+def _hand_qwen(model: Any, batch: dict[str, Tensor], n: int) -> list[dict[str, Any] | None]:
+    config, ids = model.config, batch["input_ids"]
+    opens, following = ids[:, :-1] == config.vision_start_token_id, ids[:, 1:]
+    images = (opens & (following == config.image_token_id)).sum(dim=1)
+    videos = (opens & (following == config.video_token_id)).sum(dim=1)
+    grid, vgrid = batch["image_grid_thw"], batch["video_grid_thw"]
+    B, ni, nv = ids.shape[0], grid.shape[0], vgrid.shape[0]
+    meta = torch.cat([images, videos, grid.prod(dim=-1), vgrid.prod(dim=-1)]).tolist()  # one host read
+    image_at, video_at = _offsets(meta[:B]), _offsets(meta[B : 2 * B])
+    row_at, vrow_at = _offsets(meta[2 * B : 2 * B + ni]), _offsets(meta[2 * B + ni : 2 * B + ni + nv])
+    bounds = _bounds(B, n)
+    out: list[dict[str, Any] | None] = []
+    for a, b in zip(bounds, bounds[1:]):
+        media: dict[str, Any] = {}
+        i0, i1 = image_at[a], image_at[b]
+        if i1 > i0:
+            media["image"] = (batch["pixel_values"][row_at[i0] : row_at[i1]], grid[i0:i1])
+        v0, v1 = video_at[a], video_at[b]
+        if v1 > v0:
+            media["video"] = (batch["pixel_values_videos"][vrow_at[v0] : vrow_at[v1]], vgrid[v0:v1])
+        out.append(media or None)
+    return out
+
+
+def _hand_llava(model: Any, batch: dict[str, Tensor], n: int) -> list[dict[str, Any] | None]:
+    ids = batch["input_ids"]
+    image_at = _offsets(_runs(ids == model.config.image_token_id).tolist())  # one host read
+    bounds = _bounds(ids.shape[0], n)
+    out: list[dict[str, Any] | None] = []
+    for a, b in zip(bounds, bounds[1:]):
+        i0, i1 = image_at[a], image_at[b]
+        out.append(
+            {"pixel_values": batch["pixel_values"][i0:i1], "image_sizes": batch["image_sizes"][i0:i1]} if i1 > i0 else None
+        )
+    return out
+
+
+def _hand_step3(model: Any, batch: dict[str, Tensor], n: int) -> list[dict[str, Any] | None]:
+    ids = batch["input_ids"]
+    B = ids.shape[0]
+    has_image = (ids == model.config.image_token_id).any(dim=-1)
+    meta = torch.cat([has_image.to(torch.int64), batch["num_patches"].to(torch.int64)]).tolist()  # one host read
+    holds, crops = meta[:B], meta[B:]
+    image_at, crop_at = _offsets(holds), _offsets(crops)
+    bounds = _bounds(B, n)
+    out: list[dict[str, Any] | None] = []
+    for a, b in zip(bounds, bounds[1:]):
+        i0, i1 = image_at[a], image_at[b]
+        if i1 == i0:
+            out.append(None)
+            continue
+        c0, c1 = crop_at[a], crop_at[b]
+        out.append(
+            {
+                "pixel_values": batch["pixel_values"][i0:i1],
+                "pixel_values_local": batch["patch_pixel_values"][c0:c1] if c1 > c0 else None,
+                "num_local_patches": [crops[s] for s in range(a, b) if holds[s]],
+            }
+        )
+    return out
+
+
+def _hand_kimi(model: Any, batch: dict[str, Tensor], n: int) -> list[dict[str, Any] | None]:
+    ids, hws = batch["input_ids"], batch["image_grid_hws"]
+    B, ni = ids.shape[0], hws.shape[0]
+    meta = torch.cat([_runs(ids == model.config.image_token_id), hws.prod(dim=-1)]).tolist()  # one host read
+    image_at, row_at = _offsets(meta[:B]), _offsets(meta[B : B + ni])
+    thw = torch.cat([hws.new_ones((ni, 1)), hws], dim=1)
+    bounds = _bounds(B, n)
+    out: list[dict[str, Any] | None] = []
+    for a, b in zip(bounds, bounds[1:]):
+        i0, i1 = image_at[a], image_at[b]
+        out.append(
+            {"pixel_values": batch["pixel_values"][row_at[i0] : row_at[i1]], "image_grid_thw": thw[i0:i1]}
+            if i1 > i0
+            else None
+        )
+    return out
+
+
+_DIRECT: dict[str, Callable[..., Tensor]] = {
+    "qwen2_5_vl": _direct_qwen,
+    "llava_next": _direct_llava,
+    "step3": _direct_step3,
+    "kimi_vl": _direct_kimi,
+}
+_HAND: dict[str, Callable[..., list[dict[str, Any] | None]]] = {
+    "qwen2_5_vl": _hand_qwen,
+    "llava_next": _hand_llava,
+    "step3": _hand_step3,
+    "kimi_vl": _hand_kimi,
+}
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+class FamilySetup:
+    """One family's tiny model, batch, adapter and per-microbatch inputs."""
+
+    def __init__(self, family: str) -> None:
+        tiny = load(family)
+        self.family = family
+        self.model = tiny.build_model(seed=0)
+        self.batch = tiny.build_batch(seed=0)
+        self.adapter = _adapter(family)
+        self.config = self.model.config
+        self.n = N_MICROBATCHES
+        self.ids = list(self.batch["input_ids"].tensor_split(self.n))
+        self.embed = self.model.get_input_embeddings()
+        with torch.no_grad():
+            self.embeds = [self.embed(ids) for ids in self.ids]
+        staged = split_media(dict(self.batch), self.n, **self.counts(self.batch["input_ids"]))
+        self.chunks = [staged.chunk(k) for k in range(self.n)]
+        self.media_microbatches = [k for k, c in enumerate(self.chunks) if c is not None]
+        self.native = {
+            k: _native_from_chunk(family, self.chunks[k], self.ids[k], self.config) for k in self.media_microbatches
+        }
+
+    def counts(self, input_ids: Tensor) -> dict[str, Tensor]:
+        images, videos = self.adapter.media_per_sample(input_ids, self.config)
+        kwargs = {"images_per_sample": images}
+        if "pixel_values_videos" in self.batch:
+            kwargs["videos_per_sample"] = videos
+        return kwargs
+
+    # -- section 4 ---------------------------------------------------------------------------
+    def merge_adapter(self) -> list[Tensor]:
+        merge, model = self.adapter.merge, self.model
+        return [merge(model, self.ids[k], self.embeds[k], self.chunks[k]) for k in self.media_microbatches]
+
+    def encode_scatter(self) -> list[Tensor]:
+        """``adapter.merge`` without its checks: ``adapter.encode`` + ``masked_scatter`` (diagnostic)."""
+        adapter, model, config = self.adapter, self.model, self.config
+        out = []
+        for k in self.media_microbatches:
+            ids, embeds, chunk = self.ids[k], self.embeds[k], self.chunks[k]
+            if self.family == "step3":
+                features = adapter.encode(model, chunk, num_local_patches=self.native[k]["num_local_patches"])
+            else:
+                features = adapter.encode(model, chunk)
+            for modality, feats in features.items():
+                token = config.image_token_id if modality == "image" else config.video_token_id
+                embeds = _scatter(embeds, ids, token, feats)
+            out.append(embeds)
+        return out
+
+    def merge_direct(self) -> list[Tensor]:
+        direct, model = _DIRECT[self.family], self.model
+        return [direct(model, self.ids[k], self.embeds[k], self.native[k]) for k in self.media_microbatches]
+
+    # -- section 5 ---------------------------------------------------------------------------
+    def first_stage_with(self, batch: dict[str, Tensor]) -> list[Tensor]:
+        model, adapter, embed = self.model, self.adapter, self.embed
+        staged = split_media(batch, self.n, **self.counts(batch["input_ids"]))
+        out = []
+        with stage_media(model, staged):
+            for ids in self.ids:
+                embeds = embed(ids)
+                out.append(adapter.merge(model, ids, embeds, next_vlm_media_chunk(model)))
+        return out
+
+    def first_stage_without(self, batch: dict[str, Tensor]) -> list[Tensor]:
+        model, embed, direct = self.model, self.embed, _DIRECT[self.family]
+        media = _HAND[self.family](model, batch, self.n)
+        out = []
+        for ids, mb_media in zip(self.ids, media, strict=True):
+            embeds = embed(ids)
+            out.append(direct(model, ids, embeds, mb_media) if mb_media is not None else embeds)
+        return out
+
+
+def setup_family(family: str) -> FamilySetup:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}")
+    return FamilySetup(family)
+
+
+def _max_diff(a: list[Tensor], b: list[Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def _median_time(fn: Callable[[], Any], rounds: int = 7, number: int = 50) -> float:
+    """Median over ``rounds`` of the mean time of ``number`` back-to-back calls (seconds)."""
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - start) / number)
+    return statistics.median(samples)
+
+
+def adapter_parts(setup: FamilySetup) -> dict[str, float]:
+    """What ``adapter.merge`` does besides the encoder and the scatter, summed over the media
+    microbatches (seconds): placeholder masks, feature counts from the chunk, and the count check
+    (the one host read per microbatch; Step3's own check also splits crops per image)."""
+    adapter, config, model = setup.adapter, setup.config, setup.model
+    work = [(setup.ids[k], setup.chunks[k]) for k in setup.media_microbatches]
+    prepared = [(adapter.placeholder_masks(ids, config), adapter.feature_counts(c, config)) for ids, c in work]
+    if hasattr(adapter, "_check_and_split"):  # Step3
+        patch = config.vision_config.patch_size
+
+        def check() -> None:
+            for (ids, chunk), (masks, counts) in zip(work, prepared):
+                adapter._check_and_split(chunk, masks["image"], counts["image"], patch)
+    else:
+
+        def check() -> None:
+            for masks, counts in prepared:
+                adapter._check_counts(masks, counts)
+
+    return {
+        "placeholder_masks": _median_time(lambda: [adapter.placeholder_masks(ids, config) for ids, _ in work]),
+        "feature_counts": _median_time(lambda: [adapter.feature_counts(c, config) for _, c in work]),
+        "count_check": _median_time(check),
+    }
+
+
+def run_merge(setup: FamilySetup, repeats: int) -> dict[str, Any]:
+    """Section 4: ``adapter.merge`` over the batch's media microbatches against the direct call."""
+    with torch.no_grad():
+        parts = adapter_parts(setup)
+        diff = _max_diff(setup.merge_adapter(), setup.merge_direct())
+        with HostReadCounter() as adapter_reads:
+            setup.merge_adapter()
+        with HostReadCounter() as direct_reads:
+            setup.merge_direct()
+        diff = max(diff, _max_diff(setup.encode_scatter(), setup.merge_direct()))
+        timings = interleaved(
+            {
+                "adapter": Side(setup.merge_adapter),
+                "direct": Side(setup.merge_direct),
+                "encode_scatter": Side(setup.encode_scatter),
+            },
+            repeats=repeats,
+            warmup=5,
+        )
+    return {
+        "family": setup.family,
+        "microbatches": len(setup.media_microbatches),
+        "median_s": {name: timings.median(name) for name in ("adapter", "direct", "encode_scatter")},
+        "ratio": timings.ratio("adapter", "direct"),
+        "encode_scatter_ratio": timings.ratio("encode_scatter", "direct"),
+        "host_reads": {"adapter": adapter_reads.total, "direct": direct_reads.total},
+        "adapter_parts_s": parts,
+        "max_abs_diff": diff,
+    }
+
+
+def run_first_stage(setup: FamilySetup, repeats: int) -> dict[str, Any]:
+    """Section 5: embedding + media merge of the batch, with and without ppmedia's staging."""
+    batch = setup.batch
+    with torch.no_grad():
+        diff = _max_diff(setup.first_stage_with(dict(batch)), setup.first_stage_without(dict(batch)))
+        with HostReadCounter() as with_reads:
+            setup.first_stage_with(dict(batch))
+        with HostReadCounter() as without_reads:
+            setup.first_stage_without(dict(batch))
+        timings = interleaved(
+            {
+                "with": Side(setup.first_stage_with, prepare=lambda: dict(batch)),
+                "without": Side(setup.first_stage_without, prepare=lambda: dict(batch)),
+            },
+            repeats=repeats,
+            warmup=5,
+        )
+    return {
+        "family": setup.family,
+        "batch_size": int(batch["input_ids"].shape[0]),
+        "n_microbatches": setup.n,
+        "median_s": {name: timings.median(name) for name in ("with", "without")},
+        "ratio": timings.ratio("with", "without"),
+        "host_reads": {"with": with_reads.total, "without": without_reads.total},
+        "max_abs_diff": diff,
+    }

@@ -1,0 +1,229 @@
+"""ppmedia benchmarks, side by side with NeMo Automodel 0.7.0's PP media staging (``make bench``).
+
+Usage::
+
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install]
+
+Measures, in one process with ``torch.set_num_threads(1)``:
+
+1. split + stage + consume of one Qwen-like batch (flat patch rows, 0-2 images per sample) for
+   ``B`` in {64, 256, 1024} and ``n`` in {16, 64}: ppmedia, Automodel's ``prepare_vlm_media_for_pp``
+   with its staging and an inline-style consumer, and the floor (see ``staging_bench.py``);
+2. host reads of tensor data per batch and bytes copied into the chunks;
+3. ``next_vlm_media_chunk`` per call;
+4. ``adapter.merge`` against the model's own ``get_image_features`` + ``masked_scatter``, per family;
+5. the whole first stage (embedding + media merge) with and without ppmedia's staging, per family
+   (see ``model_bench.py``).
+
+Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
+medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
+The Automodel reference is installed on first use into ``tests/bench/.ref`` (``pip install --no-deps
+--target``; see ``setup_reference.sh``); without it the Automodel columns are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import ppmedia  # noqa: E402
+from ppmedia.tiny import FAMILIES  # noqa: E402
+
+import model_bench  # noqa: E402
+import staging_bench  # noqa: E402
+from reference import load_reference  # noqa: E402
+
+BATCH_SIZES = (64, 256, 1024)
+MICROBATCHES = (16, 64)
+CHUNK_CALL_CONFIG = (256, 64)
+
+#: issue targets: name -> (threshold, direction)
+TARGET_SPEEDUP = {(256, 64): 3.0, (64, 16): 2.5}
+TARGET_CHUNK_CALL_US = 3.0
+TARGET_MERGE_RATIO = 1.05
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    line = "  ".join("-" * w for w in widths)
+    out = [title, line, "  ".join(h.rjust(w) for h, w in zip(header, widths)), line]
+    out += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
+    out.append(line)
+    return "\n".join(out)
+
+
+def _environment(reference_note: str) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "ppmedia": ppmedia.__version__,
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "reference": reference_note,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench-results.json", help="JSON results path")
+    parser.add_argument("--quick", action="store_true", help="a tenth of the repetitions (smoke run)")
+    parser.add_argument("--no-install", action="store_true", help="do not pip-install the Automodel reference")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(1)
+    scale = 0.1 if args.quick else 1.0
+
+    def reps(n: int) -> int:
+        return max(5, int(n * scale))
+
+    started = time.perf_counter()
+    ref, ref_note = load_reference(install=not args.no_install)
+    print(f"reference: {ref_note}")
+    env = _environment(ref_note)
+    print(f"torch {env['torch']}, transformers {env['transformers']}, python {env['python']}, {env['cpu']}, 1 thread")
+    print()
+
+    # -- 1 + 2: split + stage + consume ---------------------------------------------------------
+    staging = []
+    for batch_size in BATCH_SIZES:
+        for n in MICROBATCHES:
+            repeats = reps(1000 if batch_size <= 256 else 400)
+            staging.append(staging_bench.run_split_stage_consume(ref, batch_size, n, repeats))
+    rows = []
+    for r in staging:
+        t, reads, copied = r["median_s"], r["host_reads"], r["bytes_copied"]
+        rows.append([
+            r["batch_size"], r["n_microbatches"], r["images"],
+            _us(t["floor"]), _us(t["ppmedia"]), _us(t["automodel"]) if ref else "-",
+            f"{r['automodel_over_ppmedia']:.2f}x" if ref else "-", f"{r['ppmedia_over_floor']:.2f}x",
+            f"{reads['ppmedia']} / {reads.get('automodel', '-')}",
+            f"{copied['ppmedia']} / {copied.get('automodel', '-')}",
+            ("yes" if r["same_chunks_as_automodel"] else "NO") if ref else "-",
+        ])
+    print(_table(
+        "1-2. split + stage + consume, one batch (median us; host reads and bytes copied per batch)",
+        ["B", "n", "images", "floor", "ppmedia", "automodel", "automodel/ppmedia", "ppmedia/floor",
+         "host reads pp/am", "bytes copied pp/am", "same chunks"],
+        rows,
+    ))
+    print()
+
+    # -- 3: next_vlm_media_chunk per call --------------------------------------------------------
+    chunk_call = staging_bench.run_chunk_call(ref, *CHUNK_CALL_CONFIG, repeats=reps(2000))
+    per_call = chunk_call["median_s_per_call"]
+    print(_table(
+        f"3. one consumer call per microbatch (median us per call, B={CHUNK_CALL_CONFIG[0]}, n={CHUNK_CALL_CONFIG[1]})",
+        ["consumer", "us per call"],
+        [["ppmedia next_vlm_media_chunk", _us(per_call["ppmedia"])]]
+        + ([["automodel inline consumer", _us(per_call["automodel"])]] if "automodel" in per_call else []),
+    ))
+    print()
+
+    # -- 4 + 5: tiny models -----------------------------------------------------------------------
+    merges, stages = [], []
+    for family in FAMILIES:
+        setup = model_bench.setup_family(family)
+        merges.append(model_bench.run_merge(setup, repeats=reps(60)))
+        stages.append(model_bench.run_first_stage(setup, repeats=reps(60)))
+        del setup
+    print(_table(
+        "4. adapter.merge vs the model's own get_image_features + masked_scatter "
+        "(all media microbatches of the tiny batch, median ms)",
+        ["family", "mbs", "adapter.merge", "direct", "ratio", "encode+scatter ratio", "host reads ad/direct",
+         "masks us", "counts us", "check us", "max |diff|"],
+        [[m["family"], m["microbatches"], _ms(m["median_s"]["adapter"]), _ms(m["median_s"]["direct"]),
+          f"{m['ratio']:.3f}", f"{m['encode_scatter_ratio']:.3f}",
+          f"{m['host_reads']['adapter']} / {m['host_reads']['direct']}",
+          _us(m["adapter_parts_s"]["placeholder_masks"]), _us(m["adapter_parts_s"]["feature_counts"]),
+          _us(m["adapter_parts_s"]["count_check"]), f"{m['max_abs_diff']:.1e}"] for m in merges],
+    ))
+    print()
+    print(_table(
+        "5. first stage: embedding + media merge of the tiny batch (B=8, n=4), with vs without ppmedia (median ms)",
+        ["family", "with ppmedia", "by hand", "ratio", "host reads with/by hand", "max |diff|"],
+        [[s["family"], _ms(s["median_s"]["with"]), _ms(s["median_s"]["without"]), f"{s['ratio']:.3f}",
+          f"{s['host_reads']['with']} / {s['host_reads']['without']}", f"{s['max_abs_diff']:.1e}"] for s in stages],
+    ))
+    print()
+
+    # -- targets ----------------------------------------------------------------------------------
+    targets = []
+    by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
+    for (batch_size, n), floor in TARGET_SPEEDUP.items():
+        measured = by_config[(batch_size, n)].get("automodel_over_ppmedia")
+        targets.append({
+            "target": f"split+stage+consume >= {floor}x faster than Automodel at B={batch_size}, n={n}",
+            "measured": None if measured is None else round(measured, 2),
+            "met": None if measured is None else measured >= floor,
+        })
+    most_reads = max(r["host_reads"]["ppmedia"] for r in staging)
+    targets.append({"target": "<= 1 host read per batch (ppmedia)", "measured": most_reads, "met": most_reads <= 1})
+    most_copied = max(r["bytes_copied"]["ppmedia"] for r in staging)
+    shared = all(r["ppmedia_chunks_share_storage"] for r in staging)
+    targets.append({"target": "0 bytes copied (ppmedia chunks share the batch's storage)", "measured": most_copied,
+                    "met": most_copied == 0 and shared})
+    call_us = per_call["ppmedia"] * 1e6
+    targets.append({"target": f"next_vlm_media_chunk <= {TARGET_CHUNK_CALL_US} us per call",
+                    "measured": round(call_us, 2), "met": call_us <= TARGET_CHUNK_CALL_US})
+    for m in merges:
+        targets.append({"target": f"{m['family']}: adapter.merge within 5% of the direct call",
+                        "measured": round(m["ratio"], 3), "met": m["ratio"] <= TARGET_MERGE_RATIO})
+    print(_table(
+        "targets (issue: benchmarks side by side with NeMo Automodel 0.7.0)",
+        ["target", "measured", "met"],
+        [[t["target"], "-" if t["measured"] is None else t["measured"],
+          "n/a" if t["met"] is None else ("yes" if t["met"] else "NO")] for t in targets],
+    ))
+
+    elapsed = time.perf_counter() - started
+    results = {
+        "environment": env,
+        "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
+        "elapsed_s": round(elapsed, 1),
+        "split_stage_consume": staging,
+        "chunk_call": chunk_call,
+        "adapter_merge": merges,
+        "first_stage": stages,
+        "targets": targets,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {args.out} ({elapsed:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
