@@ -93,9 +93,7 @@ class StagedMedia:
     chunks: dict[str, list[Tensor]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.chunks = {
-            name: [tensor[a:b] for a, b in self.ranges[name]] for name, tensor in self.tensors.items()
-        }
+        self.chunks = {name: _views(tensor, self.ranges[name]) for name, tensor in self.tensors.items()}
 
     def __len__(self) -> int:
         return self.n_microbatches
@@ -144,6 +142,26 @@ class StagedMedia:
         return self.map_tensors(lambda t: t.pin_memory())
 
 
+def _views(tensor: Tensor, ranges: Sequence[Range]) -> list[Tensor]:
+    """``[tensor[a:b] for a, b in ranges]``, as views of ``tensor``.
+
+    When the ranges tile dim 0 (the usual case), one ``split_with_sizes`` call makes every view at a
+    fraction of the cost of one slice each. Its views are multi-output views, which autograd forbids
+    to modify in place when they require grad, so a tensor that requires grad is sliced instead.
+    """
+    starts = [a for a, _ in ranges]
+    stops = [b for _, b in ranges]
+    if (
+        not tensor.requires_grad
+        and tensor.dim() > 0
+        and starts[0] == 0
+        and stops[-1] == tensor.shape[0]
+        and stops[:-1] == starts[1:]  # the ranges tile dim 0
+    ):
+        return list(tensor.split_with_sizes(list(map(operator.sub, stops, starts))))
+    return [tensor[a:b] for a, b in ranges]
+
+
 # --------------------------------------------------------------------------------------------------
 # validation helpers: every message names the key, what was seen, what was expected
 
@@ -185,7 +203,7 @@ class _HostReader:
         self.values: list[list[int]] = []
 
     def add(self, t: Tensor) -> int:
-        self._parts.append(t.reshape(-1))
+        self._parts.append(t if t.dim() == 1 else t.reshape(-1))
         self._sizes.append(t.numel())
         return len(self._parts) - 1
 
@@ -195,7 +213,8 @@ class _HostReader:
             by_device.setdefault(part.device, []).append(i)
         self.values = [[] for _ in self._parts]
         for indices in by_device.values():
-            flat = torch.cat([self._parts[i].to(torch.int64) for i in indices]).tolist()
+            parts = [p if (p := self._parts[i]).dtype == torch.int64 else p.to(torch.int64) for i in indices]
+            flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
             offset = 0
             for i in indices:
                 self.values[i] = flat[offset : offset + self._sizes[i]]
@@ -313,13 +332,14 @@ def split_media(
         raise TypeError(f"n_microbatches: got {type(n_microbatches).__name__}; expected an int >= 1")
     if n_microbatches < 1:
         raise ValueError(f"n_microbatches: got {n_microbatches}; expected an int >= 1")
-    if not isinstance(batch, MutableMapping):
+    if type(batch) is not dict and not isinstance(batch, MutableMapping):  # dict first: the ABC check is slow
         raise TypeError(f"batch: got {type(batch).__name__}; expected a mutable mapping of str to tensors")
 
     media: dict[str, Tensor] = {}
     for key in MEDIA_KEYS:
-        if key in batch and batch[key] is not None:
-            media[key] = _require_tensor(key, batch[key])
+        value = batch.get(key)
+        if value is not None:
+            media[key] = _require_tensor(key, value)
     n = n_microbatches
     B = _batch_size(batch, media, batch_size)
     bounds = microbatch_bounds(B, n)
@@ -476,7 +496,8 @@ def split_media(
                 tensors["patch_newline_mask"], sources["patch_newline_mask"] = newline, "patch_newline_mask"
 
     for key in MEDIA_KEYS:
-        batch.pop(key, None)
+        if key in batch:
+            del batch[key]
     return StagedMedia(
         n_microbatches=n,
         batch_size=B,
