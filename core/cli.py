@@ -13,6 +13,8 @@ import pathlib
 import sys
 from typing import Any, Sequence
 
+from .tables import format_table
+
 __all__ = ["main"]
 
 
@@ -24,18 +26,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump
         self.exit(2, f"ppmedia: error: {message} (see 'ppmedia {self.prog.split()[-1]} --help')\n"
                   if " " in self.prog else f"ppmedia: error: {message} (see 'ppmedia --help')\n")
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Plain fixed-width table (right-aligned numbers)."""
-    cells = [[str(h) for h in header]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if c.lstrip("-").replace(".", "").replace("e", "").isdigit() else c.ljust(w)
-                         for c, w in zip(row, widths)).rstrip()
-
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
 
 
 # ------------------------------------------------------------------------------------- adapters

@@ -44,6 +44,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from .tables import format_table
+
 __all__ = [
     "ALL_SCENARIOS",
     "DEFAULT_SCENARIOS",
@@ -337,11 +339,7 @@ class ParityReport:
         return "\n".join(lines)
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in header]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(cells[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in cells[1:]])
+_table = format_table
 
 
 # --------------------------------------------------------------------------------------------------
