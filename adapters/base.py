@@ -8,14 +8,32 @@ microbatch's media and scatters the features into that microbatch's placeholder 
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Mapping, Union
 
 import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 
-__all__ = ["VlmAdapter", "config_value"]
+__all__ = ["Count", "HostCount", "VlmAdapter", "config_value"]
+
+
+@dataclass(frozen=True)
+class HostCount:
+    """A feature count that needs tensor data: ``count(tensor.reshape(-1).tolist())``.
+
+    :meth:`VlmAdapter.merge` reads ``tensor`` in the same host read as the placeholder counts, then
+    calls ``count`` on the host. For counts whose arithmetic is cheaper on the host than as many small
+    device ops (LLaVA-NeXT's per-image token counts from ``image_sizes``).
+    """
+
+    tensor: Tensor
+    count: Callable[[list[int]], int]
+
+
+#: what :meth:`VlmAdapter.feature_counts` may return per modality.
+Count = Union[int, Tensor, HostCount]
 
 
 def config_value(config: Any, *names: str) -> Any:
@@ -67,11 +85,12 @@ class VlmAdapter(abc.ABC):
 
     # -- media side -------------------------------------------------------------------------
     @abc.abstractmethod
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor | int]:
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Count]:
         """``{modality: number of feature rows}`` the chunk will produce, from its metadata.
 
-        An ``int`` when it follows from shapes alone, else a 0-dim tensor computed on the chunk's
-        device (no host read here; :meth:`merge` reads it together with the placeholder count).
+        An ``int`` when it follows from shapes alone; else a 0-dim tensor computed on the chunk's
+        device, or a :class:`HostCount` (metadata to read, and the host arithmetic on it). No host read
+        here: :meth:`merge` reads them together with the placeholder counts.
         """
 
     @abc.abstractmethod
@@ -120,22 +139,36 @@ class VlmAdapter(abc.ABC):
         return inputs_embeds
 
     @staticmethod
-    def _check_counts(masks: Mapping[str, Tensor], expected: Mapping[str, Tensor | int]) -> None:
-        # One host read for every count of the microbatch: the placeholder counts (and any feature
-        # count that needs tensor data) are stacked and read together.
+    def _check_counts(masks: Mapping[str, Tensor], expected: Mapping[str, "Count"]) -> None:
+        # One host read for every count of the microbatch: the placeholder sums, and whatever feature
+        # count needs tensor data (a 0-dim tensor, or a HostCount's metadata), are read together.
         names = sorted(set(masks) | set(expected))
-        if not names:
-            return
-        device = next(iter(masks.values())).device
-        parts = []
+        pending: list[Tensor] = []
+        slots: dict[tuple[str, str], slice] = {}
+
+        def take(key: tuple[str, str], t: Tensor) -> None:
+            start = sum(p.numel() for p in pending)
+            pending.append(t.reshape(-1).to(torch.int64))
+            slots[key] = slice(start, start + t.numel())
+
         for name in names:
-            mask = masks.get(name)
-            parts.append(mask.sum() if mask is not None else torch.zeros((), dtype=torch.int64, device=device))
+            if name in masks:
+                take((name, "placeholders"), masks[name].sum())
             value = expected.get(name, 0)
-            parts.append(torch.as_tensor(value, dtype=torch.int64, device=device).reshape(()))
-        counts = torch.stack([p.to(torch.int64) for p in parts]).tolist()
-        for i, name in enumerate(names):
-            placeholders, features = counts[2 * i], counts[2 * i + 1]
+            if isinstance(value, HostCount):
+                take((name, "features"), value.tensor)
+            elif isinstance(value, Tensor):
+                take((name, "features"), value)
+        values = torch.cat(pending).tolist() if pending else []
+        for name in names:
+            placeholders = values[slots[(name, "placeholders")]][0] if (name, "placeholders") in slots else 0
+            value = expected.get(name, 0)
+            if isinstance(value, HostCount):
+                features = int(value.count(values[slots[(name, "features")]]))
+            elif isinstance(value, Tensor):
+                features = values[slots[(name, "features")]][0]
+            else:
+                features = int(value)
             if placeholders != features:
                 raise ValueError(
                     f"{name}: the microbatch has {placeholders} placeholder tokens but its media "

@@ -23,16 +23,18 @@ add up to the number of crop rows before running the vision tower.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import Tensor
 from transformers.image_processing_utils import select_best_resolution
+from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
 
 from ..chunk import VlmMediaChunk
-from .base import VlmAdapter, config_value
+from .base import HostCount, VlmAdapter, config_value
 
-__all__ = ["LlavaNextAdapter", "image_token_counts"]
+__all__ = ["LlavaNextAdapter", "image_token_counts", "image_tokens"]
 
 
 def _geometry(config: Any) -> tuple[int, int, list[tuple[int, int]], bool]:
@@ -85,6 +87,25 @@ def image_token_counts(image_sizes: Tensor, config: Any) -> Tensor:
 
     base = side * side + (1 if full else 0)  # "full" keeps the CLS row
     return (base + rows * (cols + 1)).to(torch.int64)
+
+
+def image_tokens(height: int, width: int, config: Any) -> int:
+    """Placeholder tokens of one image of original size ``(height, width)``, on the host.
+
+    Uses the model's own ``get_anyres_image_grid_shape`` (best resolution -> crop grid) and
+    ``unpad_image`` (run on a meta tensor: shapes only, no data), so the float roundings are the
+    model's: base crop + unpadded grid rows of ``cols + 1`` (one newline each).
+    """
+    crop, side, pinpoints, full = _geometry(config)
+    grid_h, grid_w = get_anyres_image_grid_shape((height, width), [list(p) for p in pinpoints], crop)
+    grid = torch.empty((0, grid_h * side, grid_w * side), device="meta")
+    rows, cols = unpad_image(grid, [height, width]).shape[1:]
+    return side * side + (1 if full else 0) + rows * (cols + 1)
+
+
+def _tokens_of_sizes(flat_sizes: list[int], config: Any) -> int:
+    # HostCount callback: image_sizes read as [h0, w0, h1, w1, ...]
+    return sum(image_tokens(h, w, config) for h, w in zip(flat_sizes[0::2], flat_sizes[1::2]))
 
 
 def _crops_per_image(sizes: list[list[int]], config: Any) -> list[int]:
@@ -169,7 +190,7 @@ class LlavaNextAdapter(VlmAdapter):
                 f"llava_next pixel_values must be [images, max_crops, C, H, W] or [crops, C, H, W], "
                 f"got {tuple(pixels.shape)}"
             )
-        return {"image": image_token_counts(sizes, config).sum()}
+        return {"image": HostCount(sizes, functools.partial(_tokens_of_sizes, config=config))}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:
         """The model's own ``get_image_features``: vision tower, projector, unpad and newline packing.

@@ -8,6 +8,7 @@ be consumed by the other. A producer hangs one list per media tensor on the firs
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, fields
 from typing import Iterable
 
@@ -69,7 +70,7 @@ CURSOR_ATTRIBUTE = "_vlm_chunk_idx"
 
 assert tuple(STAGED_ATTRIBUTES) == tuple(f.name for f in fields(VlmMediaChunk))
 _ATTRS = tuple(STAGED_ATTRIBUTES.values())
-_ATTR_SET = frozenset(_ATTRS)
+_read_lists = operator.itemgetter(*_ATTRS)
 _MISSING = object()
 _Tensor = torch.Tensor
 
@@ -110,9 +111,9 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
         k = getattr(module, CURSOR_ATTRIBUTE, None)
     if k is None:
         return None
-    if _ATTR_SET <= state.keys():  # the usual case: every list set on the module itself
-        lists: Iterable[object] = map(state.__getitem__, _ATTRS)
-    else:
+    try:  # the usual case: every list set on the module itself (one C call reads all seven)
+        lists: Iterable[object] = _read_lists(state)
+    except KeyError:
         lists = [_lookup(module, state, name) for name in _ATTRS]
     # values[i] is field i of the chunk; its length is also the index of the list being read.
     values: list[Tensor | None] = []

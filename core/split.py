@@ -15,6 +15,7 @@ import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, MutableMapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,8 +44,11 @@ MEDIA_KEYS: tuple[str, ...] = (
     "patch_newline_mask",
     *_COUNT_KEYS,
 )
+_MEDIA_KEY_SET = frozenset(MEDIA_KEYS)
 _FIELDS = tuple(f.name for f in fields(VlmMediaChunk))
 Range = tuple[int, int]
+_EMPTY = np.zeros(0, dtype=np.int64)
+_ZERO = np.zeros(1, dtype=np.int64)
 
 
 def microbatch_bounds(batch_size: int, n_microbatches: int) -> list[int]:
@@ -149,8 +153,8 @@ def _views(tensor: Tensor, ranges: Sequence[Range]) -> list[Tensor]:
     fraction of the cost of one slice each. Its views are multi-output views, which autograd forbids
     to modify in place when they require grad, so a tensor that requires grad is sliced instead.
     """
-    starts = [a for a, _ in ranges]
-    stops = [b for _, b in ranges]
+    flat = list(itertools.chain.from_iterable(ranges))
+    starts, stops = flat[0::2], flat[1::2]
     if (
         not tensor.requires_grad
         and tensor.dim() > 0
@@ -208,22 +212,34 @@ class _HostReader:
         return len(self._parts) - 1
 
     def read(self) -> None:
-        by_device: dict[torch.device, list[int]] = {}
-        for i, part in enumerate(self._parts):
-            by_device.setdefault(part.device, []).append(i)
-        self.values = [[] for _ in self._parts]
-        for indices in by_device.values():
-            parts = [p if (p := self._parts[i]).dtype == torch.int64 else p.to(torch.int64) for i in indices]
-            flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+        parts = [p if p.dtype == torch.int64 else p.to(torch.int64) for p in self._parts]
+        self.values = [_EMPTY] * len(parts)
+        if not parts:
+            return
+        try:  # the usual case: everything on one device, one read
+            groups = [(list(range(len(parts))), torch.cat(parts) if len(parts) > 1 else parts[0])]
+        except RuntimeError:  # metadata on several devices: one read per device
+            by_device: dict[torch.device, list[int]] = {}
+            for i, part in enumerate(parts):
+                by_device.setdefault(part.device, []).append(i)
+            groups = [(indices, torch.cat([parts[i] for i in indices])) for indices in by_device.values()]
+        for indices, joined in groups:
+            flat = joined.cpu().numpy()  # the host read
             offset = 0
             for i in indices:
                 self.values[i] = flat[offset : offset + self._sizes[i]]
                 offset += self._sizes[i]
 
 
-def _diffs(offsets: list[int]) -> tuple[int, ...]:
+def _diffs(offsets: np.ndarray) -> tuple[int, ...]:
     """``offsets[k + 1] - offsets[k]`` for every ``k``."""
-    return tuple(map(operator.sub, offsets[1:], offsets))
+    return tuple((offsets[1:] - offsets[:-1]).tolist())
+
+
+def _pairs(offsets: np.ndarray) -> tuple[Range, ...]:
+    """``(offsets[k], offsets[k + 1])`` for every ``k``."""
+    values = offsets.tolist()
+    return tuple(zip(values, values[1:]))
 
 
 def _microbatch_of(bounds: list[int], sample: int) -> int:
@@ -244,44 +260,28 @@ def _per_item_rows(
 
     ``counts`` are the items per sample (they locate an offending row in the error message).
     """
-    values = grid[: items * columns]
-    if items and min(values) > 0:
-        # The usual case, every entry positive: products column by column (no per-row slicing).
-        if columns == 3:
-            products = [t * h * w for t, h, w in zip(values[0::3], values[1::3], values[2::3])]
-        elif columns == 2:
-            products = [h * w for h, w in zip(values[0::2], values[1::2])]
-        else:
-            products = [math.prod(values[i * columns : (i + 1) * columns]) for i in range(items)]
-    else:
-        # Row by row, so the message names the first row with a non-positive entry.
-        products = []
-        for i in range(items):
-            entry = grid[i * columns : (i + 1) * columns]
-            if min(entry) <= 0:
-                sample, mb = _locate([0, *itertools.accumulate(counts)], i, bounds)
-                raise ValueError(
-                    f"{grid_key}: row {i} (sample {sample}, microbatch {mb}) is {entry}; expected positive entries"
-                )
-            product = 1
-            for v in entry:
-                product *= v
-            products.append(product)
-    total = sum(products)
+    table = grid[: items * columns].reshape(items, columns)
+    if items and table.min() <= 0:
+        i = int(np.flatnonzero((table <= 0).any(axis=1))[0])
+        sample, mb = _locate([0, *itertools.accumulate(counts.tolist())], i, bounds)
+        raise ValueError(
+            f"{grid_key}: row {i} (sample {sample}, microbatch {mb}) is {table[i].tolist()}; expected positive entries"
+        )
+    products = table.prod(axis=1)
+    total = int(products.sum())
     if total == rows:
         return products
     if rows == items:
-        return [1] * items
+        return np.ones(items, dtype=np.int64)
     raise ValueError(
         f"{key}: dim 0 is {rows}; expected {total} (the sum of the {grid_key} products, patch rows) "
         f"or {items} (one row per item) for {grid_key} of shape [{items}, {columns}] (whole batch)"
     )
 
 
-def _group(sizes: list[int], groups: list[int]) -> list[int]:
+def _group(sizes: np.ndarray, groups: Any) -> np.ndarray:
     """Cumulative offsets of ``sizes``, read at the item offsets ``groups``."""
-    cum = list(itertools.accumulate(sizes, initial=0))
-    return list(map(cum.__getitem__, groups))
+    return np.concatenate((_ZERO, sizes)).cumsum()[groups]
 
 
 def split_media(
@@ -336,8 +336,8 @@ def split_media(
         raise TypeError(f"batch: got {type(batch).__name__}; expected a mutable mapping of str to tensors")
 
     media: dict[str, Tensor] = {}
-    for key in MEDIA_KEYS:
-        value = batch.get(key)
+    for key in _MEDIA_KEY_SET.intersection(batch):
+        value = batch[key]
         if value is not None:
             media[key] = _require_tensor(key, value)
     n = n_microbatches
@@ -443,12 +443,12 @@ def split_media(
                     f"pixel_values: dim 0 is {pixels.shape[0]}; expected {n_images} (one entry per image of "
                     f"{grid_key} {_shape(grid)})" if grid is not None else f"pixel_values: dim 0 is {pixels.shape[0]}; expected {n_images}"
                 )
-            per_image = [1] * n_images
+            per_image = np.ones(n_images, dtype=np.int64)
         row_at = _group(per_image, item_at)
-        ranges["pixel_values"] = tuple(zip(row_at, row_at[1:]))
+        ranges["pixel_values"] = _pairs(row_at)
         tensors["pixel_values"], sources["pixel_values"] = pixels, "pixel_values"
         if grid is not None:
-            ranges["image_grid"] = tuple(zip(item_at, item_at[1:]))
+            ranges["image_grid"] = _pairs(item_at)
             tensors["image_grid"], sources["image_grid"] = grid, grid_key
         images = _diffs(item_at)
         image_rows = _diffs(row_at)
@@ -459,8 +459,8 @@ def split_media(
             "pixel_values_videos", "video_grid_thw", reader.values[vgrid_slot], 3, vpixels.shape[0], n_videos, video_counts, bounds
         )
         row_at = _group(per_video, item_at)
-        ranges["pixel_values_videos"] = tuple(zip(row_at, row_at[1:]))
-        ranges["video_grid"] = tuple(zip(item_at, item_at[1:]))
+        ranges["pixel_values_videos"] = _pairs(row_at)
+        ranges["video_grid"] = _pairs(item_at)
         tensors["pixel_values_videos"], sources["pixel_values_videos"] = vpixels, "pixel_values_videos"
         tensors["video_grid"], sources["video_grid"] = vgrid, "video_grid_thw"
         videos = _diffs(item_at)
@@ -469,12 +469,12 @@ def split_media(
     if num_patches is not None:
         per_sample = reader.values[np_slot]
         # min() first: the sample-by-sample scan (for the message) runs only when a count is negative.
-        for s, v in enumerate(per_sample if per_sample and min(per_sample) < 0 else ()):
+        for s, v in enumerate(per_sample.tolist() if per_sample.size and per_sample.min() < 0 else ()):
             if v < 0:
                 raise ValueError(
                     f"num_patches: sample {s} (microbatch {_microbatch_of(bounds, s)}) has {v}; expected >= 0"
                 )
-        total = sum(per_sample)
+        total = int(per_sample.sum())
         crop_total = crops.shape[0] if crops is not None else 0
         if total != crop_total:
             raise ValueError(
@@ -489,15 +489,14 @@ def split_media(
         )
         tensors["num_patches"], sources["num_patches"] = num_patches, "num_patches"
         if crops is not None:
-            ranges["patch_pixel_values"] = tuple(zip(crop_at, crop_at[1:]))
+            ranges["patch_pixel_values"] = _pairs(crop_at)
             tensors["patch_pixel_values"], sources["patch_pixel_values"] = crops, "patch_pixel_values"
             if newline is not None:
                 ranges["patch_newline_mask"] = ranges["patch_pixel_values"]
                 tensors["patch_newline_mask"], sources["patch_newline_mask"] = newline, "patch_newline_mask"
 
-    for key in MEDIA_KEYS:
-        if key in batch:
-            del batch[key]
+    for key in _MEDIA_KEY_SET.intersection(batch):
+        del batch[key]
     return StagedMedia(
         n_microbatches=n,
         batch_size=B,
@@ -569,14 +568,14 @@ def _resolve_counts(
     counts: list[int] | _Slot | None, reader: _HostReader, key: str, total: int, what: str, bounds: list[int]
 ) -> list[int]:
     if counts is None:
-        return [0] * bounds[-1]
-    values = reader.values[counts] if isinstance(counts, _Slot) else counts
+        return np.zeros(bounds[-1], dtype=np.int64)
+    values = reader.values[counts] if isinstance(counts, _Slot) else np.asarray(counts, dtype=np.int64)
     # min() first: the sample-by-sample scan (for the message) runs only when a count is negative.
-    for s, v in enumerate(values if values and min(values) < 0 else ()):
+    for s, v in enumerate(values.tolist() if values.size and values.min() < 0 else ()):
         if v < 0:
             raise ValueError(
                 f"{key}: sample {s} (microbatch {_microbatch_of(bounds, s)}) has {v} {what}; expected >= 0"
             )
-    if sum(values) != total:
-        raise ValueError(f"{key}: counts sum to {sum(values)}; expected {total}, the number of {what} (whole batch)")
+    if int(values.sum()) != total:
+        raise ValueError(f"{key}: counts sum to {int(values.sum())}; expected {total}, the number of {what} (whole batch)")
     return values

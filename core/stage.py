@@ -31,17 +31,19 @@ def _resolve(target: Any) -> tuple[torch.nn.Module, Any | None]:
     )
 
 
+_NAMES = (*STAGED_ATTRIBUTES.values(), CURSOR_ATTRIBUTE)
+_FIELD_TO_ATTRIBUTE = tuple(STAGED_ATTRIBUTES.items())
+
+
 def _is_staged(module: torch.nn.Module) -> bool:
-    state = module.__dict__
-    return state.get(CURSOR_ATTRIBUTE) is not None or any(
-        state.get(name) is not None for name in STAGED_ATTRIBUTES.values()
-    )
+    get = module.__dict__.get
+    return any(get(name) is not None for name in _NAMES)
 
 
 def _clear(module: torch.nn.Module) -> None:
-    state = module.__dict__
-    for name in (*STAGED_ATTRIBUTES.values(), CURSOR_ATTRIBUTE):
-        state.pop(name, None)
+    pop = module.__dict__.pop
+    for name in _NAMES:
+        pop(name, None)
 
 
 @contextlib.contextmanager
@@ -114,13 +116,16 @@ def stage_media(target: Any, staged: StagedMedia) -> Iterator[StagedMedia]:
             f"previous step's staging first"
         )
     state = module.__dict__
-    for name, chunks in staged.staged_lists().items():
-        state[STAGED_ATTRIBUTES[name]] = chunks
+    chunks = staged.chunks
+    for field, attribute in _FIELD_TO_ATTRIBUTE:
+        state[attribute] = chunks.get(field)
     state[CURSOR_ATTRIBUTE] = 0
-    guard = _rewind_shape_inference(stage, module) if stage is not None else contextlib.nullcontext()
     try:
-        with guard:
+        if stage is None:
             yield staged
+        else:
+            with _rewind_shape_inference(stage, module):
+                yield staged
         consumed = state.get(CURSOR_ATTRIBUTE)
     finally:
         _clear(module)

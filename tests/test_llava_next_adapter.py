@@ -19,7 +19,8 @@ from transformers.models.llava_next.modeling_llava_next import get_anyres_image_
 import ppmedia
 from ppmedia import HostReadCounter, VlmMediaChunk, next_vlm_media_chunk
 from ppmedia.adapters.base import VlmAdapter
-from ppmedia.adapters.llava_next import LlavaNextAdapter, image_token_counts
+from ppmedia.adapters.base import HostCount
+from ppmedia.adapters.llava_next import LlavaNextAdapter, image_token_counts, image_tokens
 from ppmedia.tiny import capture_merged_embeds
 from ppmedia.tiny import llava_next as tiny
 
@@ -147,6 +148,10 @@ def test_image_token_counts_match_transformers_geometry():
     sizes += [(1080, 1920), (1920, 1080), (1, 4000), (4000, 1), (49, 1), (1, 49), (336, 336)]
     counts = image_token_counts(torch.tensor(sizes), big).tolist()
     assert counts == [_host_tokens(s, pinpoints, 336, 14) for s in sizes]
+    # merge's host path (the model's own grid and unpad functions) agrees with both
+    assert [image_tokens(h, w, big) for h, w in sizes] == counts
+    small = [(h, w) for h in range(1, 65, 3) for w in range(1, 65, 5)]
+    assert [image_tokens(h, w, config) for h, w in small] == [_host_tokens(s, tiny.GRID_PINPOINTS, 16, 4) for s in small]
 
 
 # -- token side -----------------------------------------------------------------------------------
@@ -217,8 +222,10 @@ def test_merge_matches_model_per_microbatch(model, batch, reference, adapter, fi
                 counts = adapter.feature_counts(chunk, model.config)
             assert reads.total == 0
             assert set(counts) == {"image"}
-            assert isinstance(counts["image"], torch.Tensor) and counts["image"].dim() == 0
-            assert int(counts["image"]) == placeholders == sum(TOKENS_PER_IMAGE[i0:i1])
+            # the count is host arithmetic on image_sizes, read by merge with the placeholder counts
+            assert isinstance(counts["image"], HostCount) and counts["image"].tensor is chunk.image_grid
+            host_count = counts["image"].count(chunk.image_grid.reshape(-1).tolist())
+            assert host_count == placeholders == sum(TOKENS_PER_IMAGE[i0:i1])
             with torch.no_grad(), HostReadCounter() as reads:
                 merged = adapter.merge(model, ids, embeds, chunk)
             # one read for the count check, one for the sizes the model's packing needs
