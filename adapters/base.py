@@ -143,23 +143,20 @@ class VlmAdapter(abc.ABC):
         # One host read for every count of the microbatch: the placeholder sums, and whatever feature
         # count needs tensor data (a 0-dim tensor, or a HostCount's metadata), are read together.
         names = sorted(set(masks) | set(expected))
-        pending: list[Tensor] = []
+        placeholder_sums = [masks[name].sum() for name in names if name in masks]
+        pending: list[Tensor] = [torch.stack(placeholder_sums)] if placeholder_sums else []
         slots: dict[tuple[str, str], slice] = {}
-
-        def take(key: tuple[str, str], t: Tensor) -> None:
-            start = sum(p.numel() for p in pending)
-            pending.append(t.reshape(-1).to(torch.int64))
-            slots[key] = slice(start, start + t.numel())
-
+        offset = len(placeholder_sums)
+        for i, name in enumerate(n for n in names if n in masks):
+            slots[(name, "placeholders")] = slice(i, i + 1)
         for name in names:
-            if name in masks:
-                take((name, "placeholders"), masks[name].sum())
             value = expected.get(name, 0)
-            if isinstance(value, HostCount):
-                take((name, "features"), value.tensor)
-            elif isinstance(value, Tensor):
-                take((name, "features"), value)
-        values = torch.cat(pending).tolist() if pending else []
+            tensor = value.tensor if isinstance(value, HostCount) else value
+            if isinstance(tensor, Tensor):
+                pending.append(tensor.reshape(-1).to(torch.int64))
+                slots[(name, "features")] = slice(offset, offset + tensor.numel())
+                offset += tensor.numel()
+        values = (torch.cat(pending) if len(pending) > 1 else pending[0]).tolist() if pending else []
         for name in names:
             placeholders = values[slots[(name, "placeholders")]][0] if (name, "placeholders") in slots else 0
             value = expected.get(name, 0)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers.image_processing_utils import select_best_resolution
-from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
 
 from ..chunk import VlmMediaChunk
 from .base import HostCount, VlmAdapter, config_value
@@ -92,14 +92,18 @@ def image_token_counts(image_sizes: Tensor, config: Any) -> Tensor:
 def image_tokens(height: int, width: int, config: Any) -> int:
     """Placeholder tokens of one image of original size ``(height, width)``, on the host.
 
-    Uses the model's own ``get_anyres_image_grid_shape`` (best resolution -> crop grid) and
-    ``unpad_image`` (run on a meta tensor: shapes only, no data), so the float roundings are the
-    model's: base crop + unpadded grid rows of ``cols + 1`` (one newline each).
+    The crop grid comes from the model's own ``get_anyres_image_grid_shape`` (best resolution); the
+    unpadding is ``unpad_image``'s arithmetic on Python floats, as the model does it (a test checks
+    it against ``unpad_image`` itself): base crop + unpadded grid rows of ``cols + 1`` (one newline
+    each).
     """
     crop, side, pinpoints, full = _geometry(config)
     grid_h, grid_w = get_anyres_image_grid_shape((height, width), [list(p) for p in pinpoints], crop)
-    grid = torch.empty((0, grid_h * side, grid_w * side), device="meta")
-    rows, cols = unpad_image(grid, [height, width]).shape[1:]
+    rows, cols = grid_h * side, grid_w * side
+    if width / height > cols / rows:
+        rows -= 2 * ((rows - int(round(height * (cols / width), 7))) // 2)
+    else:
+        cols -= 2 * ((cols - int(round(width * (rows / height), 7))) // 2)
     return side * side + (1 if full else 0) + rows * (cols + 1)
 
 

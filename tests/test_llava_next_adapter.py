@@ -154,6 +154,20 @@ def test_image_token_counts_match_transformers_geometry():
     assert [image_tokens(h, w, config) for h, w in small] == [_host_tokens(s, tiny.GRID_PINPOINTS, 16, 4) for s in small]
 
 
+def test_host_unpad_arithmetic_is_the_models():
+    """image_tokens' unpadding equals the model's unpad_image run on (meta) feature maps."""
+    from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+    pinpoints = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    big = SimpleNamespace(vision_config=SimpleNamespace(image_size=336, patch_size=14),
+                          image_grid_pinpoints=pinpoints, vision_feature_select_strategy="default")
+    rng = random.Random(1)
+    for h, w in [(rng.randint(1, 3000), rng.randint(1, 3000)) for _ in range(500)] + [(1, 4000), (4000, 1), (7, 5)]:
+        gh, gw = get_anyres_image_grid_shape((h, w), pinpoints, 336)
+        rows, cols = unpad_image(torch.empty((0, gh * 24, gw * 24), device="meta"), [h, w]).shape[1:]
+        assert image_tokens(h, w, big) == 24 * 24 + rows * (cols + 1), (h, w)
+
+
 # -- token side -----------------------------------------------------------------------------------
 
 
