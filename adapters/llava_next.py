@@ -97,19 +97,28 @@ def image_tokens(height: int, width: int, config: Any) -> int:
     it against ``unpad_image`` itself): base crop + unpadded grid rows of ``cols + 1`` (one newline
     each).
     """
+    return _image_tokens(height, width, *_host_geometry(config))
+
+
+def _host_geometry(config: Any) -> tuple[int, int, list[list[int]], int]:
     crop, side, pinpoints, full = _geometry(config)
-    grid_h, grid_w = get_anyres_image_grid_shape((height, width), [list(p) for p in pinpoints], crop)
+    return crop, side, [list(p) for p in pinpoints], side * side + (1 if full else 0)
+
+
+def _image_tokens(height: int, width: int, crop: int, side: int, pinpoints: list[list[int]], base: int) -> int:
+    grid_h, grid_w = get_anyres_image_grid_shape((height, width), pinpoints, crop)
     rows, cols = grid_h * side, grid_w * side
     if width / height > cols / rows:
         rows -= 2 * ((rows - int(round(height * (cols / width), 7))) // 2)
     else:
         cols -= 2 * ((cols - int(round(width * (rows / height), 7))) // 2)
-    return side * side + (1 if full else 0) + rows * (cols + 1)
+    return base + rows * (cols + 1)
 
 
 def _tokens_of_sizes(flat_sizes: list[int], config: Any) -> int:
     # HostCount callback: image_sizes read as [h0, w0, h1, w1, ...]
-    return sum(image_tokens(h, w, config) for h, w in zip(flat_sizes[0::2], flat_sizes[1::2]))
+    geometry = _host_geometry(config)
+    return sum(_image_tokens(h, w, *geometry) for h, w in zip(flat_sizes[0::2], flat_sizes[1::2]))
 
 
 def _crops_per_image(sizes: list[list[int]], config: Any) -> list[int]:
