@@ -17,32 +17,12 @@ import torch
 from ppmedia import VlmMediaChunk, next_vlm_media_chunk, split_media, stage_media
 from ppmedia.adapters.base import VlmAdapter
 from ppmedia.adapters.kimi_vl import KimiVLAdapter
-from ppmedia.tiny import capture_merged_embeds
 from ppmedia.tiny import kimi_vl as tiny
+from conftest import text_embeds
 
 ATOL = 1e-5
 IMAGES_PER_SAMPLE = [1, 2, 1, 1, 0, 0, 2, 1]
 TOKENS_PER_SAMPLE = [4, 4, 1, 6, 0, 0, 7, 6]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny.build_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def batch():
-    return tiny.build_batch(seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(model, batch):
-    return capture_merged_embeds(model, **tiny.reference_inputs(batch))
-
-
-@pytest.fixture(scope="module")
-def adapter():
-    return KimiVLAdapter()
 
 
 def _grid(batch, columns: int) -> torch.Tensor:
@@ -62,11 +42,6 @@ def _split(batch, n: int, images_per_sample: torch.Tensor, columns: int = 2):
     expected = [(int(r[0]), int(r[-1]) + 1) for r in rows]
     assert list(staged.samples) == expected
     return staged
-
-
-def _text_embeds(model, input_ids):
-    with torch.no_grad():
-        return model.get_input_embeddings()(input_ids)
 
 
 class _CountCalls:
@@ -147,7 +122,7 @@ def test_merge_matches_model(adapter, model, batch, reference, n, columns):
     with stage_media(stage, staged):
         for k, (b0, b1) in enumerate(staged.samples):
             chunk = next_vlm_media_chunk(stage)
-            embeds = _text_embeds(model, ids[b0:b1])
+            embeds = text_embeds(model, ids[b0:b1])
             with torch.no_grad():
                 merged = adapter.merge(model, ids[b0:b1], embeds, chunk)
             if sum(IMAGES_PER_SAMPLE[b0:b1]) == 0:
@@ -171,14 +146,14 @@ def test_mismatch_raises_before_encoder(adapter, model, batch):
     counter = _CountCalls(model.model.vision_tower)
     try:
         with pytest.raises(ValueError, match=r"\b8\b.*\b4\b"):
-            adapter.merge(model, ids, _text_embeds(model, ids), chunk)
+            adapter.merge(model, ids, text_embeds(model, ids), chunk)
         # the other direction: a text-only microbatch handed one image
         text_ids = batch["input_ids"][4:6]
         with pytest.raises(ValueError, match=r"\b0\b.*\b4\b"):
-            adapter.merge(model, text_ids, _text_embeds(model, text_ids), chunk)
+            adapter.merge(model, text_ids, text_embeds(model, text_ids), chunk)
         # placeholders but no media at all
         with pytest.raises(ValueError, match=r"\b8\b.*\b0\b"):
-            adapter.merge(model, ids, _text_embeds(model, ids), None)
+            adapter.merge(model, ids, text_embeds(model, ids), None)
     finally:
         counter.close()
     assert counter.calls == 0
@@ -186,7 +161,7 @@ def test_mismatch_raises_before_encoder(adapter, model, batch):
 
 def test_chunk_none_returns_inputs_embeds(adapter, model, batch, reference):
     ids = batch["input_ids"][4:6]
-    embeds = _text_embeds(model, ids)
+    embeds = text_embeds(model, ids)
     out = adapter.merge(model, ids, embeds, None)
     assert out is embeds
     torch.testing.assert_close(out, reference[4:6], atol=0, rtol=0)
@@ -199,7 +174,7 @@ def test_video_media_refused(adapter, model, batch):
     counter = _CountCalls(model.model.vision_tower)
     try:
         with pytest.raises(ValueError, match="images only"):
-            adapter.merge(model, ids, _text_embeds(model, ids), chunk)
+            adapter.merge(model, ids, text_embeds(model, ids), chunk)
     finally:
         counter.close()
     assert counter.calls == 0
@@ -249,7 +224,7 @@ def test_remote_code_layout(adapter, model, batch, reference, columns):
         for b0, b1 in staged.samples:
             chunk = next_vlm_media_chunk(stage)
             with torch.no_grad():
-                merged = adapter.merge(remote, ids[b0:b1], _text_embeds(model, ids[b0:b1]), chunk)
+                merged = adapter.merge(remote, ids[b0:b1], text_embeds(model, ids[b0:b1]), chunk)
             torch.testing.assert_close(merged, reference[b0:b1], atol=ATOL, rtol=0)
     assert remote.grids_seen == [(5, 2), (3, 2)]  # always [images, 2]
 
@@ -259,6 +234,6 @@ def test_error_message_names_both_counts(adapter, model, batch):
     # sample 6's own two images (grids 2x6 and 4x4, patches 60:88): 3 + 4 = 7 feature rows
     chunk = VlmMediaChunk(batch["pixel_values"][60:88], batch["image_grid_hws"][5:7], None, None)
     with pytest.raises(ValueError) as info:
-        adapter.merge(model, ids, _text_embeds(model, ids), chunk)
+        adapter.merge(model, ids, text_embeds(model, ids), chunk)
     numbers = set(re.findall(r"\d+", str(info.value)))
     assert {"13", "7"} <= numbers

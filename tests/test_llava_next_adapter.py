@@ -20,9 +20,9 @@ import ppmedia
 from ppmedia import HostReadCounter, VlmMediaChunk, next_vlm_media_chunk
 from ppmedia.adapters.base import VlmAdapter
 from ppmedia.adapters.base import HostCount
-from ppmedia.adapters.llava_next import LlavaNextAdapter, image_token_counts, image_tokens
-from ppmedia.tiny import capture_merged_embeds
+from ppmedia.adapters.llava_next import image_token_counts, image_tokens
 from ppmedia.tiny import llava_next as tiny
+from conftest import text_embeds
 
 ATOL = 1e-5
 IMAGES_PER_SAMPLE = [1, 2, 1, 1, 0, 0, 2, 1]
@@ -31,32 +31,6 @@ CROPS_PER_IMAGE = [3, 3, 5, 3, 5, 3, 3, 5]
 TOKENS_PER_IMAGE = [34, 56, 88, 28, 56, 36, 52, 88]
 TOKENS_PER_SAMPLE = [34, 144, 28, 56, 0, 0, 88, 88]
 SEQ_LEN = 150
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return tiny.build_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def batch():
-    return tiny.build_batch(seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(model, batch):
-    return capture_merged_embeds(model, **tiny.reference_inputs(batch))
-
-
-@pytest.fixture(scope="module")
-def adapter():
-    return LlavaNextAdapter()
-
-
-def _text_embeds(model, input_ids):
-    with torch.no_grad():
-        return model.get_input_embeddings()(input_ids)
 
 
 def _flat(chunk: VlmMediaChunk) -> VlmMediaChunk:
@@ -119,7 +93,7 @@ def test_token_counts_are_the_models(model, batch, adapter):
     assert [f.shape[0] for f in out.pooler_output] == TOKENS_PER_IMAGE
     assert image_token_counts(batch["image_sizes"], model.config).tolist() == TOKENS_PER_IMAGE
     # the model's own placeholder check accepts the batch, and refuses one feature row less
-    embeds = _text_embeds(model, batch["input_ids"])
+    embeds = text_embeds(model, batch["input_ids"])
     features = torch.cat(out.pooler_output)
     mask = model.model.get_placeholder_mask(batch["input_ids"], embeds, features)
     assert mask.sum().item() == sum(TOKENS_PER_IMAGE)
@@ -219,7 +193,7 @@ def test_merge_matches_model_per_microbatch(model, batch, reference, adapter, fi
             b0, b1 = int(rows[0]), int(rows[-1]) + 1
             chunk = next_vlm_media_chunk(first_stage)
             ids = batch["input_ids"][b0:b1]
-            embeds = _text_embeds(model, ids)
+            embeds = text_embeds(model, ids)
             placeholders = int((ids == tiny.IMAGE_TOKEN_ID).sum())
             if placeholders == 0:
                 assert chunk is None
@@ -294,7 +268,7 @@ class _TowerCalls:
 
 def test_wrong_image_sizes_raise_before_encoder(model, batch, adapter):
     ids = batch["input_ids"][0:2]
-    embeds = _text_embeds(model, ids)
+    embeds = text_embeds(model, ids)
     sizes = batch["image_sizes"][0:3].clone()
     sizes[0] = torch.tensor([30, 10])  # 40 tokens instead of 34
     chunk = VlmMediaChunk(batch["pixel_values"][0:3], sizes, None, None)
@@ -306,7 +280,7 @@ def test_wrong_image_sizes_raise_before_encoder(model, batch, adapter):
 
 def test_missing_image_raises_before_encoder(model, batch, adapter):
     ids = batch["input_ids"][0:2]  # 3 images: 178 placeholders
-    embeds = _text_embeds(model, ids)
+    embeds = text_embeds(model, ids)
     chunk = VlmMediaChunk(batch["pixel_values"][0:2], batch["image_sizes"][0:2], None, None)
     with _TowerCalls(model) as tower, pytest.raises(ValueError) as err:
         adapter.merge(model, ids, embeds, chunk)
@@ -317,12 +291,12 @@ def test_missing_image_raises_before_encoder(model, batch, adapter):
 def test_placeholders_without_media_raise(model, batch, adapter):
     ids = batch["input_ids"][0:2]
     with pytest.raises(ValueError, match="178"):
-        adapter.merge(model, ids, _text_embeds(model, ids), None)
+        adapter.merge(model, ids, text_embeds(model, ids), None)
 
 
 def test_bad_crop_layouts_raise_before_encoder(model, batch, adapter):
     ids = batch["input_ids"][0:2]
-    embeds = _text_embeds(model, ids)
+    embeds = text_embeds(model, ids)
     sizes = batch["image_sizes"][0:3]
     flat = _flat(VlmMediaChunk(batch["pixel_values"][0:3], sizes, None, None))
     short_flat = VlmMediaChunk(flat.pixel_values[:-1], sizes, None, None)
@@ -342,5 +316,5 @@ def test_bad_crop_layouts_raise_before_encoder(model, batch, adapter):
 
 def test_chunk_none_returns_inputs_embeds(model, batch, adapter):
     ids = batch["input_ids"][4:6]  # text-only samples
-    embeds = _text_embeds(model, ids)
+    embeds = text_embeds(model, ids)
     assert adapter.merge(model, ids, embeds, None) is embeds

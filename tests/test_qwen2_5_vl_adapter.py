@@ -15,7 +15,6 @@ import torch
 
 import ppmedia
 from ppmedia import VlmMediaChunk, next_vlm_media_chunk
-from ppmedia.adapters.qwen2_5_vl import Qwen2_5_VLAdapter
 from ppmedia.tiny import capture_merged_embeds
 from ppmedia.tiny import qwen2_5_vl as tiny
 
@@ -25,26 +24,6 @@ VIDEOS_PER_SAMPLE = [0, 0, 1, 1, 0, 0, 0, 1]
 IMAGE_TOKENS = 4 + 6 + 1 + 6 + 16 + 2 + 2
 VIDEO_TOKENS = 8 + 4 + 4
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def adapter() -> Qwen2_5_VLAdapter:
-    return Qwen2_5_VLAdapter()
-
-
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
-    return tiny.build_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def batch() -> dict[str, torch.Tensor]:
-    return tiny.build_batch(seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(model, batch) -> torch.Tensor:
-    return capture_merged_embeds(model, **tiny.reference_inputs(batch))
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,10 @@ import torch
 import ppmedia
 from ppmedia import HostReadCounter, VlmMediaChunk, next_vlm_media_chunk
 from ppmedia.adapters.base import VlmAdapter
-from ppmedia.adapters.step3 import Step3Adapter, tokens_per_view
+from ppmedia.adapters.step3 import tokens_per_view
 from ppmedia.tiny import capture_merged_embeds
 from ppmedia.tiny import step3 as tiny
+from conftest import text_embeds
 
 ATOL = 1e-5
 IMAGES_PER_SAMPLE = [1, 1, 1, 1, 0, 0, 1, 1]
@@ -25,34 +26,8 @@ CROPS_PER_IMAGE = [2, 0, 4, 2, 3, 6]
 NEWLINES_PER_SAMPLE = [0, 0, 1, 1, 0, 0, 0, 2]
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return tiny.build_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def batch():
-    return tiny.build_batch(seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(model, batch):
-    return capture_merged_embeds(model, **tiny.reference_inputs(batch))
-
-
-@pytest.fixture(scope="module")
-def adapter():
-    return Step3Adapter()
-
-
-def _embed(model, input_ids):
-    with torch.no_grad():
-        return model.get_input_embeddings()(input_ids)
-
-
 def _merge(adapter, model, input_ids, chunk):
-    embeds = _embed(model, input_ids)
+    embeds = text_embeds(model, input_ids)
     with torch.no_grad():
         return embeds, adapter.merge(model, input_ids, embeds, chunk)
 
