@@ -132,7 +132,11 @@ class VlmAdapter(abc.ABC):
         self._check_counts(masks, expected)
         if chunk is None:
             return inputs_embeds
-        features = self.encode(model, chunk)
+        return self.scatter(inputs_embeds, masks, self.encode(model, chunk))
+
+    @staticmethod
+    def scatter(inputs_embeds: Tensor, masks: Mapping[str, Tensor], features: Mapping[str, Tensor]) -> Tensor:
+        """``inputs_embeds`` ``[b, S, H]`` with each modality's features ``[tokens, H]`` at its mask."""
         for modality, feats in features.items():
             mask = masks[modality].unsqueeze(-1).expand_as(inputs_embeds)
             inputs_embeds = inputs_embeds.masked_scatter(mask, feats.to(inputs_embeds.dtype))

@@ -186,9 +186,7 @@ class Step3Adapter(VlmAdapter):
         per_image = self._check_and_split(chunk, mask, expected, _vision_patch(config))
         if not per_image:
             return inputs_embeds  # no image in this microbatch (e.g. only num_patches zeros staged)
-        features = self.encode(model, chunk, num_local_patches=per_image)["image"]
-        full_mask = mask.unsqueeze(-1).expand_as(inputs_embeds)
-        return inputs_embeds.masked_scatter(full_mask, features.to(inputs_embeds.dtype))
+        return self.scatter(inputs_embeds, {"image": mask}, self.encode(model, chunk, num_local_patches=per_image))
 
     @staticmethod
     def _check_and_split(chunk: VlmMediaChunk, mask: Tensor, expected: int, patch: int) -> list[int]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "capture_merged_embeds", "load"]
+__all__ = ["FAMILIES", "capture_merged_embeds", "load", "seeded"]
 
 #: family name -> module name under ``ppmedia.tiny``.
 FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl")
@@ -35,6 +35,12 @@ def load(family: str) -> ModuleType:
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(FAMILIES)}")
     return importlib.import_module(f"{__name__}.{family}")
+
+
+def seeded(model_class: type, config: Any, seed: int) -> torch.nn.Module:
+    """``model_class(config)`` with weights drawn after ``torch.manual_seed(seed)``, float32, eval mode."""
+    torch.manual_seed(seed)
+    return model_class(config).to(torch.float32).eval()
 
 
 def capture_merged_embeds(model: torch.nn.Module, **inputs: Any) -> Tensor:

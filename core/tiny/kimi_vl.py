@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import seeded
+
 __all__ = [
     "BOS_TOKEN_ID",
     "EOS_TOKEN_ID",
@@ -156,9 +158,7 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     config._attn_implementation = "eager"
     config.vision_config._attn_implementation = "eager"
     config.text_config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = Kimi_K25ForConditionalGeneration(config)
-    return model.to(torch.float32).eval()
+    return seeded(Kimi_K25ForConditionalGeneration, config, seed)
 
 
 def build_batch(seed: int = 0) -> dict[str, Tensor]:

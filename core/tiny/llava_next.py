@@ -43,6 +43,8 @@ from transformers.models.llava_next.modeling_llava_next import (
     unpad_image,
 )
 
+from . import seeded
+
 __all__ = [
     "IMAGE_TOKEN_ID",
     "IMAGES_PER_SAMPLE",
@@ -123,10 +125,7 @@ def build_config() -> LlavaNextConfig:
 
 def build_model(seed: int = 0) -> LlavaNextForConditionalGeneration:
     """The tiny model, float32, eval mode, weights drawn after ``torch.manual_seed(seed)``."""
-    config = build_config()
-    torch.manual_seed(seed)
-    model = LlavaNextForConditionalGeneration(config)
-    return model.float().eval()
+    return seeded(LlavaNextForConditionalGeneration, build_config(), seed)
 
 
 def crops_per_image(image_size: tuple[int, int]) -> int:

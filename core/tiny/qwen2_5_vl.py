@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import seeded
+
 __all__ = [
     "BOS_TOKEN_ID",
     "EOS_TOKEN_ID",
@@ -132,10 +134,7 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     """A :class:`~transformers.Qwen2_5_VLForConditionalGeneration`, float32, eval mode, seeded."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    config = build_config()
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    return model.to(torch.float32).eval()
+    return seeded(Qwen2_5_VLForConditionalGeneration, build_config(), seed)
 
 
 def _tokens(grid: tuple[int, int, int]) -> int:

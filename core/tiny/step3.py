@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import seeded
+
 __all__ = [
     "CROP_GRIDS",
     "CROP_SIZE",
@@ -132,9 +134,7 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     """``Step3p7ForConditionalGeneration`` from :func:`build_config`, float32, eval mode."""
     from transformers import Step3p7ForConditionalGeneration
 
-    config = build_config()
-    torch.manual_seed(seed)
-    return Step3p7ForConditionalGeneration(config).to(torch.float32).eval()
+    return seeded(Step3p7ForConditionalGeneration, build_config(), seed)
 
 
 def _newline_mask(columns: int, rows: int) -> list[bool]:
