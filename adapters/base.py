@@ -147,10 +147,12 @@ class VlmAdapter(abc.ABC):
         # One host read for every count of the microbatch: the placeholder sums, and whatever feature
         # count needs tensor data (a 0-dim tensor, or a HostCount's metadata), are read together.
         names = sorted(set(masks) | set(expected))
-        placeholder_sums = [masks[name].sum() for name in names if name in masks]
-        pending: list[Tensor] = [torch.stack(placeholder_sums)] if placeholder_sums else []
+        with_mask = [masks[name] for name in names if name in masks]
+        pending: list[Tensor] = []
+        if with_mask:  # one sum over all masks: [modalities, b, S] -> [modalities]
+            pending.append(with_mask[0].sum().reshape(1) if len(with_mask) == 1 else torch.stack(with_mask).sum((1, 2)))
         slots: dict[tuple[str, str], slice] = {}
-        offset = len(placeholder_sums)
+        offset = len(with_mask)
         for i, name in enumerate(n for n in names if n in masks):
             slots[(name, "placeholders")] = slice(i, i + 1)
         for name in names:

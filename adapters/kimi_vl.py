@@ -139,7 +139,7 @@ class KimiVLAdapter(VlmAdapter):
         if inner is not None and hasattr(inner, "get_image_features") and hasattr(inner, "vision_tower"):
             tower = inner.vision_tower
             if grid.shape[-1] == 2:
-                grid = torch.cat([grid.new_ones((grid.shape[0], 1)), grid], dim=-1)
+                grid = torch.nn.functional.pad(grid, (1, 0), value=1)  # t = 1 column
             pixels = _as_tower_dtype(pixels, tower)
             out = inner.get_image_features(pixels, image_grid_thw=grid, return_dict=True)
             features = out.pooler_output

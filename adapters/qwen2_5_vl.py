@@ -47,7 +47,7 @@ def _grid_thw(grid: Tensor | None, what: str) -> Tensor | None:
         raise ValueError(f"{what} must be [n, 3] (t, h, w) or [n, 2] (h, w); got shape {tuple(grid.shape)}")
     if grid.shape[1] == 3:
         return grid
-    return torch.cat([grid.new_ones((grid.shape[0], 1)), grid], dim=1)
+    return torch.nn.functional.pad(grid, (1, 0), value=1)  # t = 1 column
 
 
 def _rows(pixels: Tensor | None) -> int:

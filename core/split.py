@@ -94,22 +94,23 @@ class StagedMedia:
     image_rows: tuple[int, ...]
     video_rows: tuple[int, ...]
     crop_rows: tuple[int, ...]
-    chunks: dict[str, list[Tensor]] = field(init=False, repr=False, compare=False)
+    chunks: dict[str, list[Tensor]] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        self.chunks = {name: _views(tensor, self.ranges[name]) for name, tensor in self.tensors.items()}
+        if self.chunks is None:  # split_media passes the views it made; otherwise cut them from ranges
+            self.chunks = {name: _views(tensor, self.ranges[name]) for name, tensor in self.tensors.items()}
 
     def __len__(self) -> int:
         return self.n_microbatches
 
     def __getstate__(self) -> dict[str, Any]:
         # The views are rebuilt on unpickling: only the whole tensors travel (DataLoader workers).
-        state = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
-        return state
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "chunks"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             setattr(self, name, value)
+        self.chunks = None  # type: ignore[assignment]
         self.__post_init__()
 
     def staged_lists(self) -> dict[str, list[Tensor] | None]:
@@ -146,13 +147,16 @@ class StagedMedia:
         return self.map_tensors(lambda t: t.pin_memory())
 
 
-def _views(tensor: Tensor, ranges: Sequence[Range]) -> list[Tensor]:
+def _views(tensor: Tensor, ranges: Sequence[Range], sizes: Sequence[int] | None = None) -> list[Tensor]:
     """``[tensor[a:b] for a, b in ranges]``, as views of ``tensor``.
 
-    When the ranges tile dim 0 (the usual case), one ``split_with_sizes`` call makes every view at a
-    fraction of the cost of one slice each. Its views are multi-output views, which autograd forbids
-    to modify in place when they require grad, so a tensor that requires grad is sliced instead.
+    When the ranges tile dim 0 (the usual case; ``sizes``, their lengths, says so without a check),
+    one ``split_with_sizes`` call makes every view at a fraction of the cost of one slice each. Its
+    views are multi-output views, which autograd forbids to modify in place when they require grad,
+    so a tensor that requires grad is sliced instead.
     """
+    if sizes is not None and not tensor.requires_grad and tensor.dim() > 0:
+        return list(tensor.split_with_sizes(list(sizes)))
     flat = list(itertools.chain.from_iterable(ranges))
     starts, stops = flat[0::2], flat[1::2]
     if (
@@ -497,9 +501,13 @@ def split_media(
 
     for key in _MEDIA_KEY_SET.intersection(batch):
         del batch[key]
+    # each tiling field's per-microbatch lengths along dim 0 (num_patches' ranges do not tile)
+    sizes = {"pixel_values": image_rows, "image_grid": images, "pixel_values_videos": video_rows,
+             "video_grid": videos, "patch_pixel_values": crop_rows, "patch_newline_mask": crop_rows}
     return StagedMedia(
         n_microbatches=n,
         batch_size=B,
+        chunks={name: _views(t, ranges[name], sizes.get(name)) for name, t in tensors.items()},
         tensors={name: tensors[name] for name in _FIELDS if name in tensors},
         sources=sources,
         ranges=ranges,
