@@ -32,9 +32,9 @@ from transformers.image_processing_utils import select_best_resolution
 from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
 
 from ..chunk import VlmMediaChunk
-from .base import HostCount, VlmAdapter, config_value
+from .base import Count, HostCount, VlmAdapter, config_value
 
-__all__ = ["LlavaNextAdapter", "image_token_counts", "image_tokens"]
+__all__ = ["LlavaNextAdapter", "image_tokens"]
 
 
 def _geometry(config: Any) -> tuple[int, int, list[tuple[int, int]], bool]:
@@ -43,50 +43,6 @@ def _geometry(config: Any) -> tuple[int, int, list[tuple[int, int]], bool]:
     pinpoints = [(int(h), int(w)) for h, w in config_value(config, "image_grid_pinpoints")]
     strategy = getattr(config, "vision_feature_select_strategy", "default")
     return crop, crop // patch, pinpoints, strategy == "full"
-
-
-def image_token_counts(image_sizes: Tensor, config: Any) -> Tensor:
-    """Image tokens of each image, ``[images]`` int64 on ``image_sizes.device``, without a host read.
-
-    Mirrors the model's ``select_best_resolution``, ``get_anyres_image_grid_shape`` and ``unpad_image``
-    step by step in float64, so the float roundings (``int(width * scale)``, ``round(x, 7)``) are the
-    model's own. Needs float64 on the device (not on MPS).
-
-    Args:
-        image_sizes: ``[images, 2]`` original (height, width).
-        config: a ``LlavaNextConfig`` (or any config with the same fields).
-    """
-    crop, side, pinpoints, full = _geometry(config)
-    sizes = image_sizes.to(torch.float64)
-    height, width = sizes[:, 0], sizes[:, 1]
-    area = height * width
-
-    # select_best_resolution: most effective pixels, then least waste; the first listed wins ties.
-    best_h = torch.full_like(height, pinpoints[0][0])
-    best_w = torch.full_like(width, pinpoints[0][1])
-    max_effective = torch.zeros_like(height)
-    min_wasted = torch.full_like(height, float("inf"))
-    for pin_h, pin_w in pinpoints:
-        scale = torch.minimum(pin_w / width, pin_h / height)
-        effective = torch.minimum(torch.trunc(width * scale) * torch.trunc(height * scale), area)
-        wasted = pin_h * pin_w - effective
-        better = (effective > max_effective) | ((effective == max_effective) & (wasted < min_wasted))
-        max_effective = torch.where(better, effective, max_effective)
-        min_wasted = torch.where(better, wasted, min_wasted)
-        best_h = torch.where(better, torch.full_like(best_h, pin_h), best_h)
-        best_w = torch.where(better, torch.full_like(best_w, pin_w), best_w)
-
-    # the grid crops' feature map, then unpad_image to the original aspect ratio
-    map_h = torch.div(best_h, crop, rounding_mode="floor") * side
-    map_w = torch.div(best_w, crop, rounding_mode="floor") * side
-    wider = (width / height) > (map_w / map_h)
-    new_h = torch.trunc(torch.round(height * (map_w / width), decimals=7))
-    new_w = torch.trunc(torch.round(width * (map_h / height), decimals=7))
-    rows = torch.where(wider, map_h - 2 * torch.div(map_h - new_h, 2, rounding_mode="floor"), map_h)
-    cols = torch.where(wider, map_w, map_w - 2 * torch.div(map_w - new_w, 2, rounding_mode="floor"))
-
-    base = side * side + (1 if full else 0)  # "full" keeps the CLS row
-    return (base + rows * (cols + 1)).to(torch.int64)
 
 
 def image_tokens(height: int, width: int, config: Any) -> int:
@@ -176,7 +132,7 @@ class LlavaNextAdapter(VlmAdapter):
         return {"image": input_ids == config_value(config, "image_token_id", "image_token_index")}
 
     # -- media side -------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor | int]:
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Count]:
         """``{"image": n}``: a 0-dim int64 tensor on the sizes' device (depends on ``image_sizes`` only).
 
         Raises:
