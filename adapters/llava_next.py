@@ -133,7 +133,8 @@ class LlavaNextAdapter(VlmAdapter):
 
     # -- media side -------------------------------------------------------------------------
     def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Count]:
-        """``{"image": n}``: a 0-dim int64 tensor on the sizes' device (depends on ``image_sizes`` only).
+        """``{"image": HostCount(image_sizes, ...)}``: the tokens depend on ``image_sizes`` only; merge
+        reads them with the placeholder counts and counts on the host (:func:`image_tokens`).
 
         Raises:
             ValueError: the chunk carries videos, pixels without ``image_sizes``, or a padded-crops
