@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, MutableMapping, Sequence

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-import ppmedia
 from ppmedia import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES, next_vlm_media_chunk, split_media, stage_media
 
 

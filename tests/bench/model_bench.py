@@ -336,7 +336,7 @@ def adapter_parts(setup: FamilySetup) -> dict[str, float]:
     """What ``adapter.merge`` does besides the encoder and the scatter, summed over the media
     microbatches (seconds): placeholder masks, feature counts from the chunk, and the count check
     (the one host read per microbatch; Step3's own check also splits crops per image)."""
-    adapter, config, model = setup.adapter, setup.config, setup.model
+    adapter, config = setup.adapter, setup.config
     work = [(setup.ids[k], setup.chunks[k]) for k in setup.media_microbatches]
     prepared = [(adapter.placeholder_masks(ids, config), adapter.feature_counts(c, config)) for ids, c in work]
     if hasattr(adapter, "_check_and_split"):  # Step3
