@@ -123,9 +123,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------- demo
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from . import demo, parity
 
-    return demo.run(args)
+    code = demo.run(args)
+    if parity.launched_by_torchrun():
+        parity.exit_worker(code)  # this process was a gloo worker: skip the teardown (see exit_worker)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:

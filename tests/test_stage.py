@@ -92,44 +92,81 @@ class _Recorder(torch.nn.Module):
         return self.lin(x) + (0 if chunk is None else chunk.pixel_values.sum())
 
 
-@pytest.fixture
-def world_of_one():
+def _world_of_one(rank, port, out_path):
+    """In a spawned child: a one-rank gloo group and a real ScheduleGPipe without static shapes.
+
+    The child records what each first-stage forward got and writes it to ``out_path``; the tests
+    assert in the parent. It ends with ``exit_worker`` (no interpreter teardown after gloo).
+    """
+    import json
+
+    from ppmedia.parity import exit_worker
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    results = {}
+    try:
+        module = _Recorder()
+        stage = PipelineStage(module, 0, 1, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, 4, loss_fn=lambda out, target: out.sum())
+        steps = []
+        for _ in range(2):
+            with stage_media(stage, _staged()):
+                schedule.step(torch.zeros(8, 1), target=torch.zeros(8, 1))
+            steps.append({"seen": module.seen[:], "patched": "_prepare_forward_infra" in vars(stage)})
+            module.seen.clear()
+        results["stage"] = steps
+
+        module = _Recorder()
+        stage = PipelineStage(module, 0, 1, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, 4, loss_fn=lambda out, target: out.sum())
+        try:
+            with stage_media(module, _staged()):
+                schedule.step(torch.zeros(8, 1), target=torch.zeros(8, 1))
+            results["bare"] = {"raised": None}
+        except RuntimeError as exc:  # the schedule wraps the stage's error
+            cause = exc.__cause__
+            results["bare"] = {"raised": type(exc).__name__, "message": str(exc),
+                               "cause": type(cause).__name__, "cause_message": str(cause),
+                               "left": sorted(_attrs(module))}
+    finally:
+        dist.destroy_process_group()
+    with open(out_path, "w") as fh:
+        json.dump(results, fh)
+    exit_worker(0)
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    import json
+
+    import torch.multiprocessing as mp
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    out = tmp_path_factory.mktemp("world_of_one") / "results.json"
+    mp.spawn(_world_of_one, args=(port, str(out)), nprocs=1, join=True)
+    return json.loads(out.read_text())
 
 
 def test_shape_inference_forward_does_not_cost_a_chunk(world_of_one):
     """A real schedule without static shapes calls the first stage 5 times on its first step."""
-    module = _Recorder()
-    stage = PipelineStage(module, 0, 1, torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, 4, loss_fn=lambda out, target: out.sum())
-    for step in range(2):
-        staged = _staged()
-        with stage_media(stage, staged):
-            schedule.step(torch.zeros(8, 1), target=torch.zeros(8, 1))
-        expected = [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
-        # step 0: the shape-inference forward saw microbatch 0's media, then every microbatch its own
-        assert module.seen == ([expected[0]] if step == 0 else []) + expected
-        module.seen.clear()
-        assert "_prepare_forward_infra" not in vars(stage)
+    expected = [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    first, second = world_of_one["stage"]
+    # step 0: the shape-inference forward saw microbatch 0's media, then every microbatch its own
+    assert first["seen"] == [expected[0]] + expected
+    assert second["seen"] == expected
+    assert not first["patched"] and not second["patched"]  # the stage is left as it was
 
 
 def test_bare_module_loses_a_chunk_and_says_why(world_of_one):
-    module = _Recorder()
-    stage = PipelineStage(module, 0, 1, torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, 4, loss_fn=lambda out, target: out.sum())
-    with pytest.raises(RuntimeError, match="failed to run forward") as info:
-        with stage_media(module, _staged()):
-            schedule.step(torch.zeros(8, 1), target=torch.zeros(8, 1))
-    cause = info.value.__cause__  # the schedule wraps the stage's error
-    assert isinstance(cause, ValueError) and "microbatch 4" in str(cause) and "shape-inference forward" in str(cause)
-    assert _attrs(module) == set()
+    bare = world_of_one["bare"]
+    assert bare["raised"] == "RuntimeError" and "failed to run forward" in bare["message"]
+    assert bare["cause"] == "ValueError"
+    assert "microbatch 4" in bare["cause_message"] and "shape-inference forward" in bare["cause_message"]
+    assert bare["left"] == []
 
 
 def test_text_only_batch_needs_no_consumption(first_stage):
