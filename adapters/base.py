@@ -16,7 +16,21 @@ from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 
-__all__ = ["Count", "HostCount", "VlmAdapter", "config_value"]
+__all__ = ["Count", "HostCount", "VlmAdapter", "config_value", "inner_model"]
+
+
+def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> torch.nn.Module:
+    """The module that holds ``attribute``: ``model.model`` (a ``...ForConditionalGeneration``), or
+    ``model`` itself (the inner ``...Model``, or a remote-code model with the same members).
+
+    Raises ``TypeError`` naming ``expected`` when neither has it.
+    """
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, attribute):
+        return inner
+    if hasattr(model, attribute):
+        return model
+    raise TypeError(f"{type(model).__name__} has neither .model.{attribute} nor .{attribute}; expected {expected}")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from transformers.image_processing_utils import select_best_resolution
 from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
 
 from ..chunk import VlmMediaChunk
-from .base import Count, HostCount, VlmAdapter, config_value
+from .base import Count, HostCount, VlmAdapter, config_value, inner_model
 
 __all__ = ["LlavaNextAdapter", "image_tokens"]
 
@@ -85,18 +85,6 @@ def _crops_per_image(sizes: list[list[int]], config: Any) -> list[int]:
         best_h, best_w = select_best_resolution(size, [list(p) for p in pinpoints])
         counts.append(1 + (best_h // crop) * (best_w // crop))
     return counts
-
-
-def _inner_model(model: torch.nn.Module) -> torch.nn.Module:
-    inner = getattr(model, "model", None)
-    if inner is not None and hasattr(inner, "get_image_features"):
-        return inner
-    if hasattr(model, "get_image_features"):
-        return model
-    raise TypeError(
-        f"{type(model).__name__} has neither .model.get_image_features nor .get_image_features; "
-        f"expected a LlavaNextForConditionalGeneration or LlavaNextModel"
-    )
 
 
 class LlavaNextAdapter(VlmAdapter):
@@ -177,7 +165,7 @@ class LlavaNextAdapter(VlmAdapter):
             return {}
         if image_sizes is None:
             raise ValueError("llava_next chunk has pixel_values but no image sizes (image_grid)")
-        inner = _inner_model(model)
+        inner = inner_model(model, "get_image_features", "a LlavaNextForConditionalGeneration or LlavaNextModel")
         sizes = image_sizes.tolist()  # one host read for the whole chunk
         crops = _crops_per_image(sizes, model.config)
         if pixels.dim() == 5:

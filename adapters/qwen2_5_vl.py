@@ -22,21 +22,11 @@ from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 
-from .base import VlmAdapter, config_value
+from .base import VlmAdapter, config_value, inner_model
+
+_QWEN = "a Qwen2-VL-style model (Qwen2_5_VLForConditionalGeneration or its inner model)"
 
 __all__ = ["Qwen2_5_VLAdapter"]
-
-
-def _inner(model: torch.nn.Module) -> torch.nn.Module:
-    """The module holding ``visual`` and ``get_rope_index``: ``model.model``, or ``model`` itself."""
-    inner = getattr(model, "model", None)
-    if inner is not None and hasattr(inner, "visual"):
-        return inner
-    if hasattr(model, "visual"):
-        return model
-    raise AttributeError(
-        f"{type(model).__name__} has neither model.visual nor visual: not a Qwen2-VL-style model"
-    )
 
 
 def _grid_thw(grid: Tensor | None, what: str) -> Tensor | None:
@@ -138,7 +128,7 @@ class Qwen2_5_VLAdapter(VlmAdapter):
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:
         """Run ``visual`` once per present modality on exactly the chunk's rows and grids."""
-        visual = _inner(model).visual
+        visual = inner_model(model, "visual", _QWEN).visual
         dtype = next(visual.parameters()).dtype
         features: dict[str, Tensor] = {}
         for modality, pixels, grid in (
@@ -179,7 +169,7 @@ class Qwen2_5_VLAdapter(VlmAdapter):
         Also for a text-only microbatch (``chunk`` ``None``), so every microbatch gets positions of the
         same form as the full batch (padding positions are 0, as in ``get_rope_index``).
         """
-        inner = _inner(model)
+        inner = inner_model(model, "visual", _QWEN)
         image_id, video_id = self._token_ids(model.config)
         image_grid = video_grid = None
         if chunk is not None:
