@@ -21,12 +21,11 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-
 from .base import VlmAdapter, config_value, inner_model
 
-_QWEN = "a Qwen2-VL-style model (Qwen2_5_VLForConditionalGeneration or its inner model)"
-
 __all__ = ["Qwen2_5_VLAdapter"]
+
+_QWEN = "a Qwen2-VL-style model (Qwen2_5_VLForConditionalGeneration or its inner model)"
 
 
 def _grid_thw(grid: Tensor | None, what: str) -> Tensor | None:
