@@ -112,10 +112,6 @@ class StagedMedia:
         self.chunks = None  # type: ignore[assignment]
         self.__post_init__()
 
-    def staged_lists(self) -> dict[str, list[Tensor] | None]:
-        """Chunk field name -> the per-microbatch list (``None`` for a field the batch lacks)."""
-        return {name: self.chunks.get(name) for name in _FIELDS}
-
     def chunk(self, k: int) -> VlmMediaChunk | None:
         """Microbatch ``k``'s media as :func:`ppmedia.next_vlm_media_chunk` would return it."""
         if not 0 <= k < self.n_microbatches:
@@ -365,15 +361,10 @@ def split_media(
         n_images = grid.shape[0] if grid is not None and grid.dim() >= 1 else pixels.shape[0]
         if grid is not None:
             _check_image_grid(grid_key, grid, pixels)
-    image_counts = _counts("n_images_per_sample", "images_per_sample", media, images_per_sample, B, reader)
-    if pixels is not None and image_counts is None:
-        if n_images != B:
-            raise ValueError(
-                f"pixel_values: {n_images} images for a batch of {B} samples and nothing maps them to "
-                f"samples; expected n_images_per_sample [{B}] in the batch or images_per_sample= "
-                f"(e.g. an adapter's media_per_sample(input_ids, config))"
-            )
-        image_counts = [1] * B
+    image_counts = _counts(
+        "n_images_per_sample", "images_per_sample", media, images_per_sample, B, reader,
+        "pixel_values", n_images if pixels is not None else None, "images",
+    )
     grid_slot = reader.add(grid) if grid_key in _PATCH_GRID_KEYS else None
 
     # ---- videos
@@ -391,14 +382,10 @@ def split_media(
         if vgrid.dim() != 2 or vgrid.shape[1] != 3:
             raise ValueError(f"video_grid_thw: shape {_shape(vgrid)}; expected [videos, 3] (t, h, w)")
         n_videos = vgrid.shape[0]
-    video_counts = _counts("n_videos_per_sample", "videos_per_sample", media, videos_per_sample, B, reader)
-    if vpixels is not None and video_counts is None:
-        if n_videos != B:
-            raise ValueError(
-                f"pixel_values_videos: {n_videos} videos for a batch of {B} samples and nothing maps them "
-                f"to samples; expected n_videos_per_sample [{B}] in the batch or videos_per_sample="
-            )
-        video_counts = [1] * B
+    video_counts = _counts(
+        "n_videos_per_sample", "videos_per_sample", media, videos_per_sample, B, reader,
+        "pixel_values_videos", n_videos if vpixels is not None else None, "videos",
+    )
     vgrid_slot = reader.add(vgrid) if vgrid is not None else None
 
     # ---- Step3 crop patches
@@ -552,15 +539,35 @@ def _check_image_grid(key: str, grid: Tensor, pixels: Tensor) -> None:
 
 
 def _counts(
-    batch_key: str, arg_name: str, media: dict[str, Tensor], argument: Any, batch_size: int, reader: _HostReader
+    batch_key: str,
+    arg_name: str,
+    media: dict[str, Tensor],
+    argument: Any,
+    batch_size: int,
+    reader: _HostReader,
+    pixels_key: str,
+    items: int | None,
+    what: str,
 ) -> list[int] | int | None:
-    """The counts source: a list of ints, a reader slot (int) for a tensor, or None."""
+    """Items per sample: a list of ints, a reader slot (int) for a tensor, or None (no items).
+
+    From ``batch_key`` in the batch or ``argument``; else one per sample when ``items`` (the number
+    of images or videos, ``None`` when the batch has none) equals the batch size.
+    """
     in_batch = media.get(batch_key)
     if in_batch is not None and argument is not None:
         raise ValueError(f"{batch_key}: given both in the batch and as {arg_name}=; expected one")
     value = in_batch if in_batch is not None else argument
     if value is None:
-        return None
+        if items is None:
+            return None
+        if items != batch_size:
+            raise ValueError(
+                f"{pixels_key}: {items} {what} for a batch of {batch_size} samples and nothing maps them "
+                f"to samples; expected {batch_key} [{batch_size}] in the batch or {arg_name}= "
+                f"(e.g. an adapter's media_per_sample(input_ids, config))"
+            )
+        return [1] * batch_size
     counts = _counts_argument(batch_key if in_batch is not None else arg_name, value, batch_size)
     if isinstance(counts, Tensor):
         return _Slot(reader.add(counts))

@@ -243,3 +243,8 @@ def test_media_keys_cover_the_issue_list():
     assert set(MEDIA_KEYS) >= {"pixel_values", "image_grid_thw", "image_grid_hws", "image_sizes", "image_position_ids",
                                "pixel_values_videos", "video_grid_thw", "patch_pixel_values", "num_patches",
                                "patch_newline_mask", "n_images_per_sample", "n_videos_per_sample"}
+
+
+def test_videos_with_nothing_mapping_them_to_samples():
+    batch = {"input_ids": _ids(3), "pixel_values_videos": torch.randn(16, 3), "video_grid_thw": torch.tensor([[2, 2, 2], [2, 2, 2]])}
+    _raises(batch, r"pixel_values_videos: 2 videos for a batch of 3 samples.*n_videos_per_sample \[3\]")
