@@ -123,7 +123,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------- demo
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo, parity
+    from . import demo
+    from .testing import parity
 
     code = demo.run(args)
     if parity.launched_by_torchrun():
@@ -132,7 +133,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .tiny import FAMILIES
+    from .testing.tiny_models import FAMILIES
 
     parser = _Parser(prog="ppmedia", description="Pipeline-parallel media staging for vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from . import parity, tiny
+from .testing import parity
+from .testing import tiny_models as tiny
 
 __all__ = ["run"]
 

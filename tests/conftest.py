@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import ppmedia
-from ppmedia.tiny import capture_merged_embeds
+from ppmedia.testing.tiny_models import capture_merged_embeds
 
 
 @pytest.fixture
@@ -15,7 +15,7 @@ def same_storage(view: torch.Tensor, base: torch.Tensor) -> bool:
     return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
-# Family test modules import their tiny module as ``tiny`` (``from ppmedia.tiny import kimi_vl as tiny``);
+# Family test modules import their tiny module as ``tiny`` (``from ppmedia.testing.tiny_models import kimi_vl as tiny``);
 # these fixtures build that family's seeded model, batch and reference once per module.
 
 

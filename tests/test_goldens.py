@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import ppmedia
-from ppmedia.tiny import FAMILIES, capture_merged_embeds, load
+from ppmedia.testing.tiny_models import FAMILIES, capture_merged_embeds, load
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"

@@ -17,7 +17,7 @@ import torch
 from ppmedia import VlmMediaChunk, next_vlm_media_chunk, split_media, stage_media
 from ppmedia.adapters.base import VlmAdapter
 from ppmedia.adapters.kimi_vl import KimiVLAdapter
-from ppmedia.tiny import kimi_vl as tiny
+from ppmedia.testing.tiny_models import kimi_vl as tiny
 from conftest import text_embeds
 
 ATOL = 1e-5

@@ -21,7 +21,7 @@ from ppmedia import HostReadCounter, VlmMediaChunk, next_vlm_media_chunk
 from ppmedia.adapters.base import VlmAdapter
 from ppmedia.adapters.base import HostCount
 from ppmedia.adapters.llava_next import image_tokens
-from ppmedia.tiny import llava_next as tiny
+from ppmedia.testing.tiny_models import llava_next as tiny
 from conftest import text_embeds
 
 ATOL = 1e-5

@@ -42,7 +42,7 @@ def test_tests_folder_is_not_a_package():
 
 def test_py_typed_and_package_mapping():
     assert (pathlib.Path(ppmedia.__file__).parent / "py.typed").exists()
-    for name in ("ppmedia.registry", "ppmedia.adapters", "ppmedia.tiny", "ppmedia.fixtures"):
+    for name in ("ppmedia.registry", "ppmedia.adapters", "ppmedia.testing", "ppmedia.testing.tiny_models"):
         importlib.import_module(name)
 
 

@@ -3,7 +3,7 @@
 Every family's tiny batch (8 samples, 4 microbatches, microbatch 2 text-only) runs two consecutive
 training steps under GPipe, 1F1B and Interleaved1F1B (2 stages per rank), each with shapes inferred
 on the first step and with static input_args/output_args. One spawned pair per family runs all its
-scenarios (ppmedia.parity); the tests read its report. A few in-process tests check the stage split.
+scenarios (ppmedia.testing.parity); the tests read its report. A few in-process tests check the stage split.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import ppmedia
-import ppmedia.tiny as tiny
-from ppmedia.parity import ALL_SCENARIOS, ParityError, Scenario, microbatch_table, run_parity
+import ppmedia.testing.tiny_models as tiny
+from ppmedia.testing.parity import ALL_SCENARIOS, ParityError, Scenario, microbatch_table, run_parity
 from ppmedia.pipeline import (
     IGNORE_INDEX,
     build_stage_modules,

@@ -1,7 +1,7 @@
 """Qwen2.5-VL adapter against the model's own full-batch forward (tiny seeded model, images + videos).
 
 The reference for every microbatch is the full batch run through ``Qwen2_5_VLForConditionalGeneration``
-itself: the ``inputs_embeds`` its language model receives (``ppmedia.tiny.capture_merged_embeds``) and
+itself: the ``inputs_embeds`` its language model receives (``ppmedia.testing.tiny_models.capture_merged_embeds``) and
 the mrope positions of ``model.model.get_rope_index`` on the whole batch.
 """
 
@@ -15,8 +15,8 @@ import torch
 
 import ppmedia
 from ppmedia import VlmMediaChunk, next_vlm_media_chunk
-from ppmedia.tiny import capture_merged_embeds
-from ppmedia.tiny import qwen2_5_vl as tiny
+from ppmedia.testing.tiny_models import capture_merged_embeds
+from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
 
 # Known layout of tiny.build_batch() (see its module docstring).
 IMAGES_PER_SAMPLE = [1, 2, 0, 1, 0, 0, 1, 2]

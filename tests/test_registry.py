@@ -10,7 +10,7 @@ import torch
 import ppmedia
 from ppmedia.adapters.base import VlmAdapter
 from ppmedia.registry import AdapterRegistry, PluginError, UnknownModelTypeError
-from ppmedia.tiny import FAMILIES, capture_merged_embeds, load
+from ppmedia.testing.tiny_models import FAMILIES, capture_merged_embeds, load
 
 PLUGIN_DIR = pathlib.Path(__file__).parent / "plugin"
 

@@ -100,7 +100,7 @@ def _world_of_one(rank, port, out_path):
     """
     import json
 
-    from ppmedia.parity import exit_worker
+    from ppmedia.testing.parity import exit_worker
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,

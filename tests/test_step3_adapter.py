@@ -15,7 +15,7 @@ import ppmedia
 from ppmedia import HostReadCounter, VlmMediaChunk, next_vlm_media_chunk
 from ppmedia.adapters.base import VlmAdapter
 from ppmedia.adapters.step3 import tokens_per_view
-from ppmedia.tiny import step3 as tiny
+from ppmedia.testing.tiny_models import step3 as tiny
 from conftest import text_embeds
 
 ATOL = 1e-5

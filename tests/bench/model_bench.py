@@ -1,4 +1,4 @@
-"""Adapter overhead and the whole first stage, on the four tiny seeded models (``ppmedia.tiny``).
+"""Adapter overhead and the whole first stage, on the four tiny seeded models (``ppmedia.testing.tiny_models``).
 
 Each family's 8-sample tiny batch is split in 4 microbatches (``torch.tensor_split`` rows 2, 2, 2, 2;
 microbatch 2 is text-only). Everything runs under ``torch.no_grad()``.
@@ -29,7 +29,7 @@ from torch import Tensor
 
 import ppmedia
 from ppmedia import HostReadCounter, next_vlm_media_chunk, split_media, stage_media
-from ppmedia.tiny import FAMILIES, load
+from ppmedia.testing.tiny_models import FAMILIES, load
 
 from timing import Side, interleaved
 

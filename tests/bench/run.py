@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import ppmedia  # noqa: E402
-from ppmedia.tiny import FAMILIES  # noqa: E402
+from ppmedia.testing.tiny_models import FAMILIES  # noqa: E402
 
 import model_bench  # noqa: E402
 import staging_bench  # noqa: E402

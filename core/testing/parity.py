@@ -44,7 +44,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .tables import format_table
+from ..tables import format_table
 
 __all__ = [
     "ALL_SCENARIOS",
@@ -95,7 +95,7 @@ class Scenario:
     fault: str | None = None
 
     def __post_init__(self) -> None:
-        from .pipeline import SCHEDULES
+        from ..pipeline import SCHEDULES
 
         if self.schedule not in SCHEDULES:
             raise ValueError(f"scenario schedule: got {self.schedule!r}; expected one of {', '.join(SCHEDULES)}")
@@ -348,7 +348,7 @@ _table = format_table
 
 
 def _split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> Any:
-    from .split import split_media
+    from ..split import split_media
 
     images, videos = adapter.media_per_sample(batch["input_ids"], config)
     return split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
@@ -379,8 +379,8 @@ def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int) 
 
 def microbatch_table(family: str, n_microbatches: int = 4, seed: int = 0) -> list[MicrobatchInfo]:
     """What each microbatch of ``family``'s tiny batch holds (builds only the config, no model)."""
-    from . import tiny
-    from .registry import get_adapter
+    from . import tiny_models as tiny
+    from ..registry import get_adapter
 
     module = tiny.load(family)
     config = module.build_config()
@@ -423,8 +423,8 @@ def _microbatch_of(ids: torch.Tensor, input_ids: torch.Tensor, samples: Sequence
 def _run_scenario(
     family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any
 ) -> dict[str, Any]:
-    from .chunk import CURSOR_ATTRIBUTE
-    from .pipeline import (
+    from ..chunk import CURSOR_ATTRIBUTE
+    from ..pipeline import (
         SCHEDULES,
         build_schedule,
         count_valid_tokens,
@@ -436,8 +436,8 @@ def _run_scenario(
         sync_tied_gradients,
         tied_parameters,
     )
-    from .registry import get_adapter
-    from .stage import stage_media
+    from ..registry import get_adapter
+    from ..stage import stage_media
 
     import torch.distributed as dist
 
@@ -574,12 +574,12 @@ def _run_scenario(
 
 
 def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]:
-    from . import tiny
+    from . import tiny_models as tiny
 
     module = tiny.load(family)
     pristine = module.build_model(job.seed)
     batch = module.build_batch(job.seed)
-    from .registry import get_adapter
+    from ..registry import get_adapter
 
     infos = _microbatch_infos(get_adapter(pristine), pristine.config, dict(batch), job.n_microbatches)
     results = [
@@ -743,7 +743,7 @@ def launched_by_torchrun() -> bool:
 
 
 def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: int, world_size: int, steps: int) -> None:
-    from . import tiny
+    from . import tiny_models as tiny
 
     for family in families:
         if family not in tiny.FAMILIES:
@@ -839,16 +839,16 @@ def run_parity(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ppmedia.parity [FAMILY ...] [--scenario S ...] [--steps N] [--microbatches N]``.
+    """``python -m ppmedia.testing.parity [FAMILY ...] [--scenario S ...] [--steps N] [--microbatches N]``.
 
     Works as a plain command (spawns the workers) and under ``torchrun --nproc-per-node 2``.
     Prints the report (rank 0 only under torchrun); exit status 0 when every scenario passed.
     """
     import argparse
 
-    from . import tiny
+    from . import tiny_models as tiny
 
-    parser = argparse.ArgumentParser(prog="python -m ppmedia.parity", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ppmedia.testing.parity", description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
     parser.add_argument("--scenario", action="append", help="schedule[/shapes] (repeatable; default: gpipe and 1f1b, both shapes)")
     parser.add_argument("--steps", type=int, default=2)
