@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import torch
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["HostReadCounter"]
+__all__ = ["HostReadCounter", "HostReader"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 _READS = {
     torch.Tensor.item: "item",
@@ -47,3 +51,41 @@ class HostReadCounter(TorchFunctionMode):
         if name is not None:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+class HostReader:
+    """Collects integer tensors and reads them to the host together: one read per device.
+
+    ``handle = reader.add(t)`` for each tensor (any integer dtype, any shape), then ``reader.read()``
+    once; afterwards ``reader.values[handle]`` is ``t``'s data, flattened, as an int64 numpy array.
+    The producer (:func:`ppmedia.split_media`) and the adapters' count check both read through it.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[Tensor] = []
+        self._sizes: list[int] = []
+        self.values: list[list[int]] = []
+
+    def add(self, t: Tensor) -> int:
+        self._parts.append(t if t.dim() == 1 else t.reshape(-1))
+        self._sizes.append(t.numel())
+        return len(self._parts) - 1
+
+    def read(self) -> None:
+        parts = [p if p.dtype == torch.int64 else p.to(torch.int64) for p in self._parts]
+        self.values = [_EMPTY] * len(parts)
+        if not parts:
+            return
+        try:  # the usual case: everything on one device, one read
+            groups = [(list(range(len(parts))), torch.cat(parts) if len(parts) > 1 else parts[0])]
+        except RuntimeError:  # metadata on several devices: one read per device
+            by_device: dict[torch.device, list[int]] = {}
+            for i, part in enumerate(parts):
+                by_device.setdefault(part.device, []).append(i)
+            groups = [(indices, torch.cat([parts[i] for i in indices])) for indices in by_device.values()]
+        for indices, joined in groups:
+            flat = joined.cpu().numpy()  # the host read
+            offset = 0
+            for i in indices:
+                self.values[i] = flat[offset : offset + self._sizes[i]]
+                offset += self._sizes[i]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .chunk import VlmMediaChunk
+from .hostreads import HostReader
 
 __all__ = [
     "IMAGE_GRID_KEYS",
@@ -197,39 +198,6 @@ def _counts_argument(key: str, value: Any, batch_size: int) -> Tensor | list[int
     raise TypeError(f"{key}: got {type(value).__name__}; expected a [B] integer tensor or a sequence of ints")
 
 
-class _HostReader:
-    """Collects every integer tensor the split needs and reads them in one go (one host read per device)."""
-
-    def __init__(self) -> None:
-        self._parts: list[Tensor] = []
-        self._sizes: list[int] = []
-        self.values: list[list[int]] = []
-
-    def add(self, t: Tensor) -> int:
-        self._parts.append(t if t.dim() == 1 else t.reshape(-1))
-        self._sizes.append(t.numel())
-        return len(self._parts) - 1
-
-    def read(self) -> None:
-        parts = [p if p.dtype == torch.int64 else p.to(torch.int64) for p in self._parts]
-        self.values = [_EMPTY] * len(parts)
-        if not parts:
-            return
-        try:  # the usual case: everything on one device, one read
-            groups = [(list(range(len(parts))), torch.cat(parts) if len(parts) > 1 else parts[0])]
-        except RuntimeError:  # metadata on several devices: one read per device
-            by_device: dict[torch.device, list[int]] = {}
-            for i, part in enumerate(parts):
-                by_device.setdefault(part.device, []).append(i)
-            groups = [(indices, torch.cat([parts[i] for i in indices])) for indices in by_device.values()]
-        for indices, joined in groups:
-            flat = joined.cpu().numpy()  # the host read
-            offset = 0
-            for i in indices:
-                self.values[i] = flat[offset : offset + self._sizes[i]]
-                offset += self._sizes[i]
-
-
 def _diffs(offsets: np.ndarray) -> tuple[int, ...]:
     """``offsets[k + 1] - offsets[k]`` for every ``k``."""
     return tuple((offsets[1:] - offsets[:-1]).tolist())
@@ -342,7 +310,7 @@ def split_media(
     n = n_microbatches
     B = _batch_size(batch, media, batch_size)
     bounds = microbatch_bounds(B, n)
-    reader = _HostReader()
+    reader = HostReader()
 
     grid_keys = [k for k in IMAGE_GRID_KEYS if k in media]
     if len(grid_keys) > 1:
@@ -544,7 +512,7 @@ def _counts(
     media: dict[str, Tensor],
     argument: Any,
     batch_size: int,
-    reader: _HostReader,
+    reader: HostReader,
     pixels_key: str,
     items: int | None,
     what: str,
@@ -579,7 +547,7 @@ class _Slot(int):
 
 
 def _resolve_counts(
-    counts: list[int] | _Slot | None, reader: _HostReader, key: str, total: int, what: str, bounds: list[int]
+    counts: list[int] | _Slot | None, reader: HostReader, key: str, total: int, what: str, bounds: list[int]
 ) -> list[int]:
     if counts is None:
         return np.zeros(bounds[-1], dtype=np.int64)
