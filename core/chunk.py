@@ -44,6 +44,10 @@ class VlmMediaChunk:
         num_patches: Step3 ``[batch]``, each sample's crop-patch count; indexes ``patch_pixel_values``
             and ``patch_newline_mask``.
         patch_newline_mask: Step3 ``[patches]``, marks the crop patches that end a row.
+        second_per_grid_ts: ``[videos]``, seconds between two temporal patches of each video of the
+            chunk (Qwen2.5-VL / Qwen3-VL video timing for mrope positions), in video order. An
+            addition after the seven contract fields: optional, so the seven-argument constructor and
+            media staged by other libraries (which never set it) keep working.
     """
 
     pixel_values: Tensor | None
@@ -53,6 +57,7 @@ class VlmMediaChunk:
     patch_pixel_values: Tensor | None = None
     num_patches: Tensor | None = None
     patch_newline_mask: Tensor | None = None
+    second_per_grid_ts: Tensor | None = None
 
 
 #: chunk field -> the list attribute on the first stage module that stages it, in field order.
@@ -64,6 +69,7 @@ STAGED_ATTRIBUTES: dict[str, str] = {
     "patch_pixel_values": "_vlm_patch_pixel_values_chunks",
     "num_patches": "_vlm_num_patches_chunks",
     "patch_newline_mask": "_vlm_patch_newline_mask_chunks",
+    "second_per_grid_ts": "_vlm_second_per_grid_ts_chunks",
 }
 #: the attribute holding the index of the next microbatch to consume.
 CURSOR_ATTRIBUTE = "_vlm_chunk_idx"
@@ -111,7 +117,7 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
         k = getattr(module, CURSOR_ATTRIBUTE, None)
     if k is None:
         return None
-    try:  # the usual case: every list set on the module itself (one C call reads all seven)
+    try:  # the usual case: every list set on the module itself (one C call reads them all)
         lists: Iterable[object] = _read_lists(state)
     except KeyError:
         lists = [_lookup(module, state, name) for name in _ATTRS]

@@ -19,7 +19,14 @@ def test_dataclass_fields_in_contract_order():
         ("patch_pixel_values", None),
         ("num_patches", None),
         ("patch_newline_mask", None),
+        ("second_per_grid_ts", None),  # ppmedia's addition after the seven contract fields
     ]
+
+
+def test_seven_argument_constructor_still_works():
+    t = torch.zeros(1)
+    chunk = VlmMediaChunk(t, t, None, None, t, t, t)
+    assert chunk.patch_newline_mask is t and chunk.second_per_grid_ts is None
 
 
 def test_attribute_names_match_nemo_automodel_staging():
@@ -31,6 +38,7 @@ def test_attribute_names_match_nemo_automodel_staging():
         "patch_pixel_values": "_vlm_patch_pixel_values_chunks",
         "num_patches": "_vlm_num_patches_chunks",
         "patch_newline_mask": "_vlm_patch_newline_mask_chunks",
+        "second_per_grid_ts": "_vlm_second_per_grid_ts_chunks",  # ppmedia only; NeMo never sets it
     }
     assert CURSOR_ATTRIBUTE == "_vlm_chunk_idx"
 
