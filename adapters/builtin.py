@@ -1,18 +1,44 @@
-"""The built-in adapters, registered with the registry as the plugin ``ppmedia (built-in)``."""
+"""The built-in adapters: a plugin like any other, registered as ``ppmedia (built-in)``.
+
+:data:`ADAPTERS` has one row per ``config.model_type``: the adapter class as ``"module:Class"``,
+imported on the first lookup of that model type (``ppmedia.get_adapter("qwen2_5_vl")`` imports
+``ppmedia.adapters.qwen2_5_vl`` and no other family). To add a built-in family, add one row per model
+type its adapter declares in ``model_types`` (``tests/test_registry.py`` checks the rows against them).
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..registry.hookspecs import hookimpl
+
+#: ``config.model_type`` -> the adapter serving it, as ``"module:Class"`` (imported on first lookup).
+ADAPTERS: dict[str, str] = {
+    "qwen2_5_vl": "ppmedia.adapters.qwen2_5_vl:Qwen2_5_VLAdapter",
+    "qwen2_vl": "ppmedia.adapters.qwen2_5_vl:Qwen2_5_VLAdapter",
+    "llava_next": "ppmedia.adapters.llava_next:LlavaNextAdapter",
+    "step3_vl": "ppmedia.adapters.step3:Step3Adapter",
+    "step3p7": "ppmedia.adapters.step3:Step3Adapter",
+    "kimi_vl": "ppmedia.adapters.kimi_vl:KimiVLAdapter",
+    "kimi_k25": "ppmedia.adapters.kimi_vl:KimiVLAdapter",
+}
+
+#: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.
+MODEL_TYPE_ALIASES: dict[str, str] = {
+    "qwen2_5_vl_text": "qwen2_5_vl",
+    "qwen2_vl_text": "qwen2_vl",
+    "llava-next": "llava_next",
+    "kimi-vl": "kimi_vl",
+    "kimi_k2_5": "kimi_k25",
+    "step3v": "step3_vl",
+}
 
 
 @hookimpl
-def ppmedia_adapters() -> list[Any]:
-    """ppmedia's four families (imported here, on first registry use, not at ``import ppmedia``)."""
-    from .kimi_vl import KimiVLAdapter
-    from .llava_next import LlavaNextAdapter
-    from .qwen2_5_vl import Qwen2_5_VLAdapter
-    from .step3 import Step3Adapter
+def ppmedia_adapter_paths() -> dict[str, str]:
+    """The built-in families, imported on first lookup (see :data:`ADAPTERS`)."""
+    return dict(ADAPTERS)
 
-    return [Qwen2_5_VLAdapter, LlavaNextAdapter, Step3Adapter, KimiVLAdapter]
+
+@hookimpl
+def ppmedia_model_type_aliases() -> dict[str, str]:
+    """The built-ins' aliases (see :data:`MODEL_TYPE_ALIASES`)."""
+    return dict(MODEL_TYPE_ALIASES)

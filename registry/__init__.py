@@ -1,26 +1,33 @@
 """Adapter registry: pluggy hook specs, entry-point plugins, lookup by ``config.model_type``.
 
-The module-level functions use one process-wide :class:`AdapterRegistry`, built on first use
-(built-in adapters first, then the plugins of entry-point group ``ppmedia.adapters``, scanned once).
+The module-level functions use one process-wide :class:`AdapterRegistry`, built on first use: the
+built-ins (``ppmedia.adapters.builtin``, a lazy ``{model_type: "module:Class"}`` table), then the
+plugins of entry-point group ``ppmedia.adapters`` (scanned once), then the modules named in the
+``PPMEDIA_PLUGINS`` environment variable.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .hookspecs import hookimpl, hookspec
 from .registry import (
+    BUILTIN_PROVIDER,
     ENTRY_POINT_GROUP,
-    MODEL_TYPE_ALIASES,
+    PLUGINS_ENV_VAR,
     AdapterInfo,
     AdapterRegistry,
     PluginError,
     UnknownModelTypeError,
 )
 
+if TYPE_CHECKING:
+    from ..adapters.base import VlmAdapter
+
 __all__ = [
+    "BUILTIN_PROVIDER",
     "ENTRY_POINT_GROUP",
-    "MODEL_TYPE_ALIASES",
+    "PLUGINS_ENV_VAR",
     "AdapterInfo",
     "AdapterRegistry",
     "PluginError",
@@ -44,12 +51,15 @@ def default_registry() -> AdapterRegistry:
     return _default
 
 
-def get_adapter(x: Any) -> Any:
-    """The adapter for a model, a config or a ``model_type`` string.
+def get_adapter(x: Any) -> VlmAdapter:
+    """The adapter for a model, a config or a ``model_type`` string (aliases followed).
+
+    Only the module of the adapter found is imported (on its first lookup).
 
     Raises:
         UnknownModelTypeError: (a ``ValueError``) no adapter serves the type; lists the known ones.
         TypeError: ``x`` has no model type.
+        PluginError: a plugin failed to load, or the adapter's module failed to import.
     """
     return default_registry().get(x)
 
@@ -60,5 +70,5 @@ def register_adapter(adapter: Any, *, provider: str | None = None, override: boo
 
 
 def list_adapters() -> list[AdapterInfo]:
-    """Every registered adapter with its model types, layout and provider."""
+    """Every registered adapter with its model types, layout and provider (imports them all)."""
     return default_registry().list()

@@ -1,8 +1,13 @@
 """Registry: built-ins, alias table, run-time registration, entry-point plugins (faked like pluggy's tests)."""
 
 import importlib.metadata
+import json
+import os
 import pathlib
+import subprocess
 import sys
+import textwrap
+import typing
 
 import pytest
 import torch
@@ -36,7 +41,7 @@ def fake_dists(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distributions", distributions)
     monkeypatch.syspath_prepend(str(PLUGIN_DIR))
     yield dists, calls
-    for name in [m for m in sys.modules if m.startswith(("ppmedia_llava_plugin", "broken_plugin", "bad_plugin"))]:
+    for name in [m for m in sys.modules if m.startswith(("ppmedia_llava_plugin", "broken_plugin", "bad_plugin", "lazy_plugin"))]:
         del sys.modules[name]
 
 
@@ -212,7 +217,249 @@ def test_hookspecs_are_docstring_only_and_prefixed():
     from ppmedia.registry import hookspecs
 
     specs = [f for n, f in vars(hookspecs).items() if inspect.isfunction(f) and hasattr(f, "ppmedia_spec")]
-    assert {f.__name__ for f in specs} == {"ppmedia_adapters", "ppmedia_model_type_aliases"}
+    assert {f.__name__ for f in specs} == {"ppmedia_adapter_paths", "ppmedia_adapters", "ppmedia_model_type_aliases"}
     for f in specs:
         body = inspect.getsource(f).split('"""')
         assert len(body) == 3 and body[2].strip() == "", f.__name__
+
+
+# ---------------------------------------------------------------- lazy table (the built-ins, plugins' rows)
+
+_LOOKUP_SCRIPT = """
+import json, sys
+import ppmedia
+try:
+    ppmedia.get_adapter(sys.argv[1])
+except ValueError as exc:
+    error = str(exc)
+else:
+    error = None
+print(json.dumps({"modules": sorted(m for m in sys.modules if m.startswith(("ppmedia.adapters.", "transformers.models."))),
+                  "error": error}))
+"""
+
+
+def _lookups_in_fresh_processes(model_types):
+    env = {k: v for k, v in os.environ.items() if k != "PPMEDIA_PLUGINS"}
+    procs = {t: subprocess.Popen([sys.executable, "-c", _LOOKUP_SCRIPT, t], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=env) for t in model_types}
+    out = {}
+    for t, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        out[t] = json.loads(stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_a_lookup_imports_only_that_family():
+    from ppmedia.adapters.builtin import ADAPTERS
+
+    families = {path.split(":")[0] for path in ADAPTERS.values()}
+    seen = _lookups_in_fresh_processes(["qwen2_5_vl", "step3p7", "gpt2"])
+    qwen = seen["qwen2_5_vl"]["modules"]
+    assert [m for m in qwen if m in families] == ["ppmedia.adapters.qwen2_5_vl"]
+    assert not [m for m in qwen if m.startswith("transformers.models.") and "qwen" not in m], qwen  # no LLaVA-NeXT modeling
+    assert [m for m in seen["step3p7"]["modules"] if m in families] == ["ppmedia.adapters.step3"]
+    unknown = seen["gpt2"]
+    assert not [m for m in unknown["modules"] if m in families]  # the error lists types without importing any family
+    for known in ADAPTERS:
+        assert known in unknown["error"]
+
+
+def test_builtin_rows_match_the_adapters_model_types():
+    from ppmedia.adapters.builtin import ADAPTERS
+
+    registry = AdapterRegistry(entry_point_group=None, plugins_env=None)
+    by_path = {}
+    for model_type, path in ADAPTERS.items():
+        by_path.setdefault(path, set()).add(model_type)
+    for path, types in by_path.items():
+        adapter = registry.get(next(iter(types)))
+        assert set(adapter.model_types) == types, path
+        assert all(registry.get(t) is adapter for t in types)  # rows sharing a path share one adapter
+
+
+def test_builtin_aliases_come_through_the_hook():
+    import ppmedia.registry as registry_module
+    from ppmedia.adapters import builtin
+
+    assert not hasattr(registry_module, "MODEL_TYPE_ALIASES")  # no family knowledge in the generic registry
+    bare = AdapterRegistry(entry_point_group=None, builtins=False, plugins_env=None)
+    assert bare.aliases() == {} and bare.model_types() == []
+    with pytest.raises(UnknownModelTypeError, match="known model types: ."):
+        bare.get("kimi-vl")
+    full = AdapterRegistry(entry_point_group=None, plugins_env=None)
+    assert full.aliases() == builtin.MODEL_TYPE_ALIASES
+    assert full.get("kimi-vl").name == "kimi_vl"
+
+
+def test_get_adapter_is_typed():
+    from ppmedia.adapters.base import VlmAdapter
+    from ppmedia.registry import AdapterRegistry as Registry
+
+    assert typing.get_type_hints(ppmedia.get_adapter, localns={"VlmAdapter": VlmAdapter})["return"] is VlmAdapter
+    assert typing.get_type_hints(Registry.get, localns={"VlmAdapter": VlmAdapter})["return"] is VlmAdapter
+
+
+def _write(tmp_path, name, source):
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+
+
+_LAZY_IMPL = """
+    from tests_registry_support import Tiny
+    class LazyTiny(Tiny):
+        name = "lazy_tiny"
+        model_types = ("tiny_a", "tiny_b")
+"""
+
+
+@pytest.fixture
+def support(tmp_path, monkeypatch):
+    """An importable module with a minimal adapter class, plus tmp_path on sys.path for inline plugins."""
+    _write(tmp_path, "tests_registry_support", """
+        from ppmedia.adapters.base import VlmAdapter
+        class Tiny(VlmAdapter):
+            name = "tiny"
+            model_types = ("tiny",)
+            layout = "test"
+            def media_per_sample(self, input_ids, config): raise NotImplementedError
+            def placeholder_masks(self, input_ids, config): raise NotImplementedError
+            def feature_counts(self, chunk, config): raise NotImplementedError
+            def encode(self, model, chunk): raise NotImplementedError
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith(("tests_registry_support", "lazy_plugin"))]:
+        del sys.modules[name]
+
+
+def test_plugin_rows_are_imported_on_first_lookup(support):
+    _write(support, "lazy_plugin_impl", _LAZY_IMPL)
+    _write(support, "lazy_plugin", """
+        import ppmedia
+        @ppmedia.hookimpl
+        def ppmedia_adapter_paths():
+            return {"tiny_a": "lazy_plugin_impl:LazyTiny", "tiny_b": "lazy_plugin_impl:LazyTiny"}
+    """)
+    import lazy_plugin
+
+    registry = AdapterRegistry(entry_point_group=None, plugins_env=None)
+    registry.register_plugin(lazy_plugin, provider="lazy-tests")
+    assert "lazy_plugin_impl" not in sys.modules and registry.model_types()[-2:] == ["tiny_a", "tiny_b"]
+    adapter = registry.get("tiny_b")
+    assert "lazy_plugin_impl" in sys.modules and adapter.name == "lazy_tiny" and registry.get("tiny_a") is adapter
+    assert [(i.name, i.provider) for i in registry.list()][-1] == ("lazy_tiny", "lazy-tests")
+
+
+@pytest.mark.parametrize("row, problem", [
+    ("lazy_plugin_impl", r"'lazy_plugin_impl'; expected 'package.module:Class'"),
+    ("lazy_plugin_missing:LazyTiny", r"lazy_plugin_missing:LazyTiny \(model type 'tiny_a'\) failed to import: ModuleNotFoundError"),
+    ("lazy_plugin_impl:Nope", r"lazy_plugin_impl:Nope \(model type 'tiny_a'\) failed to import: AttributeError"),
+    ("lazy_plugin_impl:LazyTiny.name", r"got str 'lazy_tiny'; expected a ppmedia.adapters.base.VlmAdapter"),
+])
+def test_bad_plugin_rows_name_the_provider_and_the_row(support, row, problem):
+    _write(support, "lazy_plugin_impl", _LAZY_IMPL)
+    registry = AdapterRegistry(entry_point_group=None, plugins_env=None)
+
+    class Plugin:
+        @ppmedia.hookimpl
+        def ppmedia_adapter_paths(self):
+            return {"tiny_a": row}
+
+    with pytest.raises(PluginError, match=rf"^ppmedia plugin rows: .*{problem}") as info:
+        registry.register_plugin(Plugin(), provider="rows")
+        registry.get("tiny_a")
+    assert info.value.provider == "rows"
+
+
+def test_a_row_whose_class_does_not_serve_it(support):
+    _write(support, "lazy_plugin_impl", _LAZY_IMPL)
+
+    class Plugin:
+        @ppmedia.hookimpl
+        def ppmedia_adapter_paths(self):
+            return {"tiny_c": "lazy_plugin_impl:LazyTiny"}
+
+    registry = AdapterRegistry(entry_point_group=None, plugins_env=None)
+    registry.register_plugin(Plugin(), provider="rows")
+    with pytest.raises(PluginError, match=r"maps 'tiny_c' to lazy_plugin_impl:LazyTiny, whose model_types are \('tiny_a', 'tiny_b'\)"):
+        registry.get("tiny_c")
+
+
+def test_a_row_claiming_a_builtin_type_names_both_providers():
+    class Plugin:
+        @ppmedia.hookimpl
+        def ppmedia_adapter_paths(self):
+            return {"kimi_vl": "somewhere:Else"}
+
+    registry = AdapterRegistry(entry_point_group=None, plugins_env=None)
+    with pytest.raises(PluginError) as info:
+        registry.register_plugin(Plugin(), provider="claimer")
+    assert "model type 'kimi_vl' is claimed by two adapters: kimi_vl from ppmedia (built-in) and somewhere:Else from claimer" in str(info.value)
+    assert (info.value.provider, info.value.other_provider) == ("claimer", "ppmedia (built-in)")
+    assert registry.get("kimi_vl").name == "kimi_vl"
+
+
+# ---------------------------------------------------------------- hooks checked (pluggy's check_pending)
+
+class _Misspelled:
+    @ppmedia.hookimpl
+    def ppmedia_adapter(self):  # should be ppmedia_adapters
+        return [_Claims]
+
+
+def test_misspelled_hook_names_the_hook_and_the_provider():
+    registry = AdapterRegistry(entry_point_group=None, plugins_env=None)
+    plugin = _Misspelled()
+    with pytest.raises(PluginError) as info:
+        registry.register_plugin(plugin, provider="my-plugin 1.0")
+    assert str(info.value) == ("ppmedia plugin my-plugin 1.0: hook ppmedia_adapter is not a ppmedia hook; "
+                               "did you mean ppmedia_adapters?")
+    assert (info.value.provider, info.value.hook) == ("my-plugin 1.0", "ppmedia_adapter")
+    assert not registry.plugin_manager.is_registered(plugin)  # nothing of it stays
+    registry.register_plugin(_Unrelated(), provider="next")  # and the next plugin is not blamed for it
+
+
+class _Unrelated:
+    @ppmedia.hookimpl
+    def ppmedia_model_type_aliases(self):
+        return {"mine": "llava_next"}
+
+
+def test_misspelled_hook_in_an_entry_point_plugin(fake_dists, tmp_path, monkeypatch):
+    dists, _ = fake_dists
+    (tmp_path / "bad_plugin_typo.py").write_text(
+        "import ppmedia\n@ppmedia.hookimpl\ndef ppmedia_model_type_alias():\n    return {}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dists.append(FakeDist("typo-dist", ("typo", "bad_plugin_typo"), version="3.1"))
+    with pytest.raises(PluginError, match=r"^ppmedia plugin typo \(typo-dist 3.1\): hook ppmedia_model_type_alias is not a ppmedia hook; did you mean ppmedia_model_type_aliases\?$") as info:
+        AdapterRegistry().get("qwen2_5_vl")
+    assert info.value.hook == "ppmedia_model_type_alias"
+
+
+def test_unmarked_hook_and_hookless_plugins_are_errors():
+    class Unmarked:
+        def ppmedia_adapters(self):
+            return [_Claims]
+
+    registry = AdapterRegistry(entry_point_group=None, plugins_env=None)
+    with pytest.raises(PluginError, match=r"^ppmedia plugin u: ppmedia_adapters is not marked with @ppmedia.hookimpl"):
+        registry.register_plugin(Unmarked(), provider="u")
+    with pytest.raises(PluginError, match=r"^ppmedia plugin empty: provides no ppmedia hook"):
+        registry.register_plugin(object(), provider="empty")
+
+
+def test_plugins_named_in_the_environment(fake_dists, monkeypatch):
+    dists, _ = fake_dists
+    dists.append(FakeDist("ppmedia-llava-plugin", ("llava", "ppmedia_llava_plugin")))
+    monkeypatch.setenv("PPMEDIA_PLUGINS", "ppmedia_llava_plugin, ")
+    registry = AdapterRegistry()
+    assert [i.provider for i in registry.list() if i.name == "llava"] == ["llava (ppmedia-llava-plugin 0.1.0)"]  # once
+    monkeypatch.setenv("PPMEDIA_PLUGINS", "ppmedia_llava_plugin")
+    registry = AdapterRegistry(entry_point_group=None)
+    assert registry.get("llava_1_5").name == "llava"
+    assert [i.provider for i in registry.list() if i.name == "llava"] == ["ppmedia_llava_plugin (PPMEDIA_PLUGINS)"]
+    monkeypatch.setenv("PPMEDIA_PLUGINS", "no_such_plugin_module")
+    with pytest.raises(PluginError, match=r"^ppmedia plugin no_such_plugin_module \(PPMEDIA_PLUGINS\): module no_such_plugin_module failed to import"):
+        AdapterRegistry(entry_point_group=None).get("qwen2_5_vl")
