@@ -205,7 +205,7 @@ class AdapterRegistry:
                     self.register_plugin(plugin, provider)
             for name in os.environ.get(self._plugins_env or "", "").split(","):
                 if name.strip():
-                    self._register_module(name.strip(), f"{name.strip()} ({self._plugins_env})")
+                    self.register_module(name.strip(), f"{name.strip()} ({self._plugins_env})")
 
     def _load_entry_points(self) -> Iterable[tuple[Any, str]]:
         seen: set[tuple[str, str]] = set()
@@ -226,7 +226,9 @@ class AdapterRegistry:
                     ) from exc
                 yield plugin, provider
 
-    def _register_module(self, name: str, provider: str) -> None:
+    def register_module(self, name: str, provider: str | None = None) -> None:
+        """Import the plugin module ``name`` (dotted) and :meth:`register_plugin` it (provider default: ``name``)."""
+        provider = name if provider is None else provider
         try:
             plugin = importlib.import_module(name)
         except Exception as exc:

@@ -1,10 +1,34 @@
 """Testing kit for ppmedia and for authors of adapter plugins.
 
-* :mod:`ppmedia.testing.tiny_models`: tiny seeded transformers models and processor-style batches,
-  one module per built-in family;
+* :mod:`ppmedia.testing.tiny_models`: tiny seeded transformers models and processor-style batches, one
+  module per built-in family; :func:`~ppmedia.testing.tiny_models.load` also takes a plugin's own
+  tiny-family module (object or dotted name);
+* :mod:`ppmedia.testing.checks`: :func:`check_adapter`, an adapter through split -> stage -> consume ->
+  merge for several microbatch counts against the model's own full-batch merged embeddings;
+* :mod:`ppmedia.testing.goldens`: :func:`write_goldens` / :func:`check_goldens` (config, inputs and
+  expected embeddings as safetensors; regeneration bit for bit);
 * :mod:`ppmedia.testing.parity`: the multi-process pipeline parity harness (real
-  ``torch.distributed.pipelining`` schedules over gloo, compared with the model's own forward).
+  ``torch.distributed.pipelining`` schedules over gloo, compared with the model's own forward);
+  :func:`check_pipeline_parity` wraps it for any family;
+* :mod:`ppmedia.testing.kit`: :class:`FamilyKit`, all of the above for one family, built once;
+* :mod:`ppmedia.testing.pytest_plugin`: the pytest plugin (entry point ``pytest11``, fixture
+  ``ppmedia_kit``).
 
-Nothing here is needed to train: it imports transformers and spawns processes, and is only loaded
-when asked for.
+Nothing here is needed to train. Importing this package imports torch but not transformers; the tiny
+models import transformers when a family is loaded, and the parity harness spawns processes.
 """
+
+from .checks import AdapterMismatch, MicrobatchCheck, check_adapter
+from .goldens import check_goldens, write_goldens
+from .kit import FamilyKit, Kit, check_pipeline_parity
+
+__all__ = [
+    "AdapterMismatch",
+    "FamilyKit",
+    "Kit",
+    "MicrobatchCheck",
+    "check_adapter",
+    "check_goldens",
+    "check_pipeline_parity",
+    "write_goldens",
+]

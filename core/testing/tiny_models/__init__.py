@@ -1,4 +1,4 @@
-"""Built-in tiny seeded models and batches, one module per family.
+"""Built-in tiny seeded models and batches, one module per family; :func:`load` also takes a plugin's own.
 
 They back the golden fixtures (``fixtures/generate.py``), the tests and ``ppmedia demo``. Nothing is
 downloaded: every model is built from a config in code with a fixed seed.
@@ -13,6 +13,9 @@ Each family module defines:
   media keys :func:`ppmedia.split_media` reads; split in 4 microbatches, microbatch 2 (samples 4 and
   5) is text-only;
 * ``reference_inputs(batch)``: the keyword arguments of the model's own full-batch forward.
+
+A plugin's own tiny-family module follows the same protocol (:data:`PROTOCOL`); the parity harness
+needs its ``build_batch`` to hold 8 samples, like the built-ins'.
 """
 
 from __future__ import annotations
@@ -24,17 +27,53 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "capture_merged_embeds", "load", "seeded"]
+__all__ = ["FAMILIES", "PROTOCOL", "capture_merged_embeds", "family_name", "load", "seeded"]
 
-#: family name -> module name under ``ppmedia.tiny``.
+#: the built-in families: module names under ``ppmedia.testing.tiny_models``.
 FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl")
 
 
-def load(family: str) -> ModuleType:
-    """Import the tiny module of ``family`` (one of :data:`FAMILIES`)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(FAMILIES)}")
-    return importlib.import_module(f"{__name__}.{family}")
+#: what a tiny-family module must define (see the module docstring).
+PROTOCOL: tuple[str, ...] = ("MODEL_TYPE", "build_config", "build_model", "build_batch", "reference_inputs")
+
+
+def load(family: str | ModuleType) -> ModuleType:
+    """The tiny module of ``family``: a built-in name (one of :data:`FAMILIES`), the dotted name of a
+    plugin's own tiny-family module (``"my_plugin.tiny"``), or that module itself.
+
+    A dotted name is what crosses into spawned worker processes (the parity harness imports it there).
+
+    Raises:
+        ValueError: an unknown built-in name, or a dotted name that cannot be imported.
+        TypeError: the module lacks part of :data:`PROTOCOL` (the missing names are listed).
+    """
+    if isinstance(family, ModuleType):
+        module = family
+    elif not isinstance(family, str):
+        raise TypeError(f"tiny family: got {type(family).__name__}; expected a family name, a dotted module name or a module")
+    elif family in FAMILIES:
+        module = importlib.import_module(f"{__name__}.{family}")
+    elif "." in family:
+        try:
+            module = importlib.import_module(family)
+        except ImportError as exc:
+            raise ValueError(f"tiny family {family!r}: cannot import it: {exc}") from exc
+    else:
+        raise ValueError(
+            f"unknown family {family!r}; expected a built-in tiny family ({', '.join(FAMILIES)}) or the "
+            f"dotted name of a module defining {', '.join(PROTOCOL)}"
+        )
+    missing = [name for name in PROTOCOL if not hasattr(module, name)]
+    if missing:
+        raise TypeError(f"tiny family module {module.__name__} lacks {', '.join(missing)}; expected {', '.join(PROTOCOL)}")
+    return module
+
+
+def family_name(family: str | ModuleType) -> str:
+    """How results name ``family``: a built-in's name, else the module's dotted name."""
+    module = load(family)
+    prefix = f"{__name__}."
+    return module.__name__[len(prefix):] if module.__name__.startswith(prefix) else module.__name__
 
 
 def seeded(model_class: type, config: Any, seed: int) -> torch.nn.Module:

@@ -1,0 +1,192 @@
+"""An adapter against the model itself: split -> stage -> consume -> merge, for several microbatch counts.
+
+:func:`check_adapter` builds a tiny family's model and batch, takes the model's OWN full-batch merged
+embeddings as the reference (:func:`~ppmedia.testing.tiny_models.capture_merged_embeds`), then runs
+the batch the way a pipeline's first stage sees it::
+
+    images, videos = adapter.media_per_sample(input_ids, config)
+    staged = split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
+    with stage_media(first_stage, staged):
+        for k in range(n):                       # rows torch.tensor_split(range(B), n)[k]
+            chunk = next_vlm_media_chunk(first_stage)
+            merged = adapter.merge(model, input_ids[rows], embed(input_ids[rows]), chunk)
+            # merged must equal reference[rows] within atol
+
+Any difference, or any error on the way, is an :class:`AdapterMismatch` naming the family, the
+microbatch count, the microbatch and its samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+from . import tiny_models
+
+if TYPE_CHECKING:
+    from ..adapters.base import VlmAdapter
+
+__all__ = ["AdapterMismatch", "MicrobatchCheck", "check_adapter", "check_merges"]
+
+
+class AdapterMismatch(AssertionError):
+    """The adapter's merged embeddings differ from the model's own (or the path raised).
+
+    Attributes:
+        family: the family as results name it (``"llava_next"``, ``"my_plugin.tiny"``).
+        n_microbatches: the microbatch count of the failing split.
+        microbatch: the failing microbatch (``None``: the split or staging itself failed).
+    """
+
+    def __init__(self, message: str, family: str, n_microbatches: int, microbatch: int | None) -> None:
+        super().__init__(message)
+        self.family = family
+        self.n_microbatches = n_microbatches
+        self.microbatch = microbatch
+
+
+@dataclass(frozen=True)
+class MicrobatchCheck:
+    """One microbatch that matched: ``max_abs_diff`` between merged and reference embeddings."""
+
+    n_microbatches: int
+    microbatch: int
+    samples: tuple[int, int]
+    has_media: bool
+    max_abs_diff: float
+
+
+def _resolve_adapter(adapter: Any, model: torch.nn.Module) -> VlmAdapter:
+    if adapter is None:
+        from ..registry import get_adapter
+
+        return get_adapter(model)
+    return adapter() if isinstance(adapter, type) else adapter
+
+
+def _worst(diff: Tensor, rows: Tensor, masks: Mapping[str, Tensor]) -> str:
+    """Where ``diff`` ``[b, S, H]`` is largest: sample, token, and what the token is."""
+    per_token = diff.amax(dim=-1)
+    flat = int(per_token.argmax())
+    i, t = divmod(flat, per_token.shape[1])
+    kinds = [m for m, mask in masks.items() if bool(mask[i, t])]
+    what = f"a {'/'.join(kinds)} placeholder" if kinds else "a text token"
+    bad = int((per_token > 0).sum())
+    return f"worst at sample {int(rows[i])}, token {t} ({what}); {bad} of {per_token.numel()} tokens differ"
+
+
+def check_merges(
+    name: str,
+    adapter: VlmAdapter,
+    model: torch.nn.Module,
+    batch: Mapping[str, Tensor],
+    reference: Tensor,
+    n: int,
+    atol: float = 1e-5,
+) -> list[MicrobatchCheck]:
+    """One split of ``batch`` in ``n`` microbatches, each merged and compared with ``reference[rows]``.
+
+    ``name`` names the family in messages. Raises :class:`AdapterMismatch` at the first difference.
+    """
+    from ..split import split_media
+    from ..stage import stage_media
+
+    input_ids = batch["input_ids"]
+    where = f"{name} (adapter {adapter.name}), {n} microbatches"
+    stage = torch.nn.Module()
+    results: list[MicrobatchCheck] = []
+    with _blame(name, where, n, None):
+        images, videos = adapter.media_per_sample(input_ids, model.config)
+        staged = split_media(dict(batch), n, images_per_sample=images, videos_per_sample=videos)
+        # stage_media's exit checks that every staged chunk was consumed exactly once
+        with stage_media(stage, staged):
+            for k, rows in enumerate(torch.tensor_split(torch.arange(input_ids.shape[0]), n)):
+                results.append(_check_one(name, where, adapter, model, stage, input_ids, rows, reference, (n, k), atol))
+    return results
+
+
+def _check_one(
+    name: str, where: str, adapter: VlmAdapter, model: torch.nn.Module, stage: torch.nn.Module, input_ids: Tensor,
+    rows: Tensor, reference: Tensor, split: tuple[int, int], atol: float,
+) -> MicrobatchCheck:
+    from ..chunk import next_vlm_media_chunk
+
+    n, k = split
+
+    a, b = (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 0)
+    here = f"{where}, microbatch {k} (samples {a}..{b - 1})"
+    ids = input_ids[a:b]
+    with _blame(name, here, n, k), torch.no_grad():
+        chunk = next_vlm_media_chunk(stage)
+        merged = adapter.merge(model, ids, model.get_input_embeddings()(ids), chunk)
+    expected = reference[a:b]
+    if merged.shape != expected.shape:
+        raise AdapterMismatch(f"{here}: merged embeddings are {list(merged.shape)}; expected {list(expected.shape)}", name, n, k)
+    diff = (merged.detach().float() - expected.float()).abs()
+    worst = float(diff.max()) if diff.numel() else 0.0
+    if not worst <= atol:  # also catches NaN
+        masks = adapter.placeholder_masks(ids, model.config)
+        raise AdapterMismatch(
+            f"{here}: merged embeddings differ from the model's own by {worst:.3g} (atol {atol:g}); "
+            f"{_worst(diff, rows, masks)}",
+            name, n, k,
+        )
+    return MicrobatchCheck(n, k, (a, b), chunk is not None, worst)
+
+
+@contextlib.contextmanager
+def _blame(name: str, where: str, n: int, k: int | None) -> Iterator[None]:
+    """Re-raise an error of the adapter or the staging path as :class:`AdapterMismatch` saying where."""
+    try:
+        yield
+    except AdapterMismatch:
+        raise
+    except Exception as exc:
+        raise AdapterMismatch(f"{where}: {type(exc).__name__}: {exc}", name, n, k) from exc
+
+
+def check_adapter(
+    family: str | ModuleType,
+    *,
+    adapter: Any = None,
+    microbatches: Iterable[int] = (1, 2, 4),
+    seed: int = 0,
+    atol: float = 1e-5,
+    model: torch.nn.Module | None = None,
+    batch: Mapping[str, Tensor] | None = None,
+    reference: Tensor | None = None,
+) -> list[MicrobatchCheck]:
+    """Check an adapter against the model's own merge on a tiny family's batch, for each microbatch count.
+
+    Args:
+        family: a built-in tiny family name, a plugin's tiny-family module or its dotted name
+            (see :func:`ppmedia.testing.tiny_models.load`).
+        adapter: the adapter (instance or class); default: the registry's for the model.
+        microbatches: microbatch counts to split the batch into (each a real split, stage and merge).
+        seed: model and batch seed. ``model``, ``batch``, ``reference`` replace what the family builds
+            (e.g. a golden file's inputs and expected embeddings ``[B, S, hidden]``).
+        atol: largest absolute difference accepted per element.
+
+    Returns:
+        One :class:`MicrobatchCheck` per microbatch of every split.
+
+    Raises:
+        AdapterMismatch: (an ``AssertionError``) naming the family, microbatch count, microbatch and
+            samples, and where the embeddings differ most (sample, token, placeholder or text).
+    """
+    module = tiny_models.load(family)
+    name = tiny_models.family_name(module)
+    model = module.build_model(seed) if model is None else model
+    batch = module.build_batch(seed) if batch is None else batch
+    if reference is None:
+        reference = tiny_models.capture_merged_embeds(model, **module.reference_inputs(dict(batch)))
+    resolved = _resolve_adapter(adapter, model)
+    out: list[MicrobatchCheck] = []
+    for n in microbatches:
+        out += check_merges(name, resolved, model, batch, reference, n, atol)
+    return out
