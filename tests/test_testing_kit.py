@@ -1,0 +1,201 @@
+"""ppmedia.testing: tiny-family loading, the adapter check, golden files, the pytest plugin, the README's plugin test.
+
+The sabotaged adapters are real adapters with one deliberate bug each; the kit must name the family
+and the microbatch that shows it.
+"""
+
+import pathlib
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import ppmedia
+from ppmedia.testing import AdapterMismatch, FamilyKit, check_adapter, check_goldens, write_goldens
+from ppmedia.testing.tiny_models import PROTOCOL, family_name, load
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PLUGIN_DIR = ROOT / "tests" / "plugin"
+LLAVA = "ppmedia_llava_plugin.tiny"
+
+
+@pytest.fixture(scope="module")
+def plugin_path():
+    sys.path.insert(0, str(PLUGIN_DIR))
+    yield
+    sys.path.remove(str(PLUGIN_DIR))
+
+
+@pytest.fixture(scope="module")
+def llava(plugin_path):
+    """The example plugin's family with its adapter given directly (no registry involved)."""
+    from ppmedia_llava_plugin import LlavaAdapter
+
+    return FamilyKit(LLAVA, adapter=LlavaAdapter)
+
+
+# ---------------------------------------------------------------- tiny_models.load
+
+
+def test_load_takes_names_dotted_names_and_modules(plugin_path):
+    import ppmedia_llava_plugin.tiny as tiny
+
+    assert load("kimi_vl").__name__ == "ppmedia.testing.tiny_models.kimi_vl"
+    assert load(LLAVA) is tiny and load(tiny) is tiny
+    assert family_name("kimi_vl") == "kimi_vl" and family_name(tiny) == LLAVA
+
+
+def test_load_errors_say_what_is_expected():
+    with pytest.raises(ValueError, match=r"unknown family 'nope'; expected a built-in tiny family \(qwen2_5_vl, .*\) or the dotted name"):
+        load("nope")
+    with pytest.raises(ValueError, match=r"tiny family 'no_such.module': cannot import it"):
+        load("no_such.module")
+    partial = types.ModuleType("partial_family")
+    partial.MODEL_TYPE = "x"
+    partial.build_model = lambda seed=0: None
+    with pytest.raises(TypeError, match=r"partial_family lacks build_config, build_batch, reference_inputs; expected " + ", ".join(PROTOCOL)):
+        load(partial)
+    with pytest.raises(TypeError, match="got int"):
+        load(3)
+
+
+# ---------------------------------------------------------------- check_adapter
+
+
+def test_a_correct_adapter_passes_for_every_split(llava):
+    checks = llava.check_adapter(microbatches=[1, 2, 4, 8])
+    assert [(c.n_microbatches, c.microbatch) for c in checks][:4] == [(1, 0), (2, 0), (2, 1), (4, 0)]
+    assert len(checks) == 15 and max(c.max_abs_diff for c in checks) <= 1e-5
+    # samples 4 and 5 are text-only: with 4 microbatches, microbatch 2 has no media
+    assert [c.has_media for c in checks if c.n_microbatches == 4] == [True, True, False, True]
+    assert [c.samples for c in checks if c.n_microbatches == 4] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+def _sabotaged(base, **methods):
+    return type(f"Sabotaged{base.__name__}", (base,), methods)
+
+
+def test_features_in_the_wrong_order_are_caught(llava):
+    from ppmedia_llava_plugin import LlavaAdapter
+
+    def encode(self, model, chunk):  # the images' feature blocks in reverse order
+        features = LlavaAdapter.encode(self, model, chunk)["image"]
+        return {"image": features.reshape(chunk.pixel_values.shape[0], 16, -1).flip(0).reshape(features.shape)}
+
+    sabotaged = FamilyKit(LLAVA, adapter=_sabotaged(LlavaAdapter, encode=encode))
+    sabotaged.__dict__.update(model=llava.model, batch=llava.batch, reference=llava.reference)  # build once
+    with pytest.raises(AdapterMismatch, match=r", 8 microbatches, microbatch 1 \(samples 1..1\): merged embeddings differ"):
+        sabotaged.check_adapter(microbatches=[8])  # sample 1 is the one sample with two images
+    with pytest.raises(AdapterMismatch) as info:
+        sabotaged.check_adapter(microbatches=[4])
+    message = str(info.value)
+    # microbatch 0 (samples 0, 1) holds 3 images: the first microbatch with two images shows it
+    assert message.startswith(
+        "ppmedia_llava_plugin.tiny (adapter llava), 4 microbatches, microbatch 0 (samples 0..1): merged embeddings "
+        "differ from the model's own by "
+    ), message
+    assert re.search(r"worst at sample [01], token \d+ \(a image placeholder\); \d+ of \d+ tokens differ$", message), message
+    assert (info.value.family, info.value.n_microbatches, info.value.microbatch) == (LLAVA, 4, 0)
+
+
+def test_media_shifted_to_the_wrong_microbatch_are_caught(llava):
+    from ppmedia_llava_plugin import LlavaAdapter
+
+    def media_per_sample(self, input_ids, config):  # counts one sample late: images land in the wrong microbatch
+        images, videos = LlavaAdapter.media_per_sample(self, input_ids, config)
+        return images.roll(1), videos
+
+    sabotaged = FamilyKit(LLAVA, adapter=_sabotaged(LlavaAdapter, media_per_sample=media_per_sample))
+    sabotaged.__dict__.update(model=llava.model, batch=llava.batch, reference=llava.reference)
+    # 1 and 2 microbatches: the counts still add up per microbatch. 4: samples 0, 1 hold 3 images (48
+    # placeholder tokens) but the shifted counts give microbatch 0 only 2 images (32 feature rows)
+    with pytest.raises(AdapterMismatch, match=r"^ppmedia_llava_plugin.tiny \(adapter llava\), 4 microbatches, microbatch 0 "
+                       r"\(samples 0..1\): ValueError: image: .*48 placeholder tokens.*32") as info:
+        sabotaged.check_adapter(microbatches=[1, 2, 4])
+    assert info.value.microbatch == 0 and isinstance(info.value.__cause__, ValueError)
+
+
+def test_a_builtin_family_sabotaged(plugin_path):
+    adapter = ppmedia.get_adapter("qwen2_5_vl")
+
+    def encode(self, model, chunk):  # right count, rows shifted by one
+        return {k: torch.roll(v, 1, dims=0) for k, v in type(adapter).encode(self, model, chunk).items()}
+
+    with pytest.raises(AdapterMismatch, match=r"^qwen2_5_vl \(adapter qwen2_5_vl\), 4 microbatches, microbatch 0 \(samples 0..1\): merged"):
+        check_adapter("qwen2_5_vl", adapter=_sabotaged(type(adapter), encode=encode), microbatches=[4])
+
+
+# ---------------------------------------------------------------- goldens
+
+
+def test_the_kit_writes_the_projects_fixtures_bit_for_bit(tmp_path):
+    sizes = write_goldens("kimi_vl", tmp_path / "kimi_vl")
+    assert set(sizes) == {"config.json", "inputs.safetensors", "expected.safetensors"}
+    for name in sizes:
+        assert (tmp_path / "kimi_vl" / name).read_bytes() == (ROOT / "fixtures" / "kimi_vl" / name).read_bytes(), name
+    check_goldens("kimi_vl", ROOT / "fixtures" / "kimi_vl", microbatches=[1, 4])
+
+
+def test_goldens_that_do_not_regenerate_are_named(llava, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "llava"
+    with pytest.raises(AssertionError, match=r"no golden config.json, inputs.safetensors, expected.safetensors in .*write_goldens"):
+        llava.check_goldens(folder)
+    llava.write_goldens(folder)
+    llava.check_goldens(folder, microbatches=[2])
+    expected = load_file(str(folder / "expected.safetensors"))
+    expected["inputs_embeds"][3, 5, 7] += 1e-3
+    save_file(expected, str(folder / "expected.safetensors"))
+    with pytest.raises(AssertionError, match=r"expected.safetensors does not regenerate bit for bit: inputs_embeds max \|diff\| 0.001"):
+        llava.check_goldens(folder)
+    expected["inputs_embeds"][3, 5, 7] -= 1e-3 - 1e-7  # within atol now, not bit for bit
+    save_file(expected, str(folder / "expected.safetensors"))
+    llava.check_goldens(folder, microbatches=[4], bit_identical=False)
+
+
+# ---------------------------------------------------------------- the pytest plugin
+
+
+def test_pytest_plugin_loads_by_entry_point_without_transformers(tmp_path):
+    (tmp_path / "test_uses_kit.py").write_text(
+        "import sys\n"
+        "def test_fixture(ppmedia_kit, ppmedia_host_reads, tmp_path):\n"
+        "    assert 'ppmedia.testing.pytest_plugin' in sys.modules\n"
+        "    assert not [m for m in sys.modules if m.startswith('transformers')]\n"
+        "    assert ppmedia_kit.write_goldens\n"
+        "    import torch\n"
+        "    torch.ones(2).sum().item()\n"
+        "    assert ppmedia_host_reads.total == 1\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--ppmedia-write-goldens", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    off = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:ppmedia", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert off.returncode != 0 and "fixture 'ppmedia_kit' not found" in off.stdout
+
+
+def test_kit_fixture_caches_families(ppmedia_kit, plugin_path):
+    first = ppmedia_kit.family(LLAVA, plugins=["ppmedia_llava_plugin"])
+    assert ppmedia_kit.family(LLAVA, plugins=["ppmedia_llava_plugin"]) is first
+    assert ppmedia_kit.family(LLAVA) is not first
+    assert first.adapter.name == "llava"
+    assert [i.provider for i in first.registry.list() if i.name == "llava"] == ["ppmedia_llava_plugin (FamilyKit plugins)"]
+
+
+# ---------------------------------------------------------------- README
+
+
+def test_readme_shows_the_plugin_test_file_as_it_is():
+    readme = (ROOT / "README.md").read_text()
+    test_file = (PLUGIN_DIR / "tests" / "test_llava_plugin.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert test_file in blocks, "README 'Adding an architecture' must show tests/plugin/tests/test_llava_plugin.py verbatim"
