@@ -22,13 +22,20 @@ _READS = {
     torch.Tensor.__float__: "__float__",
     torch.Tensor.__index__: "__index__",
     torch.Tensor.numpy: "numpy",
+    torch.Tensor.__array__: "__array__",  # np.asarray(t), np.array(t)
+    torch.Tensor.__complex__: "__complex__",
+    torch.Tensor.__format__: "__format__",  # f"{t}"
+    torch.Tensor.__repr__: "__repr__",  # repr(t), str(t), print(t)
+    torch.Tensor.__contains__: "__contains__",  # x in t
 }
 
 
 class HostReadCounter(TorchFunctionMode):
     """A ``TorchFunctionMode`` that counts calls reading tensor data on the host.
 
-    Counted: ``item``, ``tolist``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``numpy``.
+    Counted: ``item``, ``tolist``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``numpy``,
+    and the conversions that read data too: ``__array__`` (``np.asarray(t)``), ``__complex__``,
+    ``__format__`` (``f"{t}"``), ``__repr__`` (``str(t)``, ``print(t)``), ``__contains__`` (``x in t``).
 
     Example::
 
