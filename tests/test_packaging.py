@@ -34,6 +34,26 @@ def test_wheel_lists_packages_explicitly(tmp_path):
     assert tops == {"ppmedia", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     names = zipfile.ZipFile(wheel).namelist()
     assert "ppmedia/py.typed" in names and "ppmedia/adapters/base.py" in names and "ppmedia/registry/__init__.py" in names
+    for module in ("checks", "goldens", "kit", "parity", "pytest_plugin", "tiny_models/__init__"):
+        assert f"ppmedia/testing/{module}.py" in names, module
+    assert not [n for n in names if n.endswith(".safetensors")]  # goldens are test data, not package data
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[pytest11]\nppmedia = ppmedia.testing.pytest_plugin" in text
+    assert "[console_scripts]\nppmedia = ppmedia.cli:main" in text
+
+
+def test_import_ppmedia_and_its_registry_without_transformers():
+    # transformers is imported by a tiny model or an adapter's module, never by the package or a lookup table
+    code = (
+        "import sys, ppmedia, ppmedia.testing, ppmedia.testing.pytest_plugin\n"
+        "reg = ppmedia.registry.default_registry(); types = reg.model_types()\n"
+        "assert 'qwen2_5_vl' in types, types\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_tests_folder_is_not_a_package():
@@ -42,7 +62,8 @@ def test_tests_folder_is_not_a_package():
 
 def test_py_typed_and_package_mapping():
     assert (pathlib.Path(ppmedia.__file__).parent / "py.typed").exists()
-    for name in ("ppmedia.registry", "ppmedia.adapters", "ppmedia.testing", "ppmedia.testing.tiny_models"):
+    for name in ("ppmedia.registry", "ppmedia.adapters", "ppmedia.testing", "ppmedia.testing.tiny_models",
+                 "ppmedia.testing.pytest_plugin"):
         importlib.import_module(name)
 
 
