@@ -72,3 +72,46 @@ def test_all_is_sorted_and_complete():
     public = {n for n in vars(ppmedia) if not n.startswith("_") and n not in {"annotations"}}
     modules = {n for n in public if isinstance(getattr(ppmedia, n), type(ppmedia))}
     assert public - modules - {"__version__"} <= set(ppmedia.__all__)
+
+
+def _readme_section(title):
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def test_readme_architecture_names_what_exists():
+    import re
+
+    section = _readme_section("Architecture")
+    modules = {"registry": "ppmedia.registry", "split": "ppmedia.split", "hostreads": "ppmedia.hostreads",
+               "stage": "ppmedia.stage", "pipeline": "ppmedia.pipeline", "chunk": "ppmedia.chunk",
+               "adapters/base": "ppmedia.adapters.base", "collate": "ppmedia.collate"}
+    tags = set(re.findall(r"\[([a-z/]+)\]", section))
+    assert tags == set(modules), tags
+    for name, module in [("get_adapter", "registry"), ("split_media", "split"), ("StagedMedia", "split"),
+                         ("HostReader", "hostreads"), ("stage_media", "stage"), ("StageModule", "pipeline"),
+                         ("next_vlm_media_chunk", "chunk"), ("collate_for_pipeline", "collate")]:
+        assert name in section and hasattr(importlib.import_module(modules[module]), name), name
+    base = importlib.import_module("ppmedia.adapters.base").VlmAdapter
+    for method in ("media_per_sample", "merge", "placeholder_masks", "feature_counts", "encode", "scatter", "position_ids"):
+        assert f"{method}" in section and hasattr(base, method), method
+    for attribute in ("_vlm_chunk_idx",):
+        assert attribute in section and attribute == ppmedia.CURSOR_ATTRIBUTE
+
+
+def test_readme_layout_names_files_that_exist():
+    import re
+
+    section = _readme_section("Development")
+    table = section[section.index("| folder |") : section.index("Tests run with")]
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if len(cells) < 3:
+            continue
+        folder = cells[0].strip("`")
+        assert (ROOT / folder).is_dir(), folder
+        for name in re.findall(r"`([a-z_0-9]+\.py|[a-z_]+/)`", cells[2]):
+            candidates = [ROOT / folder / name, ROOT / "tests" / name]
+            assert any(p.exists() for p in candidates), (folder, name)
