@@ -8,8 +8,9 @@ plugins of entry-point group ``ppmedia.adapters`` (scanned once), then the modul
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..adapters.base import VlmAdapter
 from .hookspecs import hookimpl, hookspec
 from .registry import (
     BUILTIN_PROVIDER,
@@ -20,9 +21,6 @@ from .registry import (
     PluginError,
     UnknownModelTypeError,
 )
-
-if TYPE_CHECKING:
-    from ..adapters.base import VlmAdapter
 
 __all__ = [
     "BUILTIN_PROVIDER",

@@ -14,15 +14,13 @@ import inspect
 import os
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping, Union
 
 import pluggy
 
+from ..adapters.base import VlmAdapter  # torch only: no family, no transformers
 from . import hookspecs
 from .hookspecs import PROJECT
-
-if TYPE_CHECKING:
-    from ..adapters.base import VlmAdapter
 
 __all__ = [
     "BUILTIN_PROVIDER",
@@ -129,8 +127,6 @@ def _import_path(path: str) -> Any:
 
 def _validated(adapter: Any, provider: str) -> AdapterInfo:
     """``adapter`` (a ``VlmAdapter`` subclass or instance) as an :class:`AdapterInfo`, or ``PluginError``."""
-    from ..adapters.base import VlmAdapter
-
     if isinstance(adapter, type) and issubclass(adapter, VlmAdapter):
         try:
             adapter = adapter()

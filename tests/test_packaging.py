@@ -106,12 +106,12 @@ def test_readme_layout_names_files_that_exist():
 
     section = _readme_section("Development")
     table = section[section.index("| folder |") : section.index("Tests run with")]
-    for row in table.splitlines()[2:]:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        if len(cells) < 3:
-            continue
-        folder = cells[0].strip("`")
+    rows = [row.strip().strip("|").split("|") for row in table.splitlines()[2:] if row.strip()]
+    checked = []
+    for cells in rows:
+        folder = cells[0].strip().strip("`")
         assert (ROOT / folder).is_dir(), folder
         for name in re.findall(r"`([a-z_0-9]+\.py|[a-z_]+/)`", cells[2]):
-            candidates = [ROOT / folder / name, ROOT / "tests" / name]
-            assert any(p.exists() for p in candidates), (folder, name)
+            assert (ROOT / folder / name).exists(), (folder, name)
+            checked.append(folder + name)
+    assert len(rows) == 6 and len(checked) >= 20, checked

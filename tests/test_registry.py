@@ -297,8 +297,9 @@ def test_get_adapter_is_typed():
     from ppmedia.adapters.base import VlmAdapter
     from ppmedia.registry import AdapterRegistry as Registry
 
-    assert typing.get_type_hints(ppmedia.get_adapter, localns={"VlmAdapter": VlmAdapter})["return"] is VlmAdapter
-    assert typing.get_type_hints(Registry.get, localns={"VlmAdapter": VlmAdapter})["return"] is VlmAdapter
+    assert typing.get_type_hints(ppmedia.get_adapter)["return"] is VlmAdapter
+    assert typing.get_type_hints(Registry.get)["return"] is VlmAdapter
+    assert typing.get_type_hints(ppmedia.registry.AdapterInfo)["adapter"] is VlmAdapter
 
 
 def _write(tmp_path, name, source):

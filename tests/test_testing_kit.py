@@ -199,3 +199,10 @@ def test_readme_shows_the_plugin_test_file_as_it_is():
     test_file = (PLUGIN_DIR / "tests" / "test_llava_plugin.py").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     assert test_file in blocks, "README 'Adding an architecture' must show tests/plugin/tests/test_llava_plugin.py verbatim"
+
+
+def test_public_names_are_sorted_and_exported():
+    import ppmedia.testing as testing
+
+    assert testing.__all__ == sorted(testing.__all__)
+    assert all(hasattr(testing, name) for name in testing.__all__)
