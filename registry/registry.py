@@ -125,6 +125,11 @@ def _import_path(path: str) -> Any:
     return target
 
 
+def _path_of(adapter: VlmAdapter) -> str:
+    cls = type(adapter)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 def _validated(adapter: Any, provider: str) -> AdapterInfo:
     """``adapter`` (a ``VlmAdapter`` subclass or instance) as an :class:`AdapterInfo`, or ``PluginError``."""
     if isinstance(adapter, type) and issubclass(adapter, VlmAdapter):
@@ -326,6 +331,12 @@ class AdapterRegistry:
             table[model_type] = entry
             return
         if isinstance(old, AdapterInfo) and isinstance(entry, AdapterInfo) and old.adapter is entry.adapter:
+            return
+        if isinstance(old, _Lazy) and isinstance(entry, AdapterInfo) and old.path == _path_of(entry.adapter):
+            # the class a row names, now imported and returned by ppmedia_adapters: one adapter for all its rows
+            for t, row in table.items():
+                if row == old and t in entry.model_types:
+                    table[t] = entry
             return
         old_name = self._describe(model_type, old)
         new_name = entry.name if isinstance(entry, AdapterInfo) else entry.path

@@ -464,3 +464,22 @@ def test_plugins_named_in_the_environment(fake_dists, monkeypatch):
     monkeypatch.setenv("PPMEDIA_PLUGINS", "no_such_plugin_module")
     with pytest.raises(PluginError, match=r"^ppmedia plugin no_such_plugin_module \(PPMEDIA_PLUGINS\): module no_such_plugin_module failed to import"):
         AdapterRegistry(entry_point_group=None).get("qwen2_5_vl")
+
+
+def test_a_class_named_by_a_row_and_returned_eagerly_is_one_adapter():
+    # e.g. a family added to adapters/builtin.py in both forms: no conflict, one adapter for its rows
+    from ppmedia.adapters.kimi_vl import KimiVLAdapter
+
+    class Plugin:
+        @ppmedia.hookimpl
+        def ppmedia_adapter_paths(self):
+            return {"kimi_vl": "ppmedia.adapters.kimi_vl:KimiVLAdapter", "kimi_k25": "ppmedia.adapters.kimi_vl:KimiVLAdapter"}
+
+        @ppmedia.hookimpl
+        def ppmedia_adapters(self):
+            return [KimiVLAdapter]
+
+    registry = AdapterRegistry(entry_point_group=None, builtins=False, plugins_env=None)
+    registry.register_plugin(Plugin(), provider="both-forms")
+    assert registry.get("kimi_vl") is registry.get("kimi_k25")
+    assert [i.name for i in registry.list()] == ["kimi_vl"]
