@@ -180,16 +180,16 @@ class AdapterRegistry:
         builtins: bool = True,
         plugins_env: str | None = PLUGINS_ENV_VAR,
     ) -> None:
-        self.plugin_manager = pluggy.PluginManager(PROJECT)
-        self.plugin_manager.add_hookspecs(hookspecs)
         self._group = entry_point_group
         self._builtins = builtins
         self._plugins_env = plugins_env
-        self._loaded = False
         self._lock = threading.RLock()
-        self._by_type: dict[str, _Entry] = {}
-        self._imported: dict[str, AdapterInfo] = {}  # path -> the adapter it gave (rows may share a path)
-        self._aliases: dict[str, tuple[str, str]] = {}
+        self.plugin_manager: pluggy.PluginManager
+        self._loaded: bool
+        self._by_type: dict[str, _Entry]
+        self._imported: dict[str, AdapterInfo]  # path -> the adapter it gave (rows may share a path)
+        self._aliases: dict[str, tuple[str, str]]  # alias -> (model type, provider)
+        self._reset()
 
     # ---------------------------------------------------------------- loading plugins
     def _ensure_loaded(self) -> None:
@@ -197,16 +197,28 @@ class AdapterRegistry:
             if self._loaded:
                 return
             self._loaded = True
-            if self._builtins:
-                from ..adapters import builtin
+            try:
+                if self._builtins:
+                    from ..adapters import builtin
 
-                self.register_plugin(builtin, BUILTIN_PROVIDER)
-            if self._group is not None:
-                for plugin, provider in self._load_entry_points():
-                    self.register_plugin(plugin, provider)
-            for name in os.environ.get(self._plugins_env or "", "").split(","):
-                if name.strip():
-                    self.register_module(name.strip(), f"{name.strip()} ({self._plugins_env})")
+                    self.register_plugin(builtin, BUILTIN_PROVIDER)
+                if self._group is not None:
+                    for plugin, provider in self._load_entry_points():
+                        self.register_plugin(plugin, provider)
+                for name in os.environ.get(self._plugins_env or "", "").split(","):
+                    if name.strip():
+                        self.register_module(name.strip(), f"{name.strip()} ({self._plugins_env})")
+            except BaseException:
+                self._reset()  # no half-loaded registry: the next use loads (and fails) again
+                raise
+
+    def _reset(self) -> None:
+        self.plugin_manager = pluggy.PluginManager(PROJECT)
+        self.plugin_manager.add_hookspecs(hookspecs)
+        self._loaded = False
+        self._by_type = {}
+        self._imported = {}
+        self._aliases = {}
 
     def _load_entry_points(self) -> Iterable[tuple[Any, str]]:
         seen: set[tuple[str, str]] = set()
