@@ -86,7 +86,7 @@ def test_features_in_the_wrong_order_are_caught(llava):
         return {"image": features.reshape(chunk.pixel_values.shape[0], 16, -1).flip(0).reshape(features.shape)}
 
     sabotaged = FamilyKit(LLAVA, adapter=_sabotaged(LlavaAdapter, encode=encode))
-    sabotaged.__dict__.update(model=llava.model, batch=llava.batch, reference=llava.reference)  # build once
+    sabotaged.__dict__.update(model=llava.model, batch=llava.batch, _captured=llava._captured)  # build once
     with pytest.raises(AdapterMismatch, match=r", 8 microbatches, microbatch 1 \(samples 1..1\): merged embeddings differ"):
         sabotaged.check_adapter(microbatches=[8])  # sample 1 is the one sample with two images
     with pytest.raises(AdapterMismatch) as info:
@@ -109,7 +109,7 @@ def test_media_shifted_to_the_wrong_microbatch_are_caught(llava):
         return images.roll(1), videos
 
     sabotaged = FamilyKit(LLAVA, adapter=_sabotaged(LlavaAdapter, media_per_sample=media_per_sample))
-    sabotaged.__dict__.update(model=llava.model, batch=llava.batch, reference=llava.reference)
+    sabotaged.__dict__.update(model=llava.model, batch=llava.batch, _captured=llava._captured)
     # 1 and 2 microbatches: the counts still add up per microbatch. 4: samples 0, 1 hold 3 images (48
     # placeholder tokens) but the shifted counts give microbatch 0 only 2 images (32 feature rows)
     with pytest.raises(AdapterMismatch, match=r"^ppmedia_llava_plugin.tiny \(adapter llava\), 4 microbatches, microbatch 0 "
@@ -118,14 +118,31 @@ def test_media_shifted_to_the_wrong_microbatch_are_caught(llava):
     assert info.value.microbatch == 0 and isinstance(info.value.__cause__, ValueError)
 
 
-def test_a_builtin_family_sabotaged(plugin_path):
-    adapter = ppmedia.get_adapter("qwen2_5_vl")
+@pytest.fixture(scope="module")
+def qwen():
+    return FamilyKit("qwen2_5_vl")
+
+
+def test_a_builtin_family_passes_with_its_positions(qwen):
+    checks = qwen.check_adapter(microbatches=[1, 2, 4])
+    assert len(checks) == 7 and qwen.positions is not None and qwen.positions.shape == (3, *qwen.batch["input_ids"].shape)
+
+
+def test_a_builtin_family_sabotaged(qwen):
+    base = type(qwen.adapter)
 
     def encode(self, model, chunk):  # right count, rows shifted by one
-        return {k: torch.roll(v, 1, dims=0) for k, v in type(adapter).encode(self, model, chunk).items()}
+        return {k: torch.roll(v, 1, dims=0) for k, v in base.encode(self, model, chunk).items()}
 
-    with pytest.raises(AdapterMismatch, match=r"^qwen2_5_vl \(adapter qwen2_5_vl\), 4 microbatches, microbatch 0 \(samples 0..1\): merged"):
-        check_adapter("qwen2_5_vl", adapter=_sabotaged(type(adapter), encode=encode), microbatches=[4])
+    def position_ids(self, model, input_ids, chunk, attention_mask=None):  # images' positions off by one
+        positions = base.position_ids(self, model, input_ids, chunk, attention_mask)
+        return positions + (input_ids == model.config.image_token_id).to(positions.dtype)
+
+    for sabotage, what in [(dict(encode=encode), "merged embeddings differ"), (dict(position_ids=position_ids), "position_ids")]:
+        kit = FamilyKit("qwen2_5_vl", adapter=_sabotaged(base, **sabotage))
+        kit.__dict__.update(model=qwen.model, batch=qwen.batch, _captured=qwen._captured)
+        with pytest.raises(AdapterMismatch, match=rf"^qwen2_5_vl \(adapter qwen2_5_vl\), 4 microbatches, microbatch 0 \(samples 0..1\): {what}"):
+            kit.check_adapter(microbatches=[4])
 
 
 # ---------------------------------------------------------------- goldens

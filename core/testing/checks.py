@@ -31,7 +31,7 @@ from . import tiny_models
 if TYPE_CHECKING:
     from ..adapters.base import VlmAdapter
 
-__all__ = ["AdapterMismatch", "MicrobatchCheck", "check_adapter", "check_merges"]
+__all__ = ["AdapterMismatch", "MicrobatchCheck", "capture_reference", "check_adapter", "check_merges"]
 
 
 class AdapterMismatch(AssertionError):
@@ -80,6 +80,43 @@ def _worst(diff: Tensor, rows: Tensor, masks: Mapping[str, Tensor]) -> str:
     return f"worst at sample {int(rows[i])}, token {t} ({what}); {bad} of {per_token.numel()} tokens differ"
 
 
+def capture_reference(model: torch.nn.Module, **inputs: Any) -> tuple[Tensor, Tensor | None]:
+    """Run ``model(**inputs)``; return what its language model got: ``inputs_embeds`` ``[B, S, hidden]``
+    (merged by the model itself) and ``position_ids`` (e.g. Qwen's mrope ``[3, B, S]``; ``None`` when
+    the model leaves positions to the language model)."""
+    captured: list[dict[str, Any]] = []
+
+    def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        captured.append({k: kwargs.get(k) for k in ("inputs_embeds", "position_ids")})
+
+    language_model: Any = getattr(model, "model").language_model
+    handle = language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise RuntimeError(f"expected one language-model call, saw {len(captured)}")
+    embeds, positions = captured[0]["inputs_embeds"], captured[0]["position_ids"]
+    return embeds.detach().clone(), None if positions is None else positions.detach().clone()
+
+
+@dataclass
+class _Split:
+    """What every microbatch of one split is checked against."""
+
+    name: str  # the family
+    where: str  # family, adapter, microbatch count: the start of every message
+    n: int
+    adapter: VlmAdapter
+    model: torch.nn.Module
+    batch: Mapping[str, Tensor]
+    reference: Tensor  # [B, S, hidden]
+    positions: Tensor | None  # [k, B, S] or [B, S], compared when the adapter computes positions
+    atol: float
+
+
 def check_merges(
     name: str,
     adapter: VlmAdapter,
@@ -88,67 +125,89 @@ def check_merges(
     reference: Tensor,
     n: int,
     atol: float = 1e-5,
+    positions: Tensor | None = None,
 ) -> list[MicrobatchCheck]:
-    """One split of ``batch`` in ``n`` microbatches, each merged and compared with ``reference[rows]``.
-
-    ``name`` names the family in messages. Raises :class:`AdapterMismatch` at the first difference.
+    """One split of ``batch`` in ``n`` microbatches, each merged and compared with ``reference[rows]``
+    (and, when ``positions`` is given and the adapter overrides ``position_ids``, its positions with
+    the model's own). ``name`` names the family in messages. Raises :class:`AdapterMismatch` at the
+    first difference.
     """
     from ..split import split_media
     from ..stage import stage_media
 
+    split = _Split(name, f"{name} (adapter {adapter.name}), {n} microbatches", n, adapter, model, batch, reference, positions, atol)
     input_ids = batch["input_ids"]
-    where = f"{name} (adapter {adapter.name}), {n} microbatches"
     stage = torch.nn.Module()
     results: list[MicrobatchCheck] = []
-    with _blame(name, where, n, None):
+    with _blame(split, None):
         images, videos = adapter.media_per_sample(input_ids, model.config)
         staged = split_media(dict(batch), n, images_per_sample=images, videos_per_sample=videos)
         # stage_media's exit checks that every staged chunk was consumed exactly once
         with stage_media(stage, staged):
             for k, rows in enumerate(torch.tensor_split(torch.arange(input_ids.shape[0]), n)):
-                results.append(_check_one(name, where, adapter, model, stage, input_ids, rows, reference, (n, k), atol))
+                results.append(_check_one(split, stage, k, rows))
     return results
 
 
-def _check_one(
-    name: str, where: str, adapter: VlmAdapter, model: torch.nn.Module, stage: torch.nn.Module, input_ids: Tensor,
-    rows: Tensor, reference: Tensor, split: tuple[int, int], atol: float,
-) -> MicrobatchCheck:
+def _check_one(split: _Split, stage: torch.nn.Module, k: int, rows: Tensor) -> MicrobatchCheck:
+    from ..adapters.base import VlmAdapter
     from ..chunk import next_vlm_media_chunk
 
-    n, k = split
-
     a, b = (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 0)
-    here = f"{where}, microbatch {k} (samples {a}..{b - 1})"
-    ids = input_ids[a:b]
-    with _blame(name, here, n, k), torch.no_grad():
+    here = f"{split.where}, microbatch {k} (samples {a}..{b - 1})"
+    ids, model, adapter = split.batch["input_ids"][a:b], split.model, split.adapter
+    with _blame(split, k, here), torch.no_grad():
         chunk = next_vlm_media_chunk(stage)
         embed = getattr(model, "get_input_embeddings")()  # a transformers model's token embedding
         merged = adapter.merge(model, ids, embed(ids), chunk)
-    expected = reference[a:b]
+    expected = split.reference[a:b]
     if merged.shape != expected.shape:
-        raise AdapterMismatch(f"{here}: merged embeddings are {list(merged.shape)}; expected {list(expected.shape)}", name, n, k)
+        raise AdapterMismatch(f"{here}: merged embeddings are {list(merged.shape)}; expected {list(expected.shape)}", split.name, split.n, k)
     diff = (merged.detach().float() - expected.float()).abs()
     worst = float(diff.max()) if diff.numel() else 0.0
-    if not worst <= atol:  # also catches NaN
+    if not worst <= split.atol:  # also catches NaN
         masks = adapter.placeholder_masks(ids, model.config)
         raise AdapterMismatch(
-            f"{here}: merged embeddings differ from the model's own by {worst:.3g} (atol {atol:g}); "
+            f"{here}: merged embeddings differ from the model's own by {worst:.3g} (atol {split.atol:g}); "
             f"{_worst(diff, rows, masks)}",
-            name, n, k,
+            split.name, split.n, k,
         )
-    return MicrobatchCheck(n, k, (a, b), chunk is not None, worst)
+    if split.positions is not None and type(adapter).position_ids is not VlmAdapter.position_ids:
+        _check_positions(split, here, k, rows, chunk)
+    return MicrobatchCheck(split.n, k, (a, b), chunk is not None, worst)
+
+
+def _check_positions(split: _Split, here: str, k: int, rows: Tensor, chunk: Any) -> None:
+    """The adapter's positions for the microbatch equal the model's own full-batch ones (exactly)."""
+    assert split.positions is not None
+    a, b = (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 0)
+    mask = split.batch.get("attention_mask")
+    with _blame(split, k, here), torch.no_grad():
+        got = split.adapter.position_ids(split.model, split.batch["input_ids"][a:b], chunk, None if mask is None else mask[a:b])
+    expected = split.positions[:, a:b] if split.positions.dim() == 3 else split.positions[a:b]
+    if got is None or got.shape != expected.shape or not torch.equal(got.to(expected.dtype), expected):
+        seen = "None" if got is None else f"{list(got.shape)}"
+        detail = ""
+        if got is not None and got.shape == expected.shape:
+            where = (got.to(expected.dtype) != expected).nonzero()[0].tolist()
+            *component, i, t = where
+            at = (f"component {component[0]}, " if component else "") + f"sample {a + i}, token {t}"
+            detail = f"; first difference at {at}: {int(got[tuple(where)])} instead of {int(expected[tuple(where)])}"
+        raise AdapterMismatch(
+            f"{here}: position_ids {seen} differ from the model's own {list(expected.shape)}{detail}",
+            split.name, split.n, k,
+        )
 
 
 @contextlib.contextmanager
-def _blame(name: str, where: str, n: int, k: int | None) -> Iterator[None]:
+def _blame(split: _Split, k: int | None, where: str | None = None) -> Iterator[None]:
     """Re-raise an error of the adapter or the staging path as :class:`AdapterMismatch` saying where."""
     try:
         yield
     except AdapterMismatch:
         raise
     except Exception as exc:
-        raise AdapterMismatch(f"{where}: {type(exc).__name__}: {exc}", name, n, k) from exc
+        raise AdapterMismatch(f"{where or split.where}: {type(exc).__name__}: {exc}", split.name, split.n, k) from exc
 
 
 def check_adapter(
@@ -161,6 +220,7 @@ def check_adapter(
     model: torch.nn.Module | None = None,
     batch: Mapping[str, Tensor] | None = None,
     reference: Tensor | None = None,
+    positions: Tensor | None = None,
 ) -> list[MicrobatchCheck]:
     """Check an adapter against the model's own merge on a tiny family's batch, for each microbatch count.
 
@@ -169,8 +229,10 @@ def check_adapter(
             (see :func:`ppmedia.testing.tiny_models.load`).
         adapter: the adapter (instance or class); default: the registry's for the model.
         microbatches: microbatch counts to split the batch into (each a real split, stage and merge).
-        seed: model and batch seed. ``model``, ``batch``, ``reference`` replace what the family builds
-            (e.g. a golden file's inputs and expected embeddings ``[B, S, hidden]``).
+        seed: model and batch seed. ``model``, ``batch``, ``reference``, ``positions`` replace what
+            the family builds (e.g. a golden file's inputs and expected embeddings ``[B, S, hidden]``).
+            Without ``reference``, both come from the model's own forward (:func:`capture_reference`);
+            positions are compared (exactly) for adapters that override ``position_ids``.
         atol: largest absolute difference accepted per element.
 
     Returns:
@@ -185,9 +247,9 @@ def check_adapter(
     model = module.build_model(seed) if model is None else model
     batch = module.build_batch(seed) if batch is None else batch
     if reference is None:
-        reference = tiny_models.capture_merged_embeds(model, **module.reference_inputs(dict(batch)))
+        reference, positions = capture_reference(model, **module.reference_inputs(dict(batch)))
     resolved = _resolve_adapter(adapter, model)
     out: list[MicrobatchCheck] = []
     for n in microbatches:
-        out += check_merges(name, resolved, model, batch, reference, n, atol)
+        out += check_merges(name, resolved, model, batch, reference, n, atol, positions)
     return out

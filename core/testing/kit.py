@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import tiny_models
-from .checks import MicrobatchCheck, check_adapter
+from .checks import MicrobatchCheck, capture_reference, check_adapter
 from .goldens import check_goldens, write_goldens
 
 if TYPE_CHECKING:
@@ -149,9 +149,18 @@ class FamilyKit:
         return self.module.build_batch(self.seed)
 
     @cached_property
+    def _captured(self) -> tuple[Tensor, Tensor | None]:
+        return capture_reference(self.model, **self.module.reference_inputs(dict(self.batch)))
+
+    @property
     def reference(self) -> Tensor:
         """The model's own merged ``inputs_embeds`` ``[B, S, hidden]`` for :attr:`batch`."""
-        return tiny_models.capture_merged_embeds(self.model, **self.module.reference_inputs(dict(self.batch)))
+        return self._captured[0]
+
+    @property
+    def positions(self) -> Tensor | None:
+        """The ``position_ids`` the model gave its language model (Qwen's mrope ``[3, B, S]``), or ``None``."""
+        return self._captured[1]
 
     @cached_property
     def adapter(self) -> VlmAdapter:
@@ -164,7 +173,7 @@ class FamilyKit:
         """:func:`~ppmedia.testing.checks.check_adapter` on this family's model, batch and reference."""
         return check_adapter(
             self.module, adapter=self.adapter, microbatches=microbatches, atol=atol,
-            model=self.model, batch=self.batch, reference=self.reference,
+            model=self.model, batch=self.batch, reference=self.reference, positions=self.positions,
         )
 
     def write_goldens(self, folder: str | pathlib.Path) -> dict[str, int]:
