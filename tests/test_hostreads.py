@@ -69,6 +69,7 @@ def test_reader_reads_every_tensor_in_one_read():
         torch.tensor(7),  # 0-dim
         torch.zeros(0, 3, dtype=torch.int64),  # empty
         torch.tensor([8, 9], dtype=torch.uint8),
+        torch.tensor([-7], dtype=torch.int8),  # negative values survive the widening
         torch.arange(10, 14).reshape(2, 2)[:, 1],  # a non-contiguous view
     ]
     reader = HostReader()
@@ -77,7 +78,7 @@ def test_reader_reads_every_tensor_in_one_read():
         reader.read()
     assert reads.total == 1 and dict(reads.counts) == {"numpy": 1}
     got = [reader.values[h] for h in handles]
-    assert [g.tolist() for g in got] == [[1, 2, 3, 4, 5, 6], [7], [], [8, 9], [11, 13]]
+    assert [g.tolist() for g in got] == [[1, 2, 3, 4, 5, 6], [7], [], [8, 9], [-7], [11, 13]]
     assert all(g.dtype == np.int64 for g in got)
 
 
