@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import ppmedia
-from ppmedia.testing.tiny_models import FAMILIES, capture_merged_embeds, load
+from ppmedia.testing.tiny_models import FAMILIES, capture_merged_embeds, load, media_counts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
@@ -56,8 +56,7 @@ def test_microbatches_match_golden_and_live(family, n):
     adapter = ppmedia.get_adapter(model)
     batch = dict(inputs)
     input_ids = batch["input_ids"]
-    images, videos = adapter.media_per_sample(input_ids, model.config)
-    staged = ppmedia.split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
+    staged = ppmedia.split_media(batch, n, **media_counts(adapter, model.config, batch))
     first_stage = torch.nn.Module()
     rows = torch.tensor_split(torch.arange(input_ids.shape[0]), n)
     text_only = []

@@ -349,9 +349,9 @@ _table = format_table
 
 def _split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> Any:
     from ..split import split_media
+    from .tiny_models import media_counts
 
-    images, videos = adapter.media_per_sample(batch["input_ids"], config)
-    return split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
+    return split_media(batch, n, **media_counts(adapter, config, batch))
 
 
 def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> list[MicrobatchInfo]:

@@ -1,0 +1,218 @@
+"""Tiny seeded Qwen3-VL model (deepstack) and a mixed image + video batch.
+
+Qwen3-VL stages flat patch rows like Qwen2.5-VL: ``pixel_values`` ``[patches, D]`` with
+``image_grid_thw`` ``[images, 3]`` ``(t, h, w)`` in patches (``D = 3 * 2 * 16 * 16 = 1536``), videos in
+``pixel_values_videos`` / ``video_grid_thw``. The vision tower merges ``2 x 2`` patch blocks. An image
+is written ``VISION_START, IMAGE * (h * w / 4), VISION_END``; a video, as the Qwen3-VL processor writes
+it, is one block per temporal step, each after its timestamp text (two text tokens here, standing for
+``<0.5 seconds>``): ``ts ts VISION_START, VIDEO * (h * w / 4), VISION_END`` repeated ``t`` times.
+
+The vision tower returns three deepstack feature sets (``deepstack_visual_indexes = [0, 1, 2]``); the
+language model (4 decoder layers) adds set ``i`` after layer ``i``.
+
+Batch layout (``build_batch``), 8 samples right-padded to ``S = SEQ_LEN`` with ``PAD_TOKEN_ID``::
+
+    sample  media (t, h, w) -> placeholder tokens
+    0       image (1, 4, 4) -> 4
+    1       image (1, 4, 6) -> 6, image (1, 2, 2) -> 1
+    2       video (2, 4, 4) -> 2 blocks of 4
+    3       image (1, 6, 4) -> 6, video (3, 2, 4) -> 3 blocks of 2
+    4       text only
+    5       text only
+    6       image (1, 8, 8) -> 16, video (1, 2, 2) -> 1 block of 1
+    7       image (1, 2, 4) -> 2, video (2, 4, 2) -> 2 blocks of 2, image (1, 4, 2) -> 2
+
+7 images (148 patch rows, 37 tokens), 4 videos (76 patch rows, 8 blocks, 19 tokens). Split in 4
+microbatches: 0 images only, 1 and 3 images and videos, 2 (samples 4 and 5) text-only. Sample 3's
+3-step video and sample 6's 1-step video show why tokens alone cannot count videos.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import seeded
+
+__all__ = [
+    "IMAGE_TOKEN_ID",
+    "MODEL_TYPE",
+    "PAD_TOKEN_ID",
+    "PATCH_DIM",
+    "SAMPLES",
+    "SEQ_LEN",
+    "VIDEO_TOKEN_ID",
+    "VISION_END_TOKEN_ID",
+    "VISION_START_TOKEN_ID",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "reference_inputs",
+]
+
+MODEL_TYPE = "qwen3_vl"
+
+PAD_TOKEN_ID = 0
+BOS_TOKEN_ID = 1
+EOS_TOKEN_ID = 2
+VISION_START_TOKEN_ID = 3
+VISION_END_TOKEN_ID = 4
+IMAGE_TOKEN_ID = 5
+VIDEO_TOKEN_ID = 6
+_FIRST_TEXT_ID = 10
+_VOCAB = 128
+_TIMESTAMP_TOKENS = 2
+
+CHANNELS = 3
+PATCH_SIZE = 16
+TEMPORAL_PATCH_SIZE = 2
+MERGE = 2
+PATCH_DIM = CHANNELS * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE
+SEQ_LEN = 34
+
+SAMPLES: tuple[tuple[Any, ...], ...] = (
+    (3, ("image", (1, 4, 4)), 4),
+    (2, ("image", (1, 4, 6)), 3, ("image", (1, 2, 2)), 2),
+    (4, ("video", (2, 4, 4)), 5),
+    (1, ("image", (1, 6, 4)), 2, ("video", (3, 2, 4)), 3),
+    (9,),
+    (14,),
+    (2, ("image", (1, 8, 8)), 1, ("video", (1, 2, 2)), 1),
+    (1, ("image", (1, 2, 4)), 1, ("video", (2, 4, 2)), 1, ("image", (1, 4, 2)), 1),
+)
+
+
+def text_config(num_layers: int = 4) -> dict[str, Any]:
+    """The tiny text config (hidden 32, ``num_layers`` layers, interleaved mrope ``[2, 1, 1]``)."""
+    return {
+        "vocab_size": _VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 512,
+        # mrope_section sums to head_dim / 2 = 4
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1],
+                            "mrope_interleaved": True},
+        "pad_token_id": PAD_TOKEN_ID,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+    }
+
+
+def vision_config(deepstack: bool = True) -> dict[str, Any]:
+    """The tiny vision config (depth 3, hidden 32, patch 16); deepstack after every block."""
+    config = {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 4,
+        "in_channels": CHANNELS,
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "spatial_merge_size": MERGE,
+        "out_hidden_size": 32,
+        "num_position_embeddings": 64,
+    }
+    if deepstack:
+        config["deepstack_visual_indexes"] = [0, 1, 2]
+    return config
+
+
+def token_ids() -> dict[str, int]:
+    return {
+        "image_token_id": IMAGE_TOKEN_ID,
+        "video_token_id": VIDEO_TOKEN_ID,
+        "vision_start_token_id": VISION_START_TOKEN_ID,
+        "vision_end_token_id": VISION_END_TOKEN_ID,
+    }
+
+
+def build_config() -> Any:
+    """The tiny :class:`~transformers.Qwen3VLConfig`."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(text_config=text_config(), vision_config=vision_config(), **token_ids())
+
+
+def build_model(seed: int = 0) -> torch.nn.Module:
+    """A :class:`~transformers.Qwen3VLForConditionalGeneration`, float32, eval mode, seeded."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return seeded(Qwen3VLForConditionalGeneration, build_config(), seed)
+
+
+def _block(token: int, h: int, w: int) -> list[int]:
+    return [VISION_START_TOKEN_ID] + [token] * (h * w // (MERGE * MERGE)) + [VISION_END_TOKEN_ID]
+
+
+def build_batch(seed: int = 0) -> dict[str, Tensor]:
+    """The processor-style batch described in the module docstring, drawn from ``seed``.
+
+    Keys: ``input_ids`` / ``attention_mask`` ``[8, SEQ_LEN]``, ``pixel_values`` ``[148, 1536]``,
+    ``image_grid_thw`` ``[7, 3]``, ``pixel_values_videos`` ``[76, 1536]``, ``video_grid_thw`` ``[4, 3]``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(_FIRST_TEXT_ID, _VOCAB, (n,), generator=gen).tolist()
+
+    rows: list[list[int]] = []
+    grids: dict[str, list[tuple[int, int, int]]] = {"image": [], "video": []}
+    for sample in SAMPLES:
+        ids = [BOS_TOKEN_ID]
+        for part in sample:
+            if isinstance(part, int):
+                ids += text(part)
+                continue
+            kind, (t, h, w) = part
+            grids[kind].append((t, h, w))
+            if kind == "image":
+                ids += _block(IMAGE_TOKEN_ID, h, w)
+            else:
+                for _step in range(t):  # one timestamped block per temporal step
+                    ids += text(_TIMESTAMP_TOKENS) + _block(VIDEO_TOKEN_ID, h, w)
+        ids.append(EOS_TOKEN_ID)
+        rows.append(ids)
+    longest = max(len(ids) for ids in rows)
+    if longest != SEQ_LEN:  # keeps the documented layout honest
+        raise AssertionError(f"tiny qwen3_vl batch is {longest} tokens long, documented {SEQ_LEN}")
+    input_ids = torch.full((len(rows), SEQ_LEN), PAD_TOKEN_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), SEQ_LEN), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention_mask[i, : len(ids)] = 1
+
+    def pixels(kind: str) -> Tensor:
+        n = sum(t * h * w for t, h, w in grids[kind])
+        return torch.randn((n, PATCH_DIM), generator=gen, dtype=torch.float32)
+
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "pixel_values": pixels("image"),
+        "image_grid_thw": torch.tensor(grids["image"], dtype=torch.long),
+        "pixel_values_videos": pixels("video"),
+        "video_grid_thw": torch.tensor(grids["video"], dtype=torch.long),
+    }
+
+
+def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
+    """Keyword arguments of the model's own full-batch forward on ``batch`` (adds ``mm_token_type_ids``:
+    text 0, image 1, video 2, which its position computation requires)."""
+    ids = batch["input_ids"]
+    mm_token_type_ids = (ids == IMAGE_TOKEN_ID).long() + 2 * (ids == VIDEO_TOKEN_ID).long()
+    return {
+        "input_ids": ids,
+        "attention_mask": batch["attention_mask"],
+        "pixel_values": batch["pixel_values"],
+        "image_grid_thw": batch["image_grid_thw"],
+        "pixel_values_videos": batch["pixel_values_videos"],
+        "video_grid_thw": batch["video_grid_thw"],
+        "mm_token_type_ids": mm_token_type_ids,
+        "use_cache": False,
+    }
