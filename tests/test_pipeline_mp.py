@@ -32,6 +32,12 @@ N_MICROBATCHES = 4
 STEPS = 2
 WRONG_BATCH = Scenario("1f1b", "static", "wrong_batch")
 SCENARIO_NAMES = [s.name for s in ALL_SCENARIOS]
+#: per family, scenarios run in the same spawn as its defaults. Qwen3-VL's tiny model has 2 decoder
+#: layers and 2 deepstack levels: the default split (1 + 1) sends level 1 across the boundary; 2 + 0
+#: keeps every deepstack layer on stage 0.
+EXTRA_SCENARIOS: dict[str, tuple[Scenario, ...]] = {
+    "qwen3_vl": tuple(Scenario(s, shapes, layers=(2, 0)) for s in ("gpipe", "1f1b") for shapes in ("inferred", "static")),
+}
 
 _reports: dict[str, object] = {}
 
@@ -52,7 +58,7 @@ def _report(family: str):
     if family not in _reports:
         try:
             _reports[family] = run_parity(
-                family, [*ALL_SCENARIOS, WRONG_BATCH], steps=STEPS, n_microbatches=N_MICROBATCHES, tolerance=TOL
+                family, [*ALL_SCENARIOS, WRONG_BATCH, *EXTRA_SCENARIOS.get(family, ())], steps=STEPS, n_microbatches=N_MICROBATCHES, tolerance=TOL
             )
         except ParityError as exc:  # cache the failure too: one spawn per family, not per test
             _reports[family] = exc
@@ -90,6 +96,17 @@ def test_pipeline_matches_full_batch_model(family, scenario):
         assert st.chunk_trace == [0] * inference + list(range(N_MICROBATCHES))
     # the SGD step between the steps changed the model, and the reference followed
     assert result.steps[0].loss_reference != result.steps[1].loss_reference
+    assert result.passed(TOL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scenario", [s.name for s in EXTRA_SCENARIOS["qwen3_vl"]])
+def test_qwen3_vl_all_deepstack_layers_on_stage_0(scenario):
+    result = _report("qwen3_vl").family("qwen3_vl").scenario(scenario)
+    assert result.layers_per_stage == [2, 0] and result.missing_params == []
+    for st in result.steps:
+        assert st.loss_diff <= TOL and st.grad_diff_vision <= TOL and st.grad_diff_lm <= TOL, (scenario, st)
+        assert st.reference_grad_max_vision > 1e-4
     assert result.passed(TOL)
 
 

@@ -88,11 +88,15 @@ class Scenario:
         shapes: ``inferred`` (the schedule infers shapes on the first step) or ``static``
             (``input_args``/``output_args`` on every stage).
         fault: ``None``, or one of :data:`FAULTS` to break the run on purpose.
+        layers: decoder layers per stage (``layers_per_stage``), or ``None`` for
+            :func:`~ppmedia.pipeline.default_layer_split`; e.g. ``(2, 0)`` puts every Qwen3-VL deepstack
+            layer of the tiny model on stage 0, the default ``(1, 1)`` sends a deepstack level across.
     """
 
     schedule: str
     shapes: str = "inferred"
     fault: str | None = None
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         from ..pipeline import SCHEDULES
@@ -103,11 +107,20 @@ class Scenario:
             raise ValueError(f"scenario shapes: got {self.shapes!r}; expected one of {', '.join(_SHAPES)}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"scenario fault: got {self.fault!r}; expected None or one of {', '.join(FAULTS)}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(int(n) for n in self.layers))
 
     @property
     def name(self) -> str:
-        """``schedule/shapes`` (plus ``/fault``)."""
-        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []))
+        """``schedule/shapes`` (plus ``/fault``, plus ``/layers=2+0``)."""
+        return _scenario_name(self.schedule, self.shapes, self.fault, self.layers)
+
+
+def _scenario_name(schedule: str, shapes: str, fault: str | None, layers: Sequence[int] | None) -> str:
+    parts = [schedule, shapes] + ([fault] if fault else [])
+    if layers is not None:
+        parts.append("layers=" + "+".join(str(n) for n in layers))
+    return "/".join(parts)
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -119,16 +132,23 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes[/fault]]`` (``"1f1b/static"``) or :class:`Scenario`."""
+    """Scenarios from strings ``schedule[/shapes[/fault]][/layers=A+B]`` (``"1f1b/static"``,
+    ``"gpipe/static/layers=2+0"``) or :class:`Scenario`."""
     out = []
     for spec in specs:
         if isinstance(spec, Scenario):
             out.append(spec)
             continue
         parts = str(spec).replace(":", "/").split("/")
+        layers = None
+        if parts[-1].startswith("layers="):
+            try:
+                layers = tuple(int(n) for n in parts.pop()[len("layers="):].split("+"))
+            except ValueError:
+                raise ValueError(f"scenario {spec!r}: layers=A+B... takes integers") from None
         if not 1 <= len(parts) <= 3:
-            raise ValueError(f"scenario {spec!r}: expected schedule[/shapes[/fault]]")
-        out.append(Scenario(*parts))
+            raise ValueError(f"scenario {spec!r}: expected schedule[/shapes[/fault]][/layers=A+B...]")
+        out.append(Scenario(*parts, layers=layers))
     return out
 
 
@@ -216,10 +236,11 @@ class ScenarioResult:
     layers_per_stage: list[int]
     steps: list[StepResult]
     missing_params: list[str] = field(default_factory=list)
+    layers: list[int] | None = None  # the scenario's explicit layers_per_stage, if any
 
     @property
     def name(self) -> str:
-        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []))
+        return _scenario_name(self.schedule, self.shapes, self.fault, self.layers)
 
     @property
     def max_loss_diff(self) -> float:
@@ -448,7 +469,10 @@ def _run_scenario(
     per_rank = SCHEDULES[scenario.schedule]
     n_stages = world * per_rank
     _, lm = find_language_model(pristine)
-    layers_per_stage = default_layer_split(len(lm.layers), n_stages)
+    if scenario.layers is not None:
+        layers_per_stage = list(scenario.layers)
+    else:
+        layers_per_stage = default_layer_split(len(lm.layers), n_stages)
     indices = stage_indices_for_rank(rank, world, per_rank)
 
     model = copy.deepcopy(pristine)
@@ -638,6 +662,7 @@ def _merge(per_rank: list[list[dict[str, Any]]], world: int, tolerance: float, l
                     layers_per_stage=list(s0["layers_per_stage"]),
                     steps=steps,
                     missing_params=missing,
+                    layers=None if sc.get("layers") is None else list(sc["layers"]),
                 )
             )
         families.append(
@@ -743,6 +768,7 @@ def launched_by_torchrun() -> bool:
 
 
 def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: int, world_size: int, steps: int) -> None:
+    from ..pipeline import SCHEDULES
     from . import tiny_models as tiny
 
     for family in families:
@@ -763,6 +789,10 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             raise ValueError(
                 f"{sc.name}: Interleaved1F1B needs n_microbatches ({n_microbatches}) to be a multiple of the "
                 f"{world_size} ranks"
+            )
+        if sc.layers is not None and len(sc.layers) != world_size * SCHEDULES[sc.schedule]:
+            raise ValueError(
+                f"{sc.name}: {len(sc.layers)} layer counts for {world_size * SCHEDULES[sc.schedule]} stages"
             )
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")

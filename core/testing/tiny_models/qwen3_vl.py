@@ -7,8 +7,10 @@ is written ``VISION_START, IMAGE * (h * w / 4), VISION_END``; a video, as the Qw
 it, is one block per temporal step, each after its timestamp text (two text tokens here, standing for
 ``<0.5 seconds>``): ``ts ts VISION_START, VIDEO * (h * w / 4), VISION_END`` repeated ``t`` times.
 
-The vision tower returns three deepstack feature sets (``deepstack_visual_indexes = [0, 1, 2]``); the
-language model (4 decoder layers) adds set ``i`` after layer ``i``.
+The vision tower (2 blocks) returns two deepstack feature sets (``deepstack_visual_indexes = [0, 1]``);
+the language model (2 decoder layers, hidden 32) adds set ``i`` after layer ``i``. With the default
+2-stage split (one layer each) set 1 crosses the stage boundary. ``text_config(n)`` and
+``vision_config(levels)`` build deeper variants for tests.
 
 Batch layout (``build_batch``), 8 samples right-padded to ``S = SEQ_LEN`` with ``PAD_TOKEN_ID``::
 
@@ -84,7 +86,7 @@ SAMPLES: tuple[tuple[Any, ...], ...] = (
 )
 
 
-def text_config(num_layers: int = 4) -> dict[str, Any]:
+def text_config(num_layers: int = 2) -> dict[str, Any]:
     """The tiny text config (hidden 32, ``num_layers`` layers, interleaved mrope ``[2, 1, 1]``)."""
     return {
         "vocab_size": _VOCAB,
@@ -104,10 +106,11 @@ def text_config(num_layers: int = 4) -> dict[str, Any]:
     }
 
 
-def vision_config(deepstack: bool = True) -> dict[str, Any]:
-    """The tiny vision config (depth 3, hidden 32, patch 16); deepstack after every block."""
-    config = {
-        "depth": 3,
+def vision_config(deepstack_levels: int = 2) -> dict[str, Any]:
+    """The tiny vision config (hidden 32, patch 16); one deepstack set after each of the first
+    ``deepstack_levels`` blocks (depth ``max(2, deepstack_levels)``; 0: no deepstack key)."""
+    config: dict[str, Any] = {
+        "depth": max(2, deepstack_levels),
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_heads": 4,
@@ -118,8 +121,8 @@ def vision_config(deepstack: bool = True) -> dict[str, Any]:
         "out_hidden_size": 32,
         "num_position_embeddings": 64,
     }
-    if deepstack:
-        config["deepstack_visual_indexes"] = [0, 1, 2]
+    if deepstack_levels:
+        config["deepstack_visual_indexes"] = list(range(deepstack_levels))
     return config
 
 
