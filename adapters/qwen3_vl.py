@@ -176,8 +176,7 @@ class Qwen3VLAdapter(VlmAdapter):
         """
         visual = inner_model(model, "visual", _QWEN3).visual
         dtype = next(visual.parameters()).dtype
-        features: dict[str, Tensor] = {}
-        deepstack: dict[str, list[Tensor]] = {}
+        todo: list[tuple[str, Tensor, Tensor]] = []
         for modality, pixels, grid in (
             ("image", chunk.pixel_values, chunk.image_grid),
             ("video", chunk.pixel_values_videos, chunk.video_grid),
@@ -191,12 +190,18 @@ class Qwen3VLAdapter(VlmAdapter):
                 raise ValueError(
                     f"{modality}: expected flat patch rows [patches, D]; got shape {list(pixels.shape)}"
                 )
-            patches = int(grid.prod(dim=-1).sum())  # the tower reads the grid on the host anyway
-            if patches != pixels.shape[0]:
-                raise ValueError(
-                    f"{modality}: the grid {list(grid.shape)} covers {patches} patches but the chunk has "
-                    f"{pixels.shape[0]} patch rows"
-                )
+            todo.append((modality, pixels, grid))
+        if todo:  # every modality checked before the tower runs; it reads the grids on the host anyway
+            patches = torch.stack([grid.prod(dim=-1).sum() for _, _, grid in todo]).tolist()
+            for (modality, pixels, grid), covered in zip(todo, patches):
+                if covered != pixels.shape[0]:
+                    raise ValueError(
+                        f"{modality}: the grid {list(grid.shape)} covers {covered} patches but the chunk has "
+                        f"{pixels.shape[0]} patch rows"
+                    )
+        features: dict[str, Tensor] = {}
+        deepstack: dict[str, list[Tensor]] = {}
+        for modality, pixels, grid in todo:
             out = visual(pixels.to(dtype), grid_thw=grid)
             features[modality] = out.pooler_output
             deepstack[modality] = list(getattr(out, "deepstack_features", None) or ())

@@ -48,9 +48,11 @@ __all__ = [
     "VIDEO_TOKEN_ID",
     "VISION_END_TOKEN_ID",
     "VISION_START_TOKEN_ID",
+    "VARIANTS",
     "build_batch",
     "build_config",
     "build_model",
+    "build_variant",
     "reference_inputs",
 ]
 
@@ -147,6 +149,45 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     from transformers import Qwen3VLForConditionalGeneration
 
     return seeded(Qwen3VLForConditionalGeneration, build_config(), seed)
+
+
+#: the model types the same adapter serves, each with a tiny variant (:func:`build_variant`).
+VARIANTS: tuple[str, ...] = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+
+
+def build_variant(model_type: str, seed: int = 0, *, num_layers: int = 2, deepstack_levels: int = 2) -> torch.nn.Module:
+    """A tiny model of any of :data:`VARIANTS`, same token ids and batch layout as :func:`build_model`.
+
+    ``qwen3_vl_moe``: 4 experts, 2 per token. ``qwen3_5`` / ``qwen3_5_moe``: no deepstack (the Qwen3.5
+    vision tower has none; ``deepstack_levels`` is ignored), linear-attention and full-attention layers
+    alternating. ``num_layers`` / ``deepstack_levels`` build deeper Qwen3-VL variants.
+    """
+    import transformers
+
+    text, vision = text_config(num_layers), vision_config(deepstack_levels)
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    if model_type.startswith("qwen3_5"):
+        vision = vision_config(0)
+        text.update(
+            layer_types=["linear_attention", "full_attention"] * (num_layers // 2) + ["linear_attention"] * (num_layers % 2),
+            linear_conv_kernel_dim=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+        )
+    if model_type == "qwen3_vl_moe":
+        text.update(moe, decoder_sparse_step=1)
+    elif model_type == "qwen3_5_moe":
+        text.update(moe, shared_expert_intermediate_size=16)
+    names = {
+        "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+        "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+        "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+        "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+    }
+    if model_type not in names:
+        raise ValueError(f"model_type: got {model_type!r}; expected one of {', '.join(VARIANTS)}")
+    config_name, model_name = names[model_type]
+    config = getattr(transformers, config_name)(text_config=text, vision_config=vision, **token_ids())
+    return seeded(getattr(transformers, model_name), config, seed)
 
 
 def _block(token: int, h: int, w: int) -> list[int]:
