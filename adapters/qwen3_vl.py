@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from .base import VlmAdapter, WireTensor, config_value, inner_model
+from .base import Count, VlmAdapter, WireTensor, config_value, inner_model
 
 __all__ = ["Qwen3VLAdapter"]
 
@@ -128,7 +128,9 @@ class Qwen3VLAdapter(VlmAdapter):
                     f"pass video_grid_thw=batch['video_grid_thw'] or put n_videos_per_sample [B] in the batch"
                 )
             return images, torch.zeros_like(blocks)
-        return images, self._videos_from_blocks(blocks, _grid_thw(video_grid_thw, "video_grid_thw"))
+        grid = _grid_thw(video_grid_thw, "video_grid_thw")
+        assert grid is not None
+        return images, self._videos_from_blocks(blocks, grid)
 
     @staticmethod
     def _videos_from_blocks(blocks: Tensor, grid: Tensor) -> Tensor:
@@ -152,10 +154,10 @@ class Qwen3VLAdapter(VlmAdapter):
         return {"image": input_ids == image_id, "video": input_ids == video_id}
 
     # -- media side ------------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor | int]:
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Count]:
         """Features per modality from the patch-row counts (shapes only): ``rows // merge**2``."""
         unit = self._merge(config) ** 2
-        counts: dict[str, Tensor | int] = {}
+        counts: dict[str, Count] = {}
         for modality, pixels in (("image", chunk.pixel_values), ("video", chunk.pixel_values_videos)):
             rows = _rows(pixels)
             if rows % unit:

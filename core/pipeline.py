@@ -345,7 +345,7 @@ class StageModule(nn.Module):
         b, S = input_ids.shape
         for spec in self.adapter.wire_tensors(self.config, 0):
             tensor = wire.get(spec.name)
-            expected = [{"b": b, "S": S, "H": hidden.shape[-1]}.get(d, d) for d in spec.shape]  # type: ignore[call-overload]
+            expected = _wire_shape(spec, b, S, hidden.shape[-1])
             if tensor is None or list(tensor.shape) != expected:
                 seen = "missing" if tensor is None else f"shape {list(tensor.shape)}"
                 raise ValueError(
@@ -457,6 +457,17 @@ def build_stage_modules(
     return modules
 
 
+def _wire_shape(spec: WireTensor, b: int, S: int, H: int) -> list[int]:
+    """``spec.shape`` with ``"b"``, ``"S"``, ``"H"`` replaced by the microbatch's sizes."""
+    sizes = {"b": b, "S": S, "H": H}
+    shape = []
+    for dim in spec.shape:
+        if isinstance(dim, str) and dim not in sizes:
+            raise ValueError(f"wire tensor {spec.name!r}: dim {dim!r} in {list(spec.shape)}; expected an int, 'b', 'S' or 'H'")
+        shape.append(sizes[dim] if isinstance(dim, str) else int(dim))
+    return shape
+
+
 # --------------------------------------------------------------------------------------------------
 # PipelineStage construction
 
@@ -513,7 +524,7 @@ def static_stage_args(
     def between(wire: Sequence[WireTensor]) -> tuple[Tensor, ...]:
         extra = []
         for spec in wire:
-            shape = [{"b": b, "S": S, "H": hidden_size}.get(d, d) for d in spec.shape]  # type: ignore[call-overload]
+            shape = _wire_shape(spec, b, S, hidden_size)
             extra.append(floats(*shape) if spec.floating else ints(*shape))
         return (floats(b, S, hidden_size), ints(b, S), *extra)
 

@@ -148,7 +148,9 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 raise ValueError(f"scenario {spec!r}: layers=A+B... takes integers") from None
         if not 1 <= len(parts) <= 3:
             raise ValueError(f"scenario {spec!r}: expected schedule[/shapes[/fault]][/layers=A+B...]")
-        out.append(Scenario(*parts, layers=layers))
+        shapes = parts[1] if len(parts) > 1 else "inferred"
+        fault = parts[2] if len(parts) > 2 else None
+        out.append(Scenario(parts[0], shapes, fault, layers))
     return out
 
 

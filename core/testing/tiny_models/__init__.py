@@ -38,7 +38,7 @@ def load(family: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{family}")
 
 
-def media_counts(adapter: Any, config: Any, batch: dict[str, Any]) -> dict[str, Tensor]:
+def media_counts(adapter: Any, config: Any, batch: dict[str, Any]) -> dict[str, Any]:
     """``images_per_sample`` / ``videos_per_sample`` for :func:`ppmedia.split_media`, from
     ``adapter.media_per_sample``; the batch's ``video_grid_thw`` is passed to adapters whose method takes
     it (Qwen3-VL: one token block per temporal step, so tokens alone cannot count videos)."""
