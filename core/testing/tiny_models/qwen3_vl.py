@@ -194,8 +194,11 @@ def _block(token: int, h: int, w: int) -> list[int]:
     return [VISION_START_TOKEN_ID] + [token] * (h * w // (MERGE * MERGE)) + [VISION_END_TOKEN_ID]
 
 
-def build_batch(seed: int = 0) -> dict[str, Tensor]:
+def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Tensor]:
     """The processor-style batch described in the module docstring, drawn from ``seed``.
+
+    ``text_only_first``: samples 4 and 5 (text only) come first (order 4, 5, 0, 1, 2, 3, 6, 7), so
+    microbatch 0 has no media.
 
     Keys: ``input_ids`` / ``attention_mask`` ``[8, SEQ_LEN]``, ``pixel_values`` ``[148, 1536]``,
     ``image_grid_thw`` ``[7, 3]``, ``pixel_values_videos`` ``[76, 1536]``, ``video_grid_thw`` ``[4, 3]``.
@@ -207,7 +210,8 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 
     rows: list[list[int]] = []
     grids: dict[str, list[tuple[int, int, int]]] = {"image": [], "video": []}
-    for sample in SAMPLES:
+    samples = SAMPLES[4:6] + SAMPLES[:4] + SAMPLES[6:] if text_only_first else SAMPLES
+    for sample in samples:
         ids = [BOS_TOKEN_ID]
         for part in sample:
             if isinstance(part, int):
