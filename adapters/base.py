@@ -113,6 +113,22 @@ class VlmAdapter(abc.ABC):
             :func:`ppmedia.split_media` as ``images_per_sample`` / ``videos_per_sample``.
         """
 
+    def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Tensor]:
+        """The count arguments of :func:`ppmedia.split_media` for a processor batch, from its tokens.
+
+        ``split_media(batch, n, **adapter.media_counts(batch, config))``. ``images_per_sample`` /
+        ``videos_per_sample`` from :meth:`media_per_sample`, leaving out each count the batch already
+        holds (``n_images_per_sample`` / ``n_videos_per_sample``: ``split_media`` takes those).
+        Adapters whose tokens alone cannot count some medium read the batch's metadata here (Qwen3-VL
+        videos: ``video_grid_thw``).
+        """
+        images, videos = self.media_per_sample(batch["input_ids"], config)
+        counts = {"images_per_sample": images, "videos_per_sample": videos}
+        for key, arg in (("n_images_per_sample", "images_per_sample"), ("n_videos_per_sample", "videos_per_sample")):
+            if batch.get(key) is not None:
+                del counts[arg]
+        return counts
+
     @abc.abstractmethod
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
         """``{modality: [B, S] bool}``: where each modality's features go (``"image"``, ``"video"``)."""

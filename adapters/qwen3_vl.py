@@ -132,6 +132,17 @@ class Qwen3VLAdapter(VlmAdapter):
         assert grid is not None
         return images, self._videos_from_blocks(blocks, grid)
 
+    def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Tensor]:
+        """As the base method, counting videos with the batch's ``video_grid_thw`` (see
+        :meth:`media_per_sample`)."""
+        ids = batch["input_ids"]
+        counts: dict[str, Tensor] = {}
+        if batch.get("n_images_per_sample") is None:
+            counts["images_per_sample"] = self._blocks(ids, config, self._token_ids(config)[0])
+        if batch.get("n_videos_per_sample") is None:
+            counts["videos_per_sample"] = self.media_per_sample(ids, config, video_grid_thw=batch.get("video_grid_thw"))[1]
+        return counts
+
     @staticmethod
     def _videos_from_blocks(blocks: Tensor, grid: Tensor) -> Tensor:
         steps = grid[:, 0].to(blocks.device, torch.int64)  # [videos]

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import ppmedia
-from ppmedia.testing.tiny_models import FAMILIES, capture_merged_embeds, load, media_counts
+from ppmedia.testing.tiny_models import FAMILIES, capture_merged_embeds, load
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
@@ -56,7 +56,7 @@ def test_microbatches_match_golden_and_live(family, n):
     adapter = ppmedia.get_adapter(model)
     batch = dict(inputs)
     input_ids = batch["input_ids"]
-    staged = ppmedia.split_media(batch, n, **media_counts(adapter, model.config, batch))
+    staged = ppmedia.split_media(batch, n, **adapter.media_counts(batch, model.config))
     first_stage = torch.nn.Module()
     rows = torch.tensor_split(torch.arange(input_ids.shape[0]), n)
     text_only = []

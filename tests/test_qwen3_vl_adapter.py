@@ -17,7 +17,6 @@ import ppmedia
 from ppmedia import VlmMediaChunk
 from ppmedia.adapters.qwen3_vl import Qwen3VLAdapter
 from ppmedia.pipeline import build_stage_modules, count_valid_tokens, make_labels, pipeline_loss
-from ppmedia.testing.tiny_models import media_counts
 from ppmedia.testing.tiny_models import qwen3_vl as tiny
 
 IMAGES_PER_SAMPLE = [1, 2, 0, 1, 0, 0, 1, 2]
@@ -79,7 +78,7 @@ def reference(model, batch):
 
 
 def _staged_chunks(adapter, model, batch, n):
-    staged = ppmedia.split_media(dict(batch), n, **media_counts(adapter, model.config, batch))
+    staged = ppmedia.split_media(dict(batch), n, **adapter.media_counts(batch, model.config))
     module = torch.nn.Module()
     chunks = []
     with ppmedia.stage_media(module, staged):
@@ -117,12 +116,32 @@ def test_media_per_sample_needs_the_video_grid(adapter, model, batch):
         adapter.media_per_sample(ids, model.config, video_grid_thw=too_many)
 
 
-def test_counts_in_the_batch_split_as_well(adapter, model, batch):
+def test_media_counts_for_split_media(adapter, model, batch):
+    counts = adapter.media_counts(batch, model.config)  # reads the batch's video_grid_thw
+    assert counts["images_per_sample"].tolist() == IMAGES_PER_SAMPLE
+    assert counts["videos_per_sample"].tolist() == VIDEOS_PER_SAMPLE
+    # counts the batch holds are split_media's to read: left out (and no grid needed for them)
+    with_videos = dict(batch, n_videos_per_sample=torch.tensor(VIDEOS_PER_SAMPLE))
+    del with_videos["video_grid_thw"]
+    assert list(adapter.media_counts(with_videos, model.config)) == ["images_per_sample"]
     with_counts = dict(batch, n_images_per_sample=torch.tensor(IMAGES_PER_SAMPLE),
                        n_videos_per_sample=torch.tensor(VIDEOS_PER_SAMPLE))
-    staged = ppmedia.split_media(with_counts, 4)
+    assert adapter.media_counts(with_counts, model.config) == {}
+    staged = ppmedia.split_media(with_counts, 4, **adapter.media_counts(with_counts, model.config))
     assert list(staged.videos) == [0, 2, 0, 2] and list(staged.images) == [3, 1, 0, 3]
     assert set(with_counts) == {"input_ids", "attention_mask"}
+
+
+def test_base_media_counts_leaves_batch_counts_to_split_media():
+    from ppmedia.testing.tiny_models import qwen2_5_vl
+
+    config = qwen2_5_vl.build_config()
+    batch = qwen2_5_vl.build_batch(0)
+    adapter = ppmedia.get_adapter(config)
+    images, videos = adapter.media_per_sample(batch["input_ids"], config)
+    counts = adapter.media_counts(batch, config)
+    assert torch.equal(counts["images_per_sample"], images) and torch.equal(counts["videos_per_sample"], videos)
+    assert list(adapter.media_counts(dict(batch, n_images_per_sample=images), config)) == ["videos_per_sample"]
 
 
 def test_placeholders_and_feature_counts(adapter, model, batch):
@@ -218,7 +237,7 @@ def _stage_run(model, adapter, batch, split, n=4):
     """Logits and every parameter's gradient of the stage modules run microbatch by microbatch."""
     stages = build_stage_modules(model, len(split), layers_per_stage=split, adapter=adapter)
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    staged = ppmedia.split_media(dict(batch), n, **media_counts(adapter, model.config, batch))
+    staged = ppmedia.split_media(dict(batch), n, **adapter.media_counts(batch, model.config))
     labels = make_labels(ids, model.config, adapter, attention_mask=mask)
     valid = count_valid_tokens(labels)
     model.zero_grad(set_to_none=True)
@@ -320,7 +339,7 @@ def test_first_stage_wire_shapes_are_checked(model, batch):
             return hidden, wire
 
     (first, _) = build_stage_modules(model, 2, adapter=Wrong())
-    staged = ppmedia.split_media(dict(batch), 4, **media_counts(Wrong(), model.config, batch))
+    staged = ppmedia.split_media(dict(batch), 4, **Wrong().media_counts(batch, model.config))
     with ppmedia.stage_media(first, staged), torch.no_grad():
         with pytest.raises(ValueError, match=r"wire tensor 'deepstack_1' is shape \[2, 33, 32\]; expected \[2, 34, 32\]"):
             first(batch["input_ids"][:2], batch["attention_mask"][:2])

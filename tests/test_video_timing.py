@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import ppmedia
-from ppmedia.testing.tiny_models import media_counts
 from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
 
 
@@ -54,7 +53,7 @@ def test_qwen2_5_vl_positions_follow_the_videos_fps(model, fps):
     adapter = ppmedia.get_adapter(model)
     work = dict(batch, second_per_grid_ts=seconds)
     seconds_in_batch = work.pop("second_per_grid_ts")  # per video: never left for the schedule to cut
-    staged = ppmedia.split_media(work, 4, **media_counts(adapter, model.config, batch))
+    staged = ppmedia.split_media(work, 4, **adapter.media_counts(batch, model.config))
     B = batch["input_ids"].shape[0]
     assert all(v.shape[0] == B for v in work.values())  # only [B, ...] keys are left
     starts = [0]

@@ -388,9 +388,7 @@ _table = format_table
 
 def _split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> Any:
     from ..split import split_media
-    from .tiny_models import media_counts
-
-    return split_media(batch, n, **media_counts(adapter, config, batch))
+    return split_media(batch, n, **adapter.media_counts(batch, config))
 
 
 def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> list[MicrobatchInfo]:

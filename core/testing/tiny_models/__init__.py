@@ -18,14 +18,13 @@ Each family module defines:
 from __future__ import annotations
 
 import importlib
-import inspect
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "capture_merged_embeds", "load", "media_counts", "seeded"]
+__all__ = ["FAMILIES", "capture_merged_embeds", "load", "seeded"]
 
 #: family name -> module name under ``ppmedia.tiny``.
 FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl")
@@ -36,17 +35,6 @@ def load(family: str) -> ModuleType:
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(FAMILIES)}")
     return importlib.import_module(f"{__name__}.{family}")
-
-
-def media_counts(adapter: Any, config: Any, batch: dict[str, Any]) -> dict[str, Any]:
-    """``images_per_sample`` / ``videos_per_sample`` for :func:`ppmedia.split_media`, from
-    ``adapter.media_per_sample``; the batch's ``video_grid_thw`` is passed to adapters whose method takes
-    it (Qwen3-VL: one token block per temporal step, so tokens alone cannot count videos)."""
-    kwargs = {}
-    if batch.get("video_grid_thw") is not None and "video_grid_thw" in inspect.signature(adapter.media_per_sample).parameters:
-        kwargs["video_grid_thw"] = batch["video_grid_thw"]
-    images, videos = adapter.media_per_sample(batch["input_ids"], config, **kwargs)
-    return {"images_per_sample": images, "videos_per_sample": videos}
 
 
 def seeded(model_class: type, config: Any, seed: int) -> torch.nn.Module:
