@@ -140,7 +140,8 @@ class Qwen3VLAdapter(VlmAdapter):
         if batch.get("n_images_per_sample") is None:
             counts["images_per_sample"] = self._blocks(ids, config, self._token_ids(config)[0])
         if batch.get("n_videos_per_sample") is None:
-            counts["videos_per_sample"] = self.media_per_sample(ids, config, video_grid_thw=batch.get("video_grid_thw"))[1]
+            grid = batch.get("video_grid_thw")
+            counts["videos_per_sample"] = self.media_per_sample(ids, config, video_grid_thw=grid)[1]
         return counts
 
     @staticmethod

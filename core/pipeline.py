@@ -463,7 +463,9 @@ def _wire_shape(spec: WireTensor, b: int, S: int, H: int) -> list[int]:
     shape = []
     for dim in spec.shape:
         if isinstance(dim, str) and dim not in sizes:
-            raise ValueError(f"wire tensor {spec.name!r}: dim {dim!r} in {list(spec.shape)}; expected an int, 'b', 'S' or 'H'")
+            raise ValueError(
+                f"wire tensor {spec.name!r}: dim {dim!r} in {list(spec.shape)}; expected an int, 'b', 'S' or 'H'"
+            )
         shape.append(sizes[dim] if isinstance(dim, str) else int(dim))
     return shape
 

@@ -169,7 +169,7 @@ def build_variant(model_type: str, seed: int = 0, *, num_layers: int = 2, deepst
     if model_type.startswith("qwen3_5"):
         vision = vision_config(0)
         text.update(
-            layer_types=["linear_attention", "full_attention"] * (num_layers // 2) + ["linear_attention"] * (num_layers % 2),
+            layer_types=(["linear_attention", "full_attention"] * num_layers)[:num_layers],
             linear_conv_kernel_dim=2, linear_key_head_dim=8, linear_value_head_dim=8,
             linear_num_key_heads=2, linear_num_value_heads=4,
         )
