@@ -110,9 +110,9 @@ class Qwen3VLAdapter(VlmAdapter):
 
         Images: one per ``vision_start, image`` pair. Videos: each temporal step of a video is its own
         token block, so the blocks are assigned to videos with ``video_grid_thw`` ``[videos, 3]`` (video
-        ``j`` spans ``t_j`` consecutive blocks; one host read to check every video's blocks lie in one
-        sample). Without the grid, a batch with video blocks is refused: put ``n_videos_per_sample`` in
-        the batch instead.
+        ``j`` spans ``t_j`` consecutive blocks; one host read checks that every video's blocks lie in
+        one sample). Without the grid, a batch with video blocks is refused (one host read to tell): pass
+        the grid, or put ``n_videos_per_sample`` in the batch (:meth:`media_counts` does either).
 
         Raises:
             ValueError: video blocks but no grid; or blocks and grid that do not line up.
@@ -152,11 +152,13 @@ class Qwen3VLAdapter(VlmAdapter):
         sample = torch.searchsorted(last_block, first_of_video, right=True)  # [videos]
         ends = sample < blocks.shape[0]
         per_sample = torch.zeros_like(blocks).index_add_(0, sample.clamp(max=blocks.shape[0] - 1), steps * ends)
-        values = torch.stack([per_sample, blocks]).tolist()  # the one host read
-        if values[0] != values[1] or not bool(ends.all()):
+        B = blocks.shape[0]
+        values = torch.cat([per_sample, blocks, (~ends).sum().reshape(1)]).tolist()  # the one host read
+        assigned, held, past_the_end = values[:B], values[B : 2 * B], values[-1]
+        if assigned != held or past_the_end:
             raise ValueError(
                 f"video_grid_thw: its {grid.shape[0]} videos span {int(steps.sum())} temporal steps, "
-                f"assigned to samples as {values[0]}, but the samples hold {values[1]} video token blocks "
+                f"assigned to samples as {assigned}, but the samples hold {held} video token blocks "
                 f"(one per temporal step); a video's blocks must all be in one sample"
             )
         return torch.bincount(sample, minlength=blocks.shape[0]).to(torch.int64)
