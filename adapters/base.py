@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 
-__all__ = ["Count", "HostCount", "VlmAdapter", "config_value", "inner_model"]
+__all__ = ["Count", "HostCount", "VlmAdapter", "WireTensor", "config_value", "inner_model"]
 
 
 def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> torch.nn.Module:
@@ -44,6 +44,26 @@ class HostCount:
 
     tensor: Tensor
     count: Callable[[list[int]], int]
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """One tensor that travels from a pipeline stage to the next, besides the hidden states ``[b, S, H]``
+    and the attention mask ``[b, S]`` (see :meth:`VlmAdapter.wire_tensors`).
+
+    Attributes:
+        name: its key in the ``wire`` dict that :meth:`VlmAdapter.first_stage` fills and
+            :meth:`VlmAdapter.decoder_kwargs` reads (``"position_ids"``, ``"deepstack_1"``).
+        shape: batch first; each dim an ``int`` or one of ``"b"`` (microbatch rows), ``"S"`` (sequence
+            length), ``"H"`` (the text hidden size). Static: the same for every microbatch.
+        floating: ``True``: the hidden states' dtype, and its gradient flows back to the first stage
+            (e.g. deepstack features, so the vision tower gets their gradient); ``False``: int64, no
+            gradient (positions, masks, token types).
+    """
+
+    name: str
+    shape: tuple[Union[int, str], ...]
+    floating: bool = False
 
 
 #: what :meth:`VlmAdapter.feature_counts` may return per modality.
@@ -92,6 +112,22 @@ class VlmAdapter(abc.ABC):
             ``(images, videos)``, two ``[B]`` int64 tensors on ``input_ids.device``; pass them to
             :func:`ppmedia.split_media` as ``images_per_sample`` / ``videos_per_sample``.
         """
+
+    def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Tensor]:
+        """The count arguments of :func:`ppmedia.split_media` for a processor batch, from its tokens.
+
+        ``split_media(batch, n, **adapter.media_counts(batch, config))``. ``images_per_sample`` /
+        ``videos_per_sample`` from :meth:`media_per_sample`, leaving out each count the batch already
+        holds (``n_images_per_sample`` / ``n_videos_per_sample``: ``split_media`` takes those).
+        Adapters whose tokens alone cannot count some medium read the batch's metadata here (Qwen3-VL
+        videos: ``video_grid_thw``).
+        """
+        images, videos = self.media_per_sample(batch["input_ids"], config)
+        counts = {"images_per_sample": images, "videos_per_sample": videos}
+        for key, arg in (("n_images_per_sample", "images_per_sample"), ("n_videos_per_sample", "videos_per_sample")):
+            if batch.get(key) is not None:
+                del counts[arg]
+        return counts
 
     @abc.abstractmethod
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
@@ -205,6 +241,74 @@ class VlmAdapter(abc.ABC):
         and compute them from the chunk's grids (metadata only).
         """
         return None
+
+    # -- pipeline wire format ---------------------------------------------------------------
+    # ppmedia.pipeline's stages call these three; an adapter overrides them when its language model
+    # needs more than hidden states, attention mask and (optionally) positions on every stage.
+
+    def wire_tensors(self, config: Any, first_layer: int) -> tuple[WireTensor, ...]:
+        """The tensors a stage whose first decoder layer is ``first_layer`` needs from earlier stages.
+
+        Besides the hidden states and attention mask, in send order. ``first_layer`` is a full-model
+        layer index (a stage with no layers passes its successor's). ``wire_tensors(config, k)`` must
+        be a subset of ``wire_tensors(config, j)`` for ``j <= k``: a stage passes on a subset of what
+        it got. Default: the mrope positions ``[b, 3, S]`` for adapters that override
+        :meth:`position_ids`, else nothing.
+        """
+        if type(self).position_ids is VlmAdapter.position_ids:
+            return ()
+        return (WireTensor("position_ids", ("b", 3, "S")),)
+
+    def first_stage(
+        self,
+        model: torch.nn.Module,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        inputs_embeds: Tensor,
+        chunk: VlmMediaChunk | None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The first stage's media work on one microbatch.
+
+        Returns:
+            ``(hidden [b, S, H], wire)``: the merged embeddings and every tensor of
+            ``wire_tensors(config, 0)`` by name, in its declared shape. Default: :meth:`merge`, plus
+            :meth:`position_ids` transposed to ``[b, 3, S]`` when declared.
+        """
+        hidden = self.merge(model, input_ids, inputs_embeds, chunk)
+        wire: dict[str, Tensor] = {}
+        if any(spec.name == "position_ids" for spec in self.wire_tensors(model.config, 0)):
+            positions = self.position_ids(model, input_ids, chunk, attention_mask)
+            if positions is None:
+                raise ValueError(f"{type(self).__name__}.position_ids returned None for a microbatch")
+            wire["position_ids"] = positions.transpose(0, 1)  # [3, b, S] -> batch first
+        return hidden, wire
+
+    def decoder_kwargs(
+        self,
+        stage: torch.nn.Module,
+        layers: range,
+        hidden: Tensor,
+        attention_mask: Tensor,
+        wire: Mapping[str, Tensor],
+    ) -> dict[str, Any]:
+        """Keyword arguments for a stage's language model ``forward``, from the tensors it received.
+
+        Args:
+            stage: the stage module (``stage.config``, ``stage.stage_language_model``).
+            layers: the full-model indices of the decoder layers it runs (contiguous).
+            hidden: ``[b, S, H]`` its input hidden states (``inputs_embeds`` of the call).
+            attention_mask: ``[b, S]`` the batch's mask.
+            wire: the tensors of ``wire_tensors(config, layers.start)`` by name (the first stage: all
+                that :meth:`first_stage` made).
+
+        Returns:
+            Keywords added to ``inputs_embeds=hidden, attention_mask=attention_mask, use_cache=False``
+            (an ``attention_mask`` here replaces the plain one, e.g. with a dict of prepared masks).
+            Default: ``position_ids`` ``[3, b, S]`` when received.
+        """
+        if "position_ids" in wire:
+            return {"position_ids": wire["position_ids"].transpose(0, 1)}
+        return {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, model_types={self.model_types!r})"

@@ -19,6 +19,10 @@ ADAPTERS: dict[str, str] = {
     "step3p7": "ppmedia.adapters.step3:Step3Adapter",
     "kimi_vl": "ppmedia.adapters.kimi_vl:KimiVLAdapter",
     "kimi_k25": "ppmedia.adapters.kimi_vl:KimiVLAdapter",
+    "qwen3_vl": "ppmedia.adapters.qwen3_vl:Qwen3VLAdapter",
+    "qwen3_vl_moe": "ppmedia.adapters.qwen3_vl:Qwen3VLAdapter",
+    "qwen3_5": "ppmedia.adapters.qwen3_vl:Qwen3VLAdapter",
+    "qwen3_5_moe": "ppmedia.adapters.qwen3_vl:Qwen3VLAdapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.

@@ -59,9 +59,10 @@ class Qwen2_5_VLAdapter(VlmAdapter):
     * config fields ``image_token_id``, ``video_token_id``, ``vision_start_token_id`` and
       ``vision_config.spatial_merge_size``.
 
-    Video timing: the chunk carries no ``second_per_grid_ts``, so :meth:`position_ids` spaces video
-    frames with ``get_rope_index``'s default (one second per temporal grid step), as the model itself
-    does when that argument is not passed.
+    Video timing: :meth:`position_ids` passes the chunk's ``second_per_grid_ts`` (``[videos]``, split
+    with its videos by :func:`ppmedia.split_media`) to ``get_rope_index``, so video frames are spaced as
+    the model spaces them for any fps; without it, ``get_rope_index``'s default (one second per temporal
+    grid step), as the model itself does when that argument is not passed.
     """
 
     name: ClassVar[str] = "qwen2_5_vl"
@@ -171,14 +172,18 @@ class Qwen2_5_VLAdapter(VlmAdapter):
         inner = inner_model(model, "visual", _QWEN)
         image_id, video_id = self._token_ids(model.config)
         image_grid = video_grid = None
+        seconds = None
         if chunk is not None:
             image_grid = _grid_thw(chunk.image_grid, "image grid")
             video_grid = _grid_thw(chunk.video_grid, "video grid")
+            seconds = getattr(chunk, "second_per_grid_ts", None)
         kwargs: dict[str, Any] = {
             "image_grid_thw": image_grid,
             "video_grid_thw": video_grid,
             "attention_mask": attention_mask,
         }
+        if seconds is not None:  # [videos]: seconds per temporal grid step of each video of the chunk
+            kwargs["second_per_grid_ts"] = seconds
         if _takes_token_types(inner.get_rope_index):
             # transformers 5.x groups tokens by this type (text 0, image 1, video 2); without it the
             # model's own forward would silently use 1-D positions.

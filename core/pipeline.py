@@ -15,10 +15,18 @@ length, ``H`` = text hidden size)::
 
     hidden_states   [b, S, H]   float, requires grad
     attention_mask  [b, S]      int64 (the batch's own mask)
-    position_ids    [b, 3, S]   int64, batch-first; only for families whose adapter overrides
-                                ``position_ids`` (Qwen2.5-VL), i.e. the ``[3, b, S]`` mrope positions
-                                transposed, so ``tensor_split`` style dim-0 handling never cuts them
-                                along the wrong axis
+    *wire tensors               what the adapter declares for the receiving stage
+                                (``adapter.wire_tensors(config, first_layer)``, each a
+                                :class:`~ppmedia.adapters.base.WireTensor`: name, batch-first static
+                                shape, int64 or float-with-gradient), in declared order
+
+The default declaration is empty, or the mrope positions ``position_ids`` ``[b, 3, S]`` (batch-first:
+the ``[3, b, S]`` positions transposed) for adapters that override ``position_ids`` (Qwen2.5-VL).
+Qwen3-VL adds its visual position mask ``[b, S]`` and one ``[b, S, H]`` tensor per deepstack level
+still ahead (the level's features scattered to the visual positions, zeros elsewhere), so features of
+decoder layers on later stages cross the boundary and their gradients flow back to the vision tower.
+The first stage builds every wire tensor (``adapter.first_stage``); each stage turns what it holds into
+its language model's keyword arguments (``adapter.decoder_kwargs``) and passes on what later stages need.
 
 A stage module keeps only what its stage runs: the first stage the vision tower, projector and
 embedding; every stage its decoder layers (under their ORIGINAL indices) and the language model's
@@ -43,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .adapters.base import VlmAdapter, config_value
+from .adapters.base import VlmAdapter, WireTensor, config_value
 from .chunk import next_vlm_media_chunk
 
 __all__ = [
@@ -211,7 +219,8 @@ class StageModule(nn.Module):
         stage_index, n_stages: this stage and the pipeline length.
         layer_range: ``(start, stop)`` of the decoder layers it runs (full-model indices).
         is_first, is_last: whether it embeds and merges media / produces logits.
-        carries_position_ids: whether a ``[b, 3, S]`` positions tensor travels between stages.
+        wire_in, wire_out: the extra tensors it receives / sends (besides hidden states and mask), as the
+            adapter declares them for its first layer / its successor's first layer.
         adapter: the family adapter (first stage: merge and positions).
         config: the full model's config (plain attribute, read by the adapter).
         language_model_path: dotted path of the language model (``model.language_model``).
@@ -229,7 +238,6 @@ class StageModule(nn.Module):
         layer_range: tuple[int, int],
         language_model_path: str,
         head_name: str,
-        carries_position_ids: bool,
     ) -> None:
         super().__init__()
         for name, child in children.items():
@@ -245,7 +253,6 @@ class StageModule(nn.Module):
         self.is_last = stage_index == n_stages - 1
         self.language_model_path = language_model_path
         self.head_name = head_name
-        self.carries_position_ids = carries_position_ids
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -254,6 +261,25 @@ class StageModule(nn.Module):
         module = _get_path(self, self.language_model_path)
         assert module is not None
         return module
+
+    @property
+    def wire_in(self) -> tuple[WireTensor, ...]:
+        """The extra tensors this stage receives after hidden states and mask (none on the first stage)."""
+        if self.is_first:
+            return ()
+        return tuple(self.adapter.wire_tensors(self.config, self.layer_range[0]))
+
+    @property
+    def wire_out(self) -> tuple[WireTensor, ...]:
+        """The extra tensors this stage sends after hidden states and mask (none on the last stage)."""
+        if self.is_last:
+            return ()
+        return tuple(self.adapter.wire_tensors(self.config, self.layer_range[1]))
+
+    @property
+    def carries_position_ids(self) -> bool:
+        """Whether mrope positions ``[b, 3, S]`` travel into or out of this stage."""
+        return any(spec.name == "position_ids" for spec in self.wire_in + self.wire_out)
 
     @property
     def num_layers(self) -> int:
@@ -266,73 +292,76 @@ class StageModule(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"stage={self.stage_index}/{self.n_stages}, layers={self.layer_range}, "
-            f"first={self.is_first}, last={self.is_last}, position_ids={self.carries_position_ids}"
+            f"first={self.is_first}, last={self.is_last}, "
+            f"wire_in={[w.name for w in self.wire_in]}, wire_out={[w.name for w in self.wire_out]}"
         )
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, *args: Tensor) -> Tensor | tuple[Tensor, ...]:
         """First stage: ``(input_ids [b, S], attention_mask [b, S])``; later stages: the previous
-        stage's tuple. Returns the tuple for the next stage, or logits ``[b, S, vocab]`` on the last."""
+        stage's tuple ``(hidden, attention_mask, *wire_in)``. Returns ``(hidden, attention_mask,
+        *wire_out)`` for the next stage, or logits ``[b, S, vocab]`` on the last."""
         if self.is_first:
             if len(args) != 2:
                 raise TypeError(
                     f"stage 0 takes (input_ids, attention_mask); got {len(args)} positional arguments"
                 )
             input_ids, attention_mask = args
-            hidden, positions = self._embed_and_merge(input_ids, attention_mask)
+            hidden, wire = self._embed_and_merge(input_ids, attention_mask)
         else:
-            expected = 3 if self.carries_position_ids else 2
-            if len(args) != expected:
+            specs = self.wire_in
+            if len(args) != 2 + len(specs):
+                names = ", ".join(["hidden_states", "attention_mask"] + [w.name for w in specs])
                 raise TypeError(
-                    f"stage {self.stage_index} takes {expected} tensors from the previous stage; got {len(args)}"
+                    f"stage {self.stage_index} takes {2 + len(specs)} tensors from the previous stage "
+                    f"({names}); got {len(args)}"
                 )
             hidden, attention_mask = args[0], args[1]
-            # [b, 3, S] batch-first on the wire -> [3, b, S] as the language model wants it
-            positions = args[2].transpose(0, 1) if self.carries_position_ids else None
-        hidden = self._decode(hidden, attention_mask, positions)
+            wire = {spec.name: tensor for spec, tensor in zip(specs, args[2:])}
+        hidden = self._decode(hidden, attention_mask, wire)
         if self.is_last:
             return self._modules[self.head_name](hidden)
         out = [hidden.contiguous(), attention_mask.contiguous()]
-        if self.carries_position_ids:
-            assert positions is not None
-            out.append(positions.transpose(0, 1).contiguous())
+        for spec in self.wire_out:
+            tensor = wire.get(spec.name)
+            if tensor is None:
+                raise TypeError(
+                    f"stage {self.stage_index}: {type(self.adapter).__name__}.wire_tensors declares "
+                    f"{spec.name!r} for stage {self.stage_index + 1}, but this stage does not hold it "
+                    f"(it has {sorted(wire)}); a later stage may only need a subset of an earlier one's"
+                )
+            if spec.floating and not tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
+                # e.g. a text-only microbatch's zero deepstack features: keep a gradient slot, so the
+                # schedule's metadata (taken from whichever microbatch comes first) fits every microbatch
+                tensor = tensor.detach().requires_grad_()
+            out.append(tensor.contiguous())
         return tuple(out)
 
-    def _embed_and_merge(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _embed_and_merge(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         lm = self.stage_language_model
         embeds = lm.get_input_embeddings()(input_ids)  # [b, S, H]
         chunk = next_vlm_media_chunk(self)
-        embeds = self.adapter.merge(self, input_ids, embeds, chunk)
-        positions = None
-        if self.carries_position_ids:
-            positions = self.adapter.position_ids(self, input_ids, chunk, attention_mask)
-            if positions is None:
+        hidden, wire = self.adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
+        b, S = input_ids.shape
+        for spec in self.adapter.wire_tensors(self.config, 0):
+            tensor = wire.get(spec.name)
+            expected = _wire_shape(spec, b, S, hidden.shape[-1])
+            if tensor is None or list(tensor.shape) != expected:
+                seen = "missing" if tensor is None else f"shape {list(tensor.shape)}"
                 raise ValueError(
-                    f"{type(self.adapter).__name__}.position_ids returned None for a microbatch; the "
-                    f"pipeline sends positions between stages for this family, so every microbatch needs them"
+                    f"{type(self.adapter).__name__}.first_stage: wire tensor {spec.name!r} is {seen}; "
+                    f"expected {expected} ({list(spec.shape)})"
                 )
-            if positions.dim() != 3 or positions.shape[1:] != input_ids.shape:
-                raise ValueError(
-                    f"{type(self.adapter).__name__}.position_ids: shape {list(positions.shape)}; expected "
-                    f"[k, {input_ids.shape[0]}, {input_ids.shape[1]}]"
-                )
-        return embeds, positions
+        return hidden, wire
 
-    def _decode(self, hidden: Tensor, attention_mask: Tensor, positions: Tensor | None) -> Tensor:
+    def _decode(self, hidden: Tensor, attention_mask: Tensor, wire: Mapping[str, Tensor]) -> Tensor:
         if self.num_layers == 0 and not self.is_last:
             # Nothing to run; a fresh tensor keeps the stage's output distinct from its input.
             return hidden if self.is_first else hidden.clone()
-        out = self.stage_language_model(
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=False,
-        )
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask}
+        kwargs.update(self.adapter.decoder_kwargs(self, range(*self.layer_range), hidden, attention_mask, wire))
+        out = self.stage_language_model(inputs_embeds=hidden, use_cache=False, **kwargs)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-
-def _overrides_position_ids(adapter: VlmAdapter) -> bool:
-    return type(adapter).position_ids is not VlmAdapter.position_ids
 
 
 def build_stage_modules(
@@ -374,7 +403,6 @@ def build_stage_modules(
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = _child_name(model, head, "output head (lm_head)")
     path = lm_path.split(".")
-    carries_positions = _overrides_position_ids(adapter)
 
     modules = []
     for s in wanted:
@@ -424,10 +452,22 @@ def build_stage_modules(
                 layer_range=(start, stop),
                 language_model_path=lm_path,
                 head_name=head_name,
-                carries_position_ids=carries_positions,
             )
         )
     return modules
+
+
+def _wire_shape(spec: WireTensor, b: int, S: int, H: int) -> list[int]:
+    """``spec.shape`` with ``"b"``, ``"S"``, ``"H"`` replaced by the microbatch's sizes."""
+    sizes = {"b": b, "S": S, "H": H}
+    shape = []
+    for dim in spec.shape:
+        if isinstance(dim, str) and dim not in sizes:
+            raise ValueError(
+                f"wire tensor {spec.name!r}: dim {dim!r} in {list(spec.shape)}; expected an int, 'b', 'S' or 'H'"
+            )
+        shape.append(sizes[dim] if isinstance(dim, str) else int(dim))
+    return shape
 
 
 # --------------------------------------------------------------------------------------------------
@@ -460,7 +500,8 @@ def static_stage_args(
 ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """Example ``(input_args, output_args)`` of one microbatch for a static-shape ``PipelineStage``.
 
-    Float tensors require grad (the stage metadata records it: a received activation only gets a
+    Hidden states ``[b, S, H]`` and mask ``[b, S]``, then the stage's ``wire_in`` / ``wire_out`` in their
+    declared shapes. Float tensors require grad (the stage metadata records it: a received activation only gets a
     gradient if its example does). With these on every stage the schedule runs no shape-inference
     forward.
 
@@ -482,11 +523,15 @@ def static_stage_args(
     def floats(*shape: int) -> Tensor:
         return torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
 
-    between = [floats(b, S, hidden_size), ints(b, S)]
-    if module.carries_position_ids:
-        between.append(ints(b, 3, S))
-    inputs = (ints(b, S), ints(b, S)) if module.is_first else tuple(between)
-    outputs = (floats(b, S, vocab),) if module.is_last else tuple(between)
+    def between(wire: Sequence[WireTensor]) -> tuple[Tensor, ...]:
+        extra = []
+        for spec in wire:
+            shape = _wire_shape(spec, b, S, hidden_size)
+            extra.append(floats(*shape) if spec.floating else ints(*shape))
+        return (floats(b, S, hidden_size), ints(b, S), *extra)
+
+    inputs = (ints(b, S), ints(b, S)) if module.is_first else between(module.wire_in)
+    outputs = (floats(b, S, vocab),) if module.is_last else between(module.wire_out)
     return inputs, outputs
 
 

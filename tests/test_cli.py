@@ -23,7 +23,8 @@ def test_adapters_lists_builtins_with_layouts_and_providers(capsys):
     code, out, _ = run(capsys, "adapters")
     assert code == 0
     for name, types in [("qwen2_5_vl", "qwen2_5_vl, qwen2_vl"), ("llava_next", "llava_next"),
-                        ("step3", "step3_vl, step3p7"), ("kimi_vl", "kimi_vl, kimi_k25")]:
+                        ("step3", "step3_vl, step3p7"), ("kimi_vl", "kimi_vl, kimi_k25"),
+                        ("qwen3_vl", "qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe")]:
         line = next(l for l in out.splitlines() if l.startswith(name + " "))
         assert types in line and "ppmedia (built-in)" in line
     assert "flat patch rows" in out and "qwen2_5_vl_text -> qwen2_5_vl" in out

@@ -56,8 +56,7 @@ def test_microbatches_match_golden_and_live(family, n):
     adapter = ppmedia.get_adapter(model)
     batch = dict(inputs)
     input_ids = batch["input_ids"]
-    images, videos = adapter.media_per_sample(input_ids, model.config)
-    staged = ppmedia.split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
+    staged = ppmedia.split_media(batch, n, **adapter.media_counts(batch, model.config))
     first_stage = torch.nn.Module()
     rows = torch.tensor_split(torch.arange(input_ids.shape[0]), n)
     text_only = []

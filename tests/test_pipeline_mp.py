@@ -32,6 +32,13 @@ N_MICROBATCHES = 4
 STEPS = 2
 WRONG_BATCH = Scenario("1f1b", "static", "wrong_batch")
 SCENARIO_NAMES = [s.name for s in ALL_SCENARIOS]
+#: per family, scenarios run in the same spawn as its defaults. Qwen3-VL's tiny model has 2 decoder
+#: layers and 2 deepstack levels: the default split (1 + 1) sends level 1 across the boundary; 2 + 0
+#: keeps every deepstack layer on stage 0.
+EXTRA_SCENARIOS: dict[str, tuple[Scenario, ...]] = {
+    "qwen3_vl": tuple(Scenario(s, shapes, layers=(2, 0)) for s in ("gpipe", "1f1b") for shapes in ("inferred", "static"))
+    + (Scenario("1f1b", "inferred", variant="text_only_first"), Scenario("gpipe", "inferred", variant="frozen_vision")),
+}
 
 _reports: dict[str, object] = {}
 
@@ -52,7 +59,7 @@ def _report(family: str):
     if family not in _reports:
         try:
             _reports[family] = run_parity(
-                family, [*ALL_SCENARIOS, WRONG_BATCH], steps=STEPS, n_microbatches=N_MICROBATCHES, tolerance=TOL
+                family, [*ALL_SCENARIOS, WRONG_BATCH, *EXTRA_SCENARIOS.get(family, ())], steps=STEPS, n_microbatches=N_MICROBATCHES, tolerance=TOL
             )
         except ParityError as exc:  # cache the failure too: one spawn per family, not per test
             _reports[family] = exc
@@ -90,6 +97,23 @@ def test_pipeline_matches_full_batch_model(family, scenario):
         assert st.chunk_trace == [0] * inference + list(range(N_MICROBATCHES))
     # the SGD step between the steps changed the model, and the reference followed
     assert result.steps[0].loss_reference != result.steps[1].loss_reference
+    assert result.passed(TOL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scenario", [s.name for s in EXTRA_SCENARIOS["qwen3_vl"]])
+def test_qwen3_vl_deepstack_scenarios(scenario):
+    """2 + 0: every deepstack layer on stage 0; text_only_first: the schedule infers its shapes from a
+    microbatch without media (whose deepstack features carry no gradient); frozen_vision: the vision
+    tower trains not at all, and nothing reaches it."""
+    result = _report("qwen3_vl").family("qwen3_vl").scenario(scenario)
+    assert result.layers_per_stage == ([2, 0] if "layers=" in scenario else [1, 1])
+    assert result.missing_params == []
+    for st in result.steps:
+        assert st.loss_diff <= TOL and st.grad_diff_vision <= TOL and st.grad_diff_lm <= TOL, (scenario, st)
+        assert st.reference_grad_max_lm > 1e-4
+        frozen = scenario.endswith("frozen_vision")
+        assert (st.reference_grad_max_vision == 0.0) if frozen else (st.reference_grad_max_vision > 1e-4)
     assert result.passed(TOL)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import json
 import os
 import socket
@@ -57,6 +58,7 @@ __all__ = [
     "Scenario",
     "ScenarioResult",
     "StepResult",
+    "VARIANTS",
     "exit_worker",
     "launched_by_torchrun",
     "main",
@@ -72,6 +74,8 @@ __all__ = [
 #: ``wrong_batch``: stage the media of a different batch with the same layout (same counts and
 #: shapes, other pixels): nothing raises, the losses and gradients differ from the reference.
 FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch")
+#: run variants that must still match (see :class:`Scenario`).
+VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision")
 _SHAPES = ("inferred", "static")
 
 
@@ -88,11 +92,20 @@ class Scenario:
         shapes: ``inferred`` (the schedule infers shapes on the first step) or ``static``
             (``input_args``/``output_args`` on every stage).
         fault: ``None``, or one of :data:`FAULTS` to break the run on purpose.
+        variant: ``None``, or one of :data:`VARIANTS`: ``text_only_first`` builds the batch with its
+            text-only samples first (the tiny module's ``build_batch(seed, text_only_first=True)``), so
+            the schedule infers shapes from a microbatch without media; ``frozen_vision`` freezes every
+            parameter outside the language model (``requires_grad=False``) on both sides.
+        layers: decoder layers per stage (``layers_per_stage``), or ``None`` for
+            :func:`~ppmedia.pipeline.default_layer_split`; e.g. ``(2, 0)`` puts every Qwen3-VL deepstack
+            layer of the tiny model on stage 0, the default ``(1, 1)`` sends a deepstack level across.
     """
 
     schedule: str
     shapes: str = "inferred"
     fault: str | None = None
+    layers: tuple[int, ...] | None = None
+    variant: str | None = None
 
     def __post_init__(self) -> None:
         from ..pipeline import SCHEDULES
@@ -103,11 +116,26 @@ class Scenario:
             raise ValueError(f"scenario shapes: got {self.shapes!r}; expected one of {', '.join(_SHAPES)}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"scenario fault: got {self.fault!r}; expected None or one of {', '.join(FAULTS)}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(int(n) for n in self.layers))
+        if self.variant is not None and self.variant not in VARIANTS:
+            raise ValueError(f"scenario variant: got {self.variant!r}; expected None or one of {', '.join(VARIANTS)}")
 
     @property
     def name(self) -> str:
-        """``schedule/shapes`` (plus ``/fault``)."""
-        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []))
+        """``schedule/shapes`` (plus ``/fault``, plus ``/layers=2+0``)."""
+        return _scenario_name(self.schedule, self.shapes, self.fault, self.layers, self.variant)
+
+
+def _scenario_name(
+    schedule: str, shapes: str, fault: str | None, layers: Sequence[int] | None, variant: str | None = None
+) -> str:
+    parts = [schedule, shapes] + ([fault] if fault else [])
+    if layers is not None:
+        parts.append("layers=" + "+".join(str(n) for n in layers))
+    if variant is not None:
+        parts.append(variant)
+    return "/".join(parts)
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -119,16 +147,25 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes[/fault]]`` (``"1f1b/static"``) or :class:`Scenario`."""
+    """Scenarios from strings ``schedule[/shapes[/fault]][/layers=A+B]`` (``"1f1b/static"``,
+    ``"gpipe/static/layers=2+0"``) or :class:`Scenario`."""
     out = []
     for spec in specs:
         if isinstance(spec, Scenario):
             out.append(spec)
             continue
         parts = str(spec).replace(":", "/").split("/")
+        layers = None
+        if parts[-1].startswith("layers="):
+            try:
+                layers = tuple(int(n) for n in parts.pop()[len("layers="):].split("+"))
+            except ValueError:
+                raise ValueError(f"scenario {spec!r}: layers=A+B... takes integers") from None
         if not 1 <= len(parts) <= 3:
-            raise ValueError(f"scenario {spec!r}: expected schedule[/shapes[/fault]]")
-        out.append(Scenario(*parts))
+            raise ValueError(f"scenario {spec!r}: expected schedule[/shapes[/fault]][/layers=A+B...]")
+        shapes = parts[1] if len(parts) > 1 else "inferred"
+        fault = parts[2] if len(parts) > 2 else None
+        out.append(Scenario(parts[0], shapes, fault, layers))
     return out
 
 
@@ -216,10 +253,12 @@ class ScenarioResult:
     layers_per_stage: list[int]
     steps: list[StepResult]
     missing_params: list[str] = field(default_factory=list)
+    layers: list[int] | None = None  # the scenario's explicit layers_per_stage, if any
+    variant: str | None = None
 
     @property
     def name(self) -> str:
-        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []))
+        return _scenario_name(self.schedule, self.shapes, self.fault, self.layers, self.variant)
 
     @property
     def max_loss_diff(self) -> float:
@@ -349,9 +388,7 @@ _table = format_table
 
 def _split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> Any:
     from ..split import split_media
-
-    images, videos = adapter.media_per_sample(batch["input_ids"], config)
-    return split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
+    return split_media(batch, n, **adapter.media_counts(batch, config))
 
 
 def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> list[MicrobatchInfo]:
@@ -448,17 +485,31 @@ def _run_scenario(
     per_rank = SCHEDULES[scenario.schedule]
     n_stages = world * per_rank
     _, lm = find_language_model(pristine)
-    layers_per_stage = default_layer_split(len(lm.layers), n_stages)
+    if scenario.layers is not None:
+        layers_per_stage = list(scenario.layers)
+    else:
+        layers_per_stage = default_layer_split(len(lm.layers), n_stages)
     indices = stage_indices_for_rank(rank, world, per_rank)
 
     model = copy.deepcopy(pristine)
     reference = copy.deepcopy(pristine)
-    first_batch = tiny_module.build_batch(job.seed)
+
+    def build_batch(seed: int) -> dict[str, Any]:
+        if scenario.variant == "text_only_first":
+            return dict(tiny_module.build_batch(seed, text_only_first=True))
+        return dict(tiny_module.build_batch(seed))
+
+    first_batch = build_batch(job.seed)
     B, S = first_batch["input_ids"].shape
     static = (B // n, S) if scenario.shapes == "static" else None
     stages = make_pipeline_stages(model, n_stages, indices, "cpu", layers_per_stage=layers_per_stage, static_microbatch=static)
     del model  # this rank keeps only its stages' modules
     modules = [st.submod for st in stages]
+    if scenario.variant == "frozen_vision":  # every rank's reference too: it runs the whole model
+        is_language = modules[0].is_language_parameter
+        for name, param in [*reference.named_parameters(), *(p for m in modules for p in m.named_parameters())]:
+            if not is_language(name):
+                param.requires_grad_(False)
     schedule = build_schedule(scenario.schedule, stages, n)
 
     owned: dict[str, tuple[torch.nn.Parameter, bool]] = {}
@@ -484,12 +535,12 @@ def _run_scenario(
     step_results = []
     try:
         for step in range(job.steps):
-            batch = tiny_module.build_batch(job.seed + step)
+            batch = build_batch(job.seed + step)
             ids, mask = batch["input_ids"], batch["attention_mask"]
             labels = make_labels(ids, config, adapter, attention_mask=mask)
             targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
             num_valid = count_valid_tokens(labels)
-            media_batch = tiny_module.build_batch(job.seed + 1000 + step) if scenario.fault == "wrong_batch" else batch
+            media_batch = build_batch(job.seed + 1000 + step) if scenario.fault == "wrong_batch" else batch
             staged = _split(adapter, config, dict(media_batch), n)
             current.update(input_ids=ids, samples=staged.samples)
             trace.clear()
@@ -638,6 +689,8 @@ def _merge(per_rank: list[list[dict[str, Any]]], world: int, tolerance: float, l
                     layers_per_stage=list(s0["layers_per_stage"]),
                     steps=steps,
                     missing_params=missing,
+                    layers=None if sc.get("layers") is None else list(sc["layers"]),
+                    variant=sc.get("variant"),
                 )
             )
         families.append(
@@ -743,6 +796,7 @@ def launched_by_torchrun() -> bool:
 
 
 def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: int, world_size: int, steps: int) -> None:
+    from ..pipeline import SCHEDULES
     from . import tiny_models as tiny
 
     for family in families:
@@ -763,6 +817,14 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
                 f"{sc.name}: Interleaved1F1B needs n_microbatches ({n_microbatches}) to be a multiple of the "
                 f"{world_size} ranks"
             )
+        if sc.layers is not None and len(sc.layers) != world_size * SCHEDULES[sc.schedule]:
+            raise ValueError(
+                f"{sc.name}: {len(sc.layers)} layer counts for {world_size * SCHEDULES[sc.schedule]} stages"
+            )
+        if sc.variant == "text_only_first":
+            for family in families:
+                if "text_only_first" not in inspect.signature(tiny.load(family).build_batch).parameters:
+                    raise ValueError(f"{sc.name}: the tiny {family} batch has no text_only_first order")
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")
 
