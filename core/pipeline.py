@@ -19,6 +19,11 @@ length, ``H`` = text hidden size)::
                                 ``position_ids`` (Qwen2.5-VL), i.e. the ``[3, b, S]`` mrope positions
                                 transposed, so ``tensor_split`` style dim-0 handling never cuts them
                                 along the wrong axis
+    token_type_ids  [b, S]      int64; only for families whose adapter has ``token_type_ids`` and
+                                ``attention_masks`` (Gemma 3): 1 at image tokens. Every stage builds
+                                its language model's masks from them with ``adapter.attention_masks``
+                                (image tokens attend within their image both ways), as the full
+                                model does
 
 A stage module keeps only what its stage runs: the first stage the vision tower, projector and
 embedding; every stage its decoder layers (under their ORIGINAL indices) and the language model's
@@ -212,6 +217,8 @@ class StageModule(nn.Module):
         layer_range: ``(start, stop)`` of the decoder layers it runs (full-model indices).
         is_first, is_last: whether it embeds and merges media / produces logits.
         carries_position_ids: whether a ``[b, 3, S]`` positions tensor travels between stages.
+        carries_token_type_ids: whether a ``[b, S]`` token-types tensor travels between stages (then
+            every stage builds its attention masks with ``adapter.attention_masks``).
         adapter: the family adapter (first stage: merge and positions).
         config: the full model's config (plain attribute, read by the adapter).
         language_model_path: dotted path of the language model (``model.language_model``).
@@ -230,6 +237,7 @@ class StageModule(nn.Module):
         language_model_path: str,
         head_name: str,
         carries_position_ids: bool,
+        carries_token_type_ids: bool = False,
     ) -> None:
         super().__init__()
         for name, child in children.items():
@@ -246,6 +254,7 @@ class StageModule(nn.Module):
         self.language_model_path = language_model_path
         self.head_name = head_name
         self.carries_position_ids = carries_position_ids
+        self.carries_token_type_ids = carries_token_type_ids
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -266,7 +275,8 @@ class StageModule(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"stage={self.stage_index}/{self.n_stages}, layers={self.layer_range}, "
-            f"first={self.is_first}, last={self.is_last}, position_ids={self.carries_position_ids}"
+            f"first={self.is_first}, last={self.is_last}, position_ids={self.carries_position_ids}, "
+            f"token_type_ids={self.carries_token_type_ids}"
         )
 
     # -- forward -------------------------------------------------------------------------------
@@ -280,8 +290,11 @@ class StageModule(nn.Module):
                 )
             input_ids, attention_mask = args
             hidden, positions = self._embed_and_merge(input_ids, attention_mask)
+            token_types = None
+            if self.carries_token_type_ids:
+                token_types = self.adapter.token_type_ids(input_ids, self.config)  # type: ignore[attr-defined]
         else:
-            expected = 3 if self.carries_position_ids else 2
+            expected = 2 + int(self.carries_position_ids) + int(self.carries_token_type_ids)
             if len(args) != expected:
                 raise TypeError(
                     f"stage {self.stage_index} takes {expected} tensors from the previous stage; got {len(args)}"
@@ -289,13 +302,16 @@ class StageModule(nn.Module):
             hidden, attention_mask = args[0], args[1]
             # [b, 3, S] batch-first on the wire -> [3, b, S] as the language model wants it
             positions = args[2].transpose(0, 1) if self.carries_position_ids else None
-        hidden = self._decode(hidden, attention_mask, positions)
+            token_types = args[-1] if self.carries_token_type_ids else None
+        hidden = self._decode(hidden, attention_mask, positions, token_types)
         if self.is_last:
             return self._modules[self.head_name](hidden)
         out = [hidden.contiguous(), attention_mask.contiguous()]
         if self.carries_position_ids:
             assert positions is not None
             out.append(positions.transpose(0, 1).contiguous())
+        if token_types is not None:
+            out.append(token_types.contiguous())
         return tuple(out)
 
     def _embed_and_merge(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -318,13 +334,20 @@ class StageModule(nn.Module):
                 )
         return embeds, positions
 
-    def _decode(self, hidden: Tensor, attention_mask: Tensor, positions: Tensor | None) -> Tensor:
+    def _decode(
+        self, hidden: Tensor, attention_mask: Tensor, positions: Tensor | None, token_types: Tensor | None = None
+    ) -> Tensor:
         if self.num_layers == 0 and not self.is_last:
             # Nothing to run; a fresh tensor keeps the stage's output distinct from its input.
             return hidden if self.is_first else hidden.clone()
+        masks: Any = attention_mask
+        if token_types is not None:  # the family's own masks (Gemma 3: bidirectional image blocks)
+            masks = self.adapter.attention_masks(  # type: ignore[attr-defined]
+                self.stage_language_model, hidden, attention_mask, token_types, positions
+            )
         out = self.stage_language_model(
             inputs_embeds=hidden,
-            attention_mask=attention_mask,
+            attention_mask=masks,
             position_ids=positions,
             use_cache=False,
         )
@@ -333,6 +356,11 @@ class StageModule(nn.Module):
 
 def _overrides_position_ids(adapter: VlmAdapter) -> bool:
     return type(adapter).position_ids is not VlmAdapter.position_ids
+
+
+def _uses_token_types(adapter: VlmAdapter) -> bool:
+    # an adapter with both hooks wants token types on the wire and builds every stage's masks
+    return callable(getattr(adapter, "token_type_ids", None)) and callable(getattr(adapter, "attention_masks", None))
 
 
 def build_stage_modules(
@@ -375,6 +403,7 @@ def build_stage_modules(
     head_name = _child_name(model, head, "output head (lm_head)")
     path = lm_path.split(".")
     carries_positions = _overrides_position_ids(adapter)
+    carries_token_types = _uses_token_types(adapter)
 
     modules = []
     for s in wanted:
@@ -425,6 +454,7 @@ def build_stage_modules(
                 language_model_path=lm_path,
                 head_name=head_name,
                 carries_position_ids=carries_positions,
+                carries_token_type_ids=carries_token_types,
             )
         )
     return modules
@@ -485,6 +515,8 @@ def static_stage_args(
     between = [floats(b, S, hidden_size), ints(b, S)]
     if module.carries_position_ids:
         between.append(ints(b, 3, S))
+    if module.carries_token_type_ids:
+        between.append(ints(b, S))
     inputs = (ints(b, S), ints(b, S)) if module.is_first else tuple(between)
     outputs = (floats(b, S, vocab),) if module.is_last else tuple(between)
     return inputs, outputs

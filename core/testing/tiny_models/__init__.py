@@ -27,7 +27,7 @@ from torch import Tensor
 __all__ = ["FAMILIES", "capture_merged_embeds", "load", "seeded"]
 
 #: family name -> module name under ``ppmedia.tiny``.
-FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl")
+FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "gemma3", "mistral3")
 
 
 def load(family: str) -> ModuleType:
