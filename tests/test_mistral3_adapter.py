@@ -93,6 +93,12 @@ def test_break_and_end_ids_from_the_config_or_the_adapter(model):
     with_ids = SimpleNamespace(image_token_id=10, image_break_token_id=40, image_end_token_id=41)
     assert Mistral3Adapter().special_token_ids(with_ids) == (10, 40, 41)
     assert Mistral3Adapter().media_per_sample(ids, with_ids)[0].tolist() == [1, 2]
+    # a user's tokenizer: an adapter instance with its ids replaces the built-in one
+    from ppmedia.registry.registry import AdapterRegistry
+
+    registry = AdapterRegistry(entry_point_group=None)
+    registry.register_adapter(Mistral3Adapter(image_break_token_id=40, image_end_token_id=41), override=True)
+    assert registry.get(model).media_per_sample(ids, config)[0].tolist() == [1, 2]
 
 
 # -- merge per microbatch -------------------------------------------------------------------------
