@@ -91,6 +91,7 @@ class Gemma3Adapter(VlmAdapter):
         Raises:
             ValueError: the chunk carries videos or a per-image grid, or ``pixel_values`` is not
                 ``[rows, C, H, W]`` at the vision tower's channels and size.
+            TypeError: ``pixel_values`` is not floating point.
         """
         if chunk.pixel_values_videos is not None or chunk.video_grid is not None:
             raise ValueError("gemma3 takes no video input, but the chunk carries videos")
@@ -109,6 +110,8 @@ class Gemma3Adapter(VlmAdapter):
                 f"gemma3 pixel_values: shape {tuple(pixels.shape)}; expected [rows, {channels}, {size}, {size}] "
                 f"(complete images at vision_config.image_size)"
             )
+        if not pixels.is_floating_point():
+            raise TypeError(f"gemma3 pixel_values: dtype {pixels.dtype}; expected a floating dtype")
         return {"image": pixels.shape[0] * _tokens_per_image(config)}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:

@@ -119,6 +119,7 @@ class Mistral3Adapter(VlmAdapter):
         Raises:
             ValueError: videos; pixels without sizes or the reverse; ``pixel_values`` not 4-D;
                 ``image_sizes`` not ``[images, 2]`` for the same number of images (shapes only).
+            TypeError: ``pixel_values`` not floating point, or ``image_sizes`` not integers.
         """
         if chunk.pixel_values_videos is not None or chunk.video_grid is not None:
             raise ValueError("mistral3 takes no video input, but the chunk carries videos")
@@ -132,6 +133,10 @@ class Mistral3Adapter(VlmAdapter):
             raise ValueError(
                 f"mistral3 pixel_values: shape {tuple(pixels.shape)}; expected [images, C, Hmax, Wmax]"
             )
+        if not pixels.is_floating_point():
+            raise TypeError(f"mistral3 pixel_values: dtype {pixels.dtype}; expected a floating dtype")
+        if sizes.is_floating_point() or sizes.is_complex() or sizes.dtype == torch.bool:
+            raise TypeError(f"mistral3 image_sizes: dtype {sizes.dtype}; expected an integer dtype")
         if sizes.dim() != 2 or sizes.shape[1] != 2 or sizes.shape[0] != pixels.shape[0]:
             raise ValueError(
                 f"mistral3 image_sizes: shape {tuple(sizes.shape)}; expected [{pixels.shape[0]}, 2] "

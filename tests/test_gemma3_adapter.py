@@ -125,6 +125,8 @@ def test_errors_name_the_problem(model, batch, adapter):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels[:4], None, None, None))
     with pytest.raises(ValueError, match=r"gemma3 pixel_values: shape \(5, 3, 16, 32\); expected \[rows, 3, 32, 32\]"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels[:5, :, :16], None, None, None))
+    with pytest.raises(TypeError, match="pixel_values: dtype torch.uint8"):
+        adapter.merge(model, ids, embeds, VlmMediaChunk(pixels[:5].to(torch.uint8), None, None, None))
     with pytest.raises(ValueError, match="no per-image grid"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels[:5], torch.ones(5, 2, dtype=torch.int64), None, None))
     with pytest.raises(ValueError, match="no video"):

@@ -150,6 +150,10 @@ def test_errors_name_the_problem(model, batch, adapter):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, too_big, None, None))
     with pytest.raises(ValueError, match=r"image_sizes: shape \(2, 2\); expected \[3, 2\]"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, sizes[:2], None, None))
+    with pytest.raises(TypeError, match="image_sizes: dtype torch.float32; expected an integer dtype"):
+        adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, sizes.float(), None, None))
+    with pytest.raises(TypeError, match="pixel_values: dtype torch.uint8"):
+        adapter.merge(model, ids, embeds, VlmMediaChunk(pixels.to(torch.uint8), sizes, None, None))
     with pytest.raises(ValueError, match="no image_sizes"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, None, None, None))
     with pytest.raises(ValueError, match=r"pixel_values: shape \(3, 12288\)"):
