@@ -242,3 +242,29 @@ def test_static_stage_args_carry_token_types(model):
     assert outputs[2].dtype == torch.int64
     inputs, _ = static_stage_args(last, 2, 33)
     assert [tuple(t.shape) for t in inputs] == [(2, 33, 64), (2, 33), (2, 33)]
+
+
+def test_attention_masks_are_the_ones_the_model_builds(model, batch, adapter):
+    """adapter.attention_masks on the full batch equals the mapping Gemma3Model hands its language model."""
+    seen = {}
+
+    def hook(_module, args, kwargs):
+        seen.update(kwargs["attention_mask"])
+
+    lm = model.model.language_model
+    handle = lm.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**tiny.reference_inputs(batch))
+    finally:
+        handle.remove()
+    embeds = text_embeds(model, batch["input_ids"])
+    types = adapter.token_type_ids(batch["input_ids"], model.config)
+    ours = adapter.attention_masks(lm, embeds, batch["attention_mask"], types)
+    assert set(ours) == set(seen) == {"full_attention", "sliding_attention"}
+    for kind in ours:
+        assert torch.equal(ours[kind], seen[kind]), kind
+    # image tokens see the rest of their block (a later position), text tokens never see ahead
+    full = ours["full_attention"][1, 0]
+    first_image = int(types[1].nonzero()[0])
+    assert bool(full[first_image, first_image + 3]) and not bool(full[first_image - 1, first_image])
