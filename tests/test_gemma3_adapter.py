@@ -210,11 +210,11 @@ def _run_stages(stages, batch, adapter, config, n=4):
     return torch.cat(logits)
 
 
-@pytest.mark.parametrize("layers", [[1, 1], [0, 2], [2, 0]])
+@pytest.mark.parametrize("layers", [[2], [1, 1], [0, 2], [2, 0], [0, 1, 1]])
 def test_stages_build_the_models_masks(model, batch, adapter, layers):
     with torch.no_grad():
         expected = model(**tiny.reference_inputs(batch)).logits
-    stages = build_stage_modules(model, 2, layers_per_stage=layers)
+    stages = build_stage_modules(model, len(layers), layers_per_stage=layers)
     assert all(s.carries_token_type_ids for s in stages)
     got = _run_stages(stages, batch, adapter, model.config)
     assert (got - expected).abs().max().item() <= ATOL
