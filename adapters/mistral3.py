@@ -56,7 +56,8 @@ def _tokens_of_sizes(flat: list[int], step: int, max_hw: tuple[int, int]) -> int
         if not (step <= h <= max_hw[0] and step <= w <= max_hw[1]):
             raise ValueError(
                 f"mistral3 image_sizes: row {k} of the microbatch is [{h}, {w}]; expected each side between "
-                f"{step} (patch x spatial_merge_size) and the padded pixel_values size {list(max_hw)}"
+                f"{step} (patch x spatial_merge_size) and {list(max_hw)} (the padded pixel_values, at most "
+                f"vision_config.image_size)"
             )
         total += (h // step) * (w // step)
     return total
@@ -142,9 +143,9 @@ class Mistral3Adapter(VlmAdapter):
                 f"mistral3 image_sizes: shape {tuple(sizes.shape)}; expected [{pixels.shape[0]}, 2] "
                 f"(one (height, width) per pixel_values row)"
             )
-        count = functools.partial(
-            _tokens_of_sizes, step=_downsample(config), max_hw=(int(pixels.shape[2]), int(pixels.shape[3]))
-        )
+        largest = int(config_value(config, "vision_config.image_size"))  # the tower's rope covers no more
+        max_hw = (min(int(pixels.shape[2]), largest), min(int(pixels.shape[3]), largest))
+        count = functools.partial(_tokens_of_sizes, step=_downsample(config), max_hw=max_hw)
         return {"image": HostCount(sizes, count)}
 
     def encode(

@@ -150,6 +150,10 @@ def test_errors_name_the_problem(model, batch, adapter):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, too_big, None, None))
     with pytest.raises(ValueError, match=r"image_sizes: shape \(2, 2\); expected \[3, 2\]"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, sizes[:2], None, None))
+    # larger than the tower's image_size (64), even in pixels padded to 80
+    big = torch.nn.functional.pad(pixels, (0, 16, 0, 16))
+    with pytest.raises(ValueError, match=r"row 0 of the microbatch is \[80, 48\]; expected each side between 16 .* and \[64, 64\]"):
+        adapter.merge(model, ids, embeds, VlmMediaChunk(big, torch.tensor([[80, 48], [16, 16], [64, 32]]), None, None))
     with pytest.raises(TypeError, match="image_sizes: dtype torch.float32; expected an integer dtype"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, sizes.float(), None, None))
     with pytest.raises(TypeError, match="pixel_values: dtype torch.uint8"):
