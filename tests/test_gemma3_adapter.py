@@ -192,6 +192,52 @@ def test_real_processor_output_through_split_stage_merge(model, adapter, first_s
             assert (merged - reference[rows]).abs().max().item() <= ATOL
 
 
+def _tiny_gemma3_processor(pan_and_scan: bool):
+    """transformers' own Gemma3Processor with a word-level tokenizer built here (no download): the
+    tiny model's special ids (<boi> 125, <eoi> 126, <image> 127), 4 image tokens per image."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3Processor, PreTrainedTokenizerFast
+
+    words = "Here is the original image and here are some crops to help you see better look at this".split()
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<boi>": 125, "<eoi>": 126, "<img>": 127}
+    vocab.update({w: 3 + i for i, w in enumerate(words)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        extra_special_tokens={"boi_token": "<boi>", "eoi_token": "<eoi>", "image_token": "<img>"},
+    )
+    images = Gemma3ImageProcessorPil(size={"height": tiny.IMAGE_SIZE, "width": tiny.IMAGE_SIZE})
+    processor = Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=tiny.TOKENS_PER_IMAGE)
+    kwargs = dict(do_pan_and_scan=pan_and_scan, pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=3,
+                  pan_and_scan_min_ratio_to_activate=1.2)
+    return processor, kwargs
+
+
+@pytest.mark.parametrize("pan_and_scan", [False, True])
+def test_real_processor_with_text_through_split_stage_merge_and_stages(model, adapter, first_stage, pan_and_scan):
+    """Gemma3Processor's whole output (it drops num_crops): rows per sample come from the tokens."""
+    processor, kwargs = _tiny_gemma3_processor(pan_and_scan)
+    rng = np.random.default_rng(11)
+    texts = ["look <boi> at this", "look at this", "<boi> here <boi> this", "look at <boi>"]
+    images = [[_image(rng, 40, 100)], [], [_image(rng, 64, 64), _image(rng, 120, 30)], [_image(rng, 50, 61)]]
+    out = processor(text=texts, images=images, return_tensors="pt", padding=True, **kwargs)
+    assert set(out) == {"input_ids", "attention_mask", "token_type_ids", "pixel_values"}  # no num_crops
+    rows = adapter.media_per_sample(out["input_ids"], model.config)[0].tolist()
+    assert rows == ([4, 0, 5, 3] if pan_and_scan else [1, 0, 2, 1])
+    assert out["pixel_values"].shape[0] == sum(rows)
+    assert torch.equal(adapter.token_type_ids(out["input_ids"], model.config), out["token_type_ids"])
+    batch = dict(out)
+    reference = capture_merged_embeds(model, **tiny.reference_inputs(batch))
+    for n in (1, 2, 4):
+        for rows_k, merged, _ in _merge_all(model, adapter, batch, n, first_stage):
+            assert (merged - reference[rows_k]).abs().max().item() <= ATOL
+    with torch.no_grad():
+        expected = model(**tiny.reference_inputs(batch)).logits
+    got = _run_stages(build_stage_modules(model, 2), batch, adapter, model.config, n=2)
+    assert (got - expected).abs().max().item() <= ATOL
+
+
 # -- pipeline stages: the image-block masks on every stage ------------------------------------------
 
 
