@@ -42,6 +42,8 @@ _ADAPTERS = {
     "llava_next": ("ppmedia.adapters.llava_next", "LlavaNextAdapter"),
     "step3": ("ppmedia.adapters.step3", "Step3Adapter"),
     "kimi_vl": ("ppmedia.adapters.kimi_vl", "KimiVLAdapter"),
+    "gemma3": ("ppmedia.adapters.gemma3", "Gemma3Adapter"),
+    "mistral3": ("ppmedia.adapters.mistral3", "Mistral3Adapter"),
 }
 
 
@@ -108,6 +110,16 @@ def _direct_kimi(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str,
     return _scatter(embeds, input_ids, model.config.image_token_id, torch.cat(out.pooler_output, dim=0))
 
 
+def _direct_gemma3(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+    features = model.model.get_image_features(media["pixel_values"], return_dict=True).pooler_output
+    return _scatter(embeds, input_ids, model.config.image_token_id, features.reshape(-1, features.shape[-1]))
+
+
+def _direct_mistral3(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+    out = model.model.get_image_features(media["pixel_values"], media["image_sizes"], return_dict=True)
+    return _scatter(embeds, input_ids, model.config.image_token_id, torch.cat(out.pooler_output, dim=0))
+
+
 def _native_from_chunk(family: str, chunk: ppmedia.VlmMediaChunk, input_ids: Tensor, config: Any) -> dict[str, Any]:
     """The chunk's media in the model's own argument form (untimed preparation of the direct side)."""
     if family == "qwen2_5_vl":
@@ -127,6 +139,10 @@ def _native_from_chunk(family: str, chunk: ppmedia.VlmMediaChunk, input_ids: Ten
             "pixel_values_local": chunk.patch_pixel_values,
             "num_local_patches": [c for c, h in zip(crops, has_image) if h],
         }
+    if family == "gemma3":
+        return {"pixel_values": chunk.pixel_values}
+    if family == "mistral3":
+        return {"pixel_values": chunk.pixel_values, "image_sizes": chunk.image_grid}
     grid = chunk.image_grid
     thw = torch.cat([grid.new_ones((grid.shape[0], 1)), grid], dim=1) if grid.shape[1] == 2 else grid
     return {"pixel_values": chunk.pixel_values, "image_grid_thw": thw}
@@ -219,17 +235,42 @@ def _hand_kimi(model: Any, batch: dict[str, Tensor], n: int) -> list[dict[str, A
     return out
 
 
+def _hand_rows(batch: dict[str, Tensor], n: int, per_sample: Tensor, keys: tuple[str, ...]) -> list[dict[str, Any] | None]:
+    """Slices of ``keys`` (one row per image) by images per sample: one host read."""
+    image_at = _offsets(per_sample.tolist())
+    bounds = _bounds(per_sample.shape[0], n)
+    out: list[dict[str, Any] | None] = []
+    for a, b in zip(bounds, bounds[1:]):
+        i0, i1 = image_at[a], image_at[b]
+        out.append({key: batch[key][i0:i1] for key in keys} if i1 > i0 else None)
+    return out
+
+
+def _hand_gemma3(model: Any, batch: dict[str, Tensor], n: int) -> list[dict[str, Any] | None]:
+    tokens = (batch["input_ids"] == model.config.image_token_id).sum(dim=1)
+    return _hand_rows(batch, n, tokens // model.config.mm_tokens_per_image, ("pixel_values",))
+
+
+def _hand_mistral3(model: Any, batch: dict[str, Tensor], n: int) -> list[dict[str, Any] | None]:
+    images = (batch["input_ids"] == 13).sum(dim=1)  # [IMG_END] in Mistral's tokenizer and the tiny model
+    return _hand_rows(batch, n, images, ("pixel_values", "image_sizes"))
+
+
 _DIRECT: dict[str, Callable[..., Tensor]] = {
     "qwen2_5_vl": _direct_qwen,
     "llava_next": _direct_llava,
     "step3": _direct_step3,
     "kimi_vl": _direct_kimi,
+    "gemma3": _direct_gemma3,
+    "mistral3": _direct_mistral3,
 }
 _HAND: dict[str, Callable[..., list[dict[str, Any] | None]]] = {
     "qwen2_5_vl": _hand_qwen,
     "llava_next": _hand_llava,
     "step3": _hand_step3,
     "kimi_vl": _hand_kimi,
+    "gemma3": _hand_gemma3,
+    "mistral3": _hand_mistral3,
 }
 
 

@@ -1,0 +1,193 @@
+"""Mistral 3 (``mistral3``): Pixtral vision tower on images of different sizes, 2 x 2 patch merger.
+
+Media layout of a chunk:
+
+* ``chunk.pixel_values``: ``[images, C, Hmax, Wmax]``, every image padded (bottom and right) to the
+  largest height and width of the processor's batch, as ``PixtralImageProcessor`` returns them;
+* ``chunk.image_grid``: ``image_sizes`` ``[images, 2]``, each image's true (height, width) in pixels
+  after the processor's resize.
+
+An image of true size ``H x W`` gives ``(H // (p * m)) * (W // (p * m))`` feature rows, ``p`` the
+vision patch size and ``m`` the ``spatial_merge_size``: the tower encodes its ``H // p x W // p``
+patches (nothing of the padding), the projector's patch merger joins ``m x m`` of them. The processor
+writes one ``[IMG]`` per feature row, an ``[IMG_BREAK]`` after each row of them and ``[IMG_END]``
+instead of the last break; only ``[IMG]`` (``config.image_token_id``) receives features.
+
+``[IMG_BREAK]`` and ``[IMG_END]`` are not in ``Mistral3Config``: the adapter takes them from the
+config if it has ``image_break_token_id`` / ``image_end_token_id`` (set them from the processor:
+``processor.image_break_token_id``, ``processor.image_end_token_id``), else from the adapter instance
+(``Mistral3Adapter(image_break_token_id=..., image_end_token_id=...)``), whose defaults 12 and 13 are
+the ids in Mistral's tokenizer. Only :meth:`Mistral3Adapter.media_per_sample` uses them (one
+``[IMG_END]`` per image).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ..chunk import VlmMediaChunk
+from .base import Count, HostCount, VlmAdapter, config_value, inner_model
+
+__all__ = ["Mistral3Adapter", "image_tokens"]
+
+#: ``[IMG_BREAK]`` and ``[IMG_END]`` in Mistral's tokenizer (Mistral-Small-3.1, Pixtral).
+DEFAULT_IMAGE_BREAK_TOKEN_ID = 12
+DEFAULT_IMAGE_END_TOKEN_ID = 13
+
+
+def _downsample(config: Any) -> int:
+    return int(config_value(config, "vision_config.patch_size")) * int(config_value(config, "spatial_merge_size"))
+
+
+def image_tokens(height: int, width: int, config: Any) -> int:
+    """``[IMG]`` tokens of one image of true size ``(height, width)``: ``(H // (p*m)) * (W // (p*m))``."""
+    step = _downsample(config)
+    return (height // step) * (width // step)
+
+
+def _tokens_of_sizes(flat: list[int], step: int, max_hw: tuple[int, int]) -> int:
+    # HostCount callback: image_sizes read as [h0, w0, h1, w1, ...]; checks them before any encoder runs
+    total = 0
+    for k, (h, w) in enumerate(zip(flat[0::2], flat[1::2])):
+        if not (step <= h <= max_hw[0] and step <= w <= max_hw[1]):
+            raise ValueError(
+                f"mistral3 image_sizes: row {k} of the microbatch is [{h}, {w}]; expected each side between "
+                f"{step} (patch x spatial_merge_size) and {list(max_hw)} (the padded pixel_values, at most "
+                f"vision_config.image_size)"
+            )
+        total += (h // step) * (w // step)
+    return total
+
+
+class Mistral3Adapter(VlmAdapter):
+    """Mistral 3 adapter (``Mistral3ForConditionalGeneration``).
+
+    Module paths used: ``model.model.get_image_features(pixel_values, image_sizes)`` (``vision_tower``,
+    ``multi_modal_projector`` with its patch merger; ``model.get_image_features`` when ``model`` is the
+    inner ``Mistral3Model``); ``model.config`` fields ``image_token_id``, ``spatial_merge_size`` and
+    ``vision_config.patch_size``.
+
+    Args:
+        image_break_token_id: ``[IMG_BREAK]`` when the config has no ``image_break_token_id``.
+        image_end_token_id: ``[IMG_END]`` when the config has no ``image_end_token_id``.
+    """
+
+    name: ClassVar[str] = "mistral3"
+    model_types: ClassVar[tuple[str, ...]] = ("mistral3",)
+    layout: ClassVar[str] = (
+        "complete images padded to the batch's largest [images, C, Hmax, Wmax] with true sizes "
+        "image_sizes [images, 2]"
+    )
+
+    def __init__(
+        self,
+        image_break_token_id: int = DEFAULT_IMAGE_BREAK_TOKEN_ID,
+        image_end_token_id: int = DEFAULT_IMAGE_END_TOKEN_ID,
+    ) -> None:
+        self.image_break_token_id = int(image_break_token_id)
+        self.image_end_token_id = int(image_end_token_id)
+
+    def special_token_ids(self, config: Any) -> tuple[int, int, int]:
+        """``([IMG], [IMG_BREAK], [IMG_END])`` ids: the config's where it has them, else this adapter's."""
+        image = int(config_value(config, "image_token_id", "image_token_index"))
+        brk = getattr(config, "image_break_token_id", None)
+        end = getattr(config, "image_end_token_id", None)
+        return (
+            image,
+            self.image_break_token_id if brk is None else int(brk),
+            self.image_end_token_id if end is None else int(end),
+        )
+
+    # -- token side -------------------------------------------------------------------------
+    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
+        """Images per sample = its ``[IMG_END]`` tokens (one per image). No videos: zeros."""
+        _, _, end = self.special_token_ids(config)
+        images = (input_ids == end).sum(dim=-1, dtype=torch.int64)
+        return images, torch.zeros_like(images)
+
+    def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
+        return {"image": input_ids == self.special_token_ids(config)[0]}
+
+    # -- media side -------------------------------------------------------------------------
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Count]:
+        """``{"image": HostCount(image_sizes, ...)}``: tokens follow from the true sizes; merge reads
+        them with the placeholder counts and counts (and checks them) on the host.
+
+        Raises:
+            ValueError: videos; pixels without sizes or the reverse; ``pixel_values`` not 4-D;
+                ``image_sizes`` not ``[images, 2]`` for the same number of images (shapes only).
+            TypeError: ``pixel_values`` not floating point, or ``image_sizes`` not integers.
+        """
+        if chunk.pixel_values_videos is not None or chunk.video_grid is not None:
+            raise ValueError("mistral3 takes no video input, but the chunk carries videos")
+        pixels, sizes = chunk.pixel_values, chunk.image_grid
+        if pixels is None and sizes is None:
+            return {"image": 0}
+        if pixels is None or sizes is None:
+            missing = "pixel_values" if pixels is None else "image_sizes (image_grid)"
+            raise ValueError(f"mistral3 chunk has images but no {missing}")
+        if pixels.dim() != 4:
+            raise ValueError(
+                f"mistral3 pixel_values: shape {tuple(pixels.shape)}; expected [images, C, Hmax, Wmax]"
+            )
+        if not pixels.is_floating_point():
+            raise TypeError(f"mistral3 pixel_values: dtype {pixels.dtype}; expected a floating dtype")
+        if sizes.is_floating_point() or sizes.is_complex() or sizes.dtype == torch.bool:
+            raise TypeError(f"mistral3 image_sizes: dtype {sizes.dtype}; expected an integer dtype")
+        if sizes.dim() != 2 or sizes.shape[1] != 2 or sizes.shape[0] != pixels.shape[0]:
+            raise ValueError(
+                f"mistral3 image_sizes: shape {tuple(sizes.shape)}; expected [{pixels.shape[0]}, 2] "
+                f"(one (height, width) per pixel_values row)"
+            )
+        largest = int(config_value(config, "vision_config.image_size"))  # the tower's rope covers no more
+        max_hw = (min(int(pixels.shape[2]), largest), min(int(pixels.shape[3]), largest))
+        count = functools.partial(_tokens_of_sizes, step=_downsample(config), max_hw=max_hw)
+        return {"image": HostCount(sizes, count)}
+
+    def encode(
+        self, model: torch.nn.Module, chunk: VlmMediaChunk, image_sizes: list[list[int]] | None = None
+    ) -> dict[str, Tensor]:
+        """The model's own ``get_image_features``: ``{"image": [tokens, text_hidden]}`` in image order.
+
+        Args:
+            image_sizes: the chunk's sizes already read to the host (:meth:`merge` passes them);
+                ``None`` reads ``chunk.image_grid`` once.
+        """
+        if chunk.pixel_values is None:
+            return {}
+        if chunk.image_grid is None:
+            raise ValueError("mistral3 chunk has pixel_values but no image_sizes (image_grid)")
+        inner = inner_model(model, "get_image_features", "a Mistral3ForConditionalGeneration or Mistral3Model")
+        sizes = chunk.image_grid.tolist() if image_sizes is None else image_sizes
+        # a list of [h, w]: the tower and the patch merger index it per image without a host read each
+        out = inner.get_image_features(pixel_values=chunk.pixel_values, image_sizes=sizes, return_dict=True)
+        return {"image": torch.cat(list(out.pooler_output), dim=0)}
+
+    # -- first stage ------------------------------------------------------------------------
+    def merge(
+        self,
+        model: torch.nn.Module,
+        input_ids: Tensor,
+        inputs_embeds: Tensor,
+        chunk: VlmMediaChunk | None,
+    ) -> Tensor:
+        """As the base class, and the ``image_sizes`` read for the count check are the ones the
+        encoder gets: one host read per microbatch (placeholders and sizes together)."""
+        if chunk is None:
+            return super().merge(model, input_ids, inputs_embeds, None)
+        config = model.config
+        masks = self.placeholder_masks(input_ids, config)
+        counts = dict(self.feature_counts(chunk, config))
+        read: list[list[int]] = []
+        pending = counts["image"]
+        if isinstance(pending, HostCount):
+            counts["image"] = HostCount(pending.tensor, lambda flat: read.append(flat) or pending.count(flat))
+        self._check_counts(masks, counts)
+        if chunk.pixel_values is None:
+            return inputs_embeds
+        sizes = [list(pair) for pair in zip(read[0][0::2], read[0][1::2])]
+        return self.scatter(inputs_embeds, masks, self.encode(model, chunk, image_sizes=sizes))

@@ -1,0 +1,181 @@
+"""Tiny seeded Mistral 3 (``mistral3``): Pixtral vision tower, patch merger, Mistral text model.
+
+Geometry of the tiny model: Pixtral cuts an image into 8 x 8 patches (at most 64 x 64 pixels, 8 x 8
+patches); the projector's patch merger joins 2 x 2 patches (``spatial_merge_size = 2``), so an image
+of true size ``H x W`` (multiples of 16, as the processor resizes them) gives ``(H / 16) x (W / 16)``
+image tokens. The text of one image, as ``PixtralProcessor`` writes it: per row of merged patches
+``[IMG] * (W / 16)`` then ``[IMG_BREAK]``, with ``[IMG_END]`` instead of the last break. The token ids
+are Mistral's tokenizer's: ``[IMG]`` 10 (``config.image_token_id``), ``[IMG_BREAK]`` 12, ``[IMG_END]`` 13
+(the config does not hold the last two).
+
+``pixel_values`` are the images padded with zeros to the batch's largest, ``[images, 3, 64, 64]``;
+``image_sizes`` ``[images, 2]`` their true (height, width). The batch (same layout for every seed):
+
+======  ==========================  =====  ============
+sample  image sizes                 rows   image tokens
+======  ==========================  =====  ============
+0       (32, 48)                    1      6
+1       (16, 16), (64, 32)          2      1 + 8
+2       (48, 64)                    1      12
+3       (32, 32)                    1      4
+4       text only                   0      0
+5       text only                   0      0
+6       (16, 64), (32, 16)          2      4 + 2
+7       (64, 64)                    1      16
+======  ==========================  =====  ============
+
+Split in 4 microbatches the microbatches hold 3, 2, 0 and 3 images.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+from . import seeded
+
+__all__ = [
+    "IMAGE_BREAK_TOKEN_ID",
+    "IMAGE_END_TOKEN_ID",
+    "IMAGE_TOKEN_ID",
+    "MAX_SIZE",
+    "MERGE",
+    "MODEL_TYPE",
+    "PAD_TOKEN_ID",
+    "PATCH_SIZE",
+    "SAMPLE_IMAGE_SIZES",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "image_ids",
+    "reference_inputs",
+    "tokens_per_image",
+]
+
+MODEL_TYPE = "mistral3"
+
+VOCAB_SIZE = 128
+PAD_TOKEN_ID = 0
+IMAGE_TOKEN_ID = 10
+IMAGE_BREAK_TOKEN_ID = 12
+IMAGE_END_TOKEN_ID = 13
+_FIRST_TEXT_ID = 14
+PATCH_SIZE = 8
+MERGE = 2
+MAX_SIZE = 64
+
+#: per sample, the true (height, width) of each of its images, in token order.
+SAMPLE_IMAGE_SIZES: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((32, 48),),
+    ((16, 16), (64, 32)),
+    ((48, 64),),
+    ((32, 32),),
+    (),
+    (),
+    ((16, 64), (32, 16)),
+    ((64, 64),),
+)
+
+_PREFIX = (3, 2, 5, 2, 9, 6, 2, 3)
+_SUFFIX = (4, 3, 6, 4, 0, 0, 2, 5)
+
+
+def build_config() -> Mistral3Config:
+    """The tiny Mistral 3 config (Pixtral 32 wide, Mistral text 64 wide, 2 layers each)."""
+    vision = PixtralVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=8,
+        image_size=MAX_SIZE,
+        patch_size=PATCH_SIZE,
+    )
+    text = MistralConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=None,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Mistral3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN_ID,
+        spatial_merge_size=MERGE,
+        vision_feature_layer=-1,
+    )
+
+
+def build_model(seed: int = 0) -> Mistral3ForConditionalGeneration:
+    """The tiny model, float32, eval mode, weights drawn after ``torch.manual_seed(seed)``."""
+    return seeded(Mistral3ForConditionalGeneration, build_config(), seed)
+
+
+def tokens_per_image(size: tuple[int, int]) -> int:
+    """``[IMG]`` tokens (= feature rows) of an image of true size ``(height, width)``."""
+    return (size[0] // (PATCH_SIZE * MERGE)) * (size[1] // (PATCH_SIZE * MERGE))
+
+
+def image_ids(size: tuple[int, int]) -> list[int]:
+    """The tokens of one image as ``PixtralProcessor`` writes them (rows, breaks, end)."""
+    rows, cols = size[0] // (PATCH_SIZE * MERGE), size[1] // (PATCH_SIZE * MERGE)
+    ids = ([IMAGE_TOKEN_ID] * cols + [IMAGE_BREAK_TOKEN_ID]) * rows
+    ids[-1] = IMAGE_END_TOKEN_ID
+    return ids
+
+
+def build_batch(seed: int = 0) -> dict[str, Tensor]:
+    """A processor-style batch of 8 samples (layout in the module docstring).
+
+    Keys: ``input_ids`` and ``attention_mask`` ``[8, S]``, ``pixel_values`` ``[8, 3, 64, 64]`` float32
+    (zero past each image's true size), ``image_sizes`` ``[8, 2]`` int64.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(_FIRST_TEXT_ID, VOCAB_SIZE, (n,), generator=gen).tolist()
+
+    rows: list[list[int]] = []
+    for i, sizes in enumerate(SAMPLE_IMAGE_SIZES):
+        ids = text(_PREFIX[i])
+        for j, size in enumerate(sizes):
+            ids += (text(1) if j else []) + image_ids(size)
+        ids += text(_SUFFIX[i])
+        rows.append(ids)
+    seq = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
+    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
+    for i, ids in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        attention_mask[i, : len(ids)] = 1
+    all_sizes = [size for sizes in SAMPLE_IMAGE_SIZES for size in sizes]
+    pixel_values = torch.zeros(len(all_sizes), 3, MAX_SIZE, MAX_SIZE)
+    for k, (h, w) in enumerate(all_sizes):
+        pixel_values[k, :, :h, :w] = torch.randn(3, h, w, generator=gen)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "pixel_values": pixel_values,
+        "image_sizes": torch.tensor(all_sizes, dtype=torch.int64),
+    }
+
+
+def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
+    """Keyword arguments of the model's own full-batch forward."""
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "pixel_values": batch["pixel_values"],
+        "image_sizes": batch["image_sizes"],
+    }
