@@ -235,6 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("ppmedia: interrupted\n")
         return 130
+    except Exception as exc:  # noqa: BLE001  a bug: still one line; PPMEDIA_DEBUG=1 shows the traceback
+        if os.environ.get("PPMEDIA_DEBUG"):
+            raise
+        _report(f"unexpected {type(exc).__name__}: {exc} (a bug in ppmedia or a plugin; PPMEDIA_DEBUG=1 shows the traceback)")
+        return 1
     _show(caught)
     return status
 

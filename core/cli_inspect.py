@@ -81,6 +81,8 @@ def _not_a_batch(path: pathlib.Path, head: bytes) -> CliError:
     """Why a file that is neither a torch.save file nor safetensors cannot be a batch."""
     if not head:
         return CliError(f"{path}: an empty file (0 bytes); {_EXPECTED}")
+    if head.startswith(b"\x93NUMPY"):
+        return CliError(f"{path}: a numpy .npy file, not a batch; {_EXPECTED}")
     excerpt = _text_excerpt(head)
     if excerpt is not None:
         with contextlib.suppress(ValueError, OSError):
@@ -105,7 +107,8 @@ def _unpickling_reason(message: str) -> str:
                 f"code from the file); expected a dict of tensors: {advice}")
     operand = re.search(r"Unsupported operand (\d+)", message)
     if operand:
-        return f"a plain pickle (pickle opcode {operand.group(1)} is not in torch.save's format), not written by torch.save; {_EXPECTED}"
+        return (f"a plain pickle, not written by torch.save (torch's safe loader stops at pickle opcode "
+                f"{operand.group(1)}); {_EXPECTED}")
     detail = message.split("WeightsUnpickler error:", 1)[-1]
     detail = re.split(r"Please use `torch\.serialization|Check the documentation of torch\.load", detail)[0]
     return f"torch's safe loader refused it ({detail.strip() or 'no reason given'}); {_EXPECTED}"
@@ -117,7 +120,8 @@ def _torch_load(path: pathlib.Path, head: bytes) -> Any:
     import torch
 
     try:
-        return torch.load(str(path), map_location="cpu", weights_only=True)
+        with path.open("rb") as f:  # a file object: torch.load would treat a *.safetensors name as safetensors
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise CliError(f"{path}: {_unpickling_reason(str(exc))}") from None
     except Exception as exc:  # noqa: BLE001  any unreadable file is the user's input, not our bug
@@ -262,20 +266,30 @@ def _model(args: argparse.Namespace, file: pathlib.Path, config_path: pathlib.Pa
 
 
 # ------------------------------------------------------------------------------------- the report
+def _describe(value: Any) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"shape {list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    return f"a {type(value).__name__}"
+
+
 def _batch_size(path: pathlib.Path, batch: dict[str, Any], model: _Model) -> int:
     import torch
 
     import ppmedia
 
     ids = batch.get("input_ids")
-    counts_given = all(k in batch for k in ("n_images_per_sample", "n_videos_per_sample"))
-    if model.config is not None and not isinstance(ids, torch.Tensor) and not counts_given:
+    counting = model.config is not None and not all(k in batch for k in ("n_images_per_sample", "n_videos_per_sample"))
+    if ids is None and counting:
         raise CliError(
             f"{path}: no input_ids in the batch; the {model.adapter.name} adapter ({model.model_type}, from "
             f"{model.config_path}) counts each sample's images and videos from the placeholder tokens in "
             f"input_ids (batch keys: {', '.join(batch) or 'none'})"
         )
-    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+    if ids is not None:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 and (counting or ids.dim() < 1):
+            raise CliError(f"{path}: input_ids: {_describe(ids)}; expected a [samples, tokens] tensor")
         return ids.shape[0]
     for key, value in batch.items():
         if key not in ppmedia.MEDIA_KEYS and isinstance(value, torch.Tensor) and value.dim() >= 1:
@@ -344,7 +358,8 @@ def _report(path: pathlib.Path, batch: dict[str, Any], n: int, model: _Model) ->
         raise CliError(f"{path}: {cli_terms(str(exc))}") from None
     empty = [k for k, (a, b) in enumerate(staged.samples) if a == b]
     text_only = [k for k in range(staged.n_microbatches) if k not in empty and staged.chunk(k) is None]
-    summary = f"{staged.n_microbatches} microbatches of {staged.batch_size} samples; text-only: {text_only or 'none'}"
+    summary = (f"{staged.n_microbatches} microbatch{'es' if staged.n_microbatches != 1 else ''} of "
+               f"{staged.batch_size} samples; text-only: {text_only or 'none'}")
     return [
         f"{path}: " + ", ".join(f"{k} {s} {d}" for k, (s, d) in shapes.items()),
         counted,
