@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .cli import CliError, UsageError, cli_terms, positive_int
+from .cli_base import CliError, UsageError, cli_terms, positive_int
 from .tables import format_table
 
 __all__ = ["add_arguments", "load_batch", "run"]
@@ -32,9 +32,9 @@ _PICKLE_PROTO = 0x80
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="a batch: a dict of tensors saved with torch.save, or a .safetensors file")
+    parser.add_argument("file", metavar="FILE", help="a batch: a dict of tensors saved with torch.save, or a .safetensors file")
     parser.add_argument("--microbatches", type=positive_int, required=True, metavar="N",
-                        help="the schedule's n_microbatches (1 to the batch's number of samples)")
+                        help="microbatches per step, the schedule's n_microbatches (1 to the batch's samples)")
     parser.add_argument("--model-type", metavar="TYPE",
                         help="model type whose adapter counts each sample's placeholder tokens (see 'ppmedia adapters')")
     parser.add_argument("--config", metavar="CONFIG_JSON",
