@@ -77,6 +77,7 @@ CURSOR_ATTRIBUTE = "_vlm_chunk_idx"
 assert tuple(STAGED_ATTRIBUTES) == tuple(f.name for f in fields(VlmMediaChunk))
 _ATTRS = tuple(STAGED_ATTRIBUTES.values())
 _NAMES = frozenset((*_ATTRS, CURSOR_ATTRIBUTE))
+_NAMES_SET = set(_NAMES)  # a plain set: dict_keys & set looks up the set's few names in the dict
 _read_lists = operator.itemgetter(*_ATTRS)
 _MISSING = object()
 _Tensor = torch.Tensor
@@ -116,7 +117,13 @@ def _missing_is_none(module: torch.nn.Module, state: dict) -> bool:
         return False
     for registry in _REGISTRIES:
         entries = state.get(registry)
-        if entries and not _NAMES.isdisjoint(entries):
+        if not entries:
+            continue
+        if len(entries) <= 16:
+            shared = not _NAMES.isdisjoint(entries)  # walks the registry
+        else:  # a long registry (a flat stage of many layers): look the few names up in it instead
+            shared = bool(entries.keys() & _NAMES_SET)
+        if shared:
             return False
     return True
 

@@ -320,19 +320,23 @@ def _twins(kind):
         m = {
             "class_defaults": _ClassDefaults, "class_staged_list": _ClassStaged, "class_cursor_none": _ClassDefaults,
             "property_cursor": _PropertyCursor, "buffer_named_like_a_list": torch.nn.Module,
+            "long_registry": lambda: torch.nn.Sequential(*[torch.nn.Identity() for _ in range(20)]),
         }[kind]()
         m._vlm_pixel_values_chunks = pv
         if kind != "class_cursor_none":
             m._vlm_chunk_idx = 0
         if kind == "buffer_named_like_a_list":
             m.register_buffer("_vlm_video_grid_thw_chunks", grids)
+        if kind == "long_registry":  # 20 submodules: the registry check looks names up instead of walking
+            m.add_module("_vlm_image_grid_hws_chunks", torch.nn.Identity())
         made.append(m)
     return made
 
 
 @pytest.mark.parametrize(
     "kind",
-    ["class_defaults", "class_staged_list", "class_cursor_none", "forwarding", "property_cursor", "buffer_named_like_a_list"],
+    ["class_defaults", "class_staged_list", "class_cursor_none", "forwarding", "property_cursor", "buffer_named_like_a_list",
+     "long_registry"],
 )
 def test_unusual_modules_read_exactly_as_getattr(kind):
     ours, theirs = _twins(kind)
