@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, fields
-from typing import Iterable
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -78,7 +78,9 @@ assert tuple(STAGED_ATTRIBUTES) == tuple(f.name for f in fields(VlmMediaChunk))
 _ATTRS = tuple(STAGED_ATTRIBUTES.values())
 _NAMES = frozenset((*_ATTRS, CURSOR_ATTRIBUTE))
 _NAMES_SET = set(_NAMES)  # a plain set: dict_keys & set looks up the set's few names in the dict
-_read_lists = operator.itemgetter(*_ATTRS)
+_TIMING_ATTRIBUTE = STAGED_ATTRIBUTES["second_per_grid_ts"]
+assert _ATTRS[-1] == _TIMING_ATTRIBUTE
+_read_contract = operator.itemgetter(*_ATTRS[:-1])  # a tuple of the seven contract lists
 _MISSING = object()
 _Tensor = torch.Tensor
 _MODULE_GETATTR = torch.nn.Module.__getattr__
@@ -128,10 +130,19 @@ def _missing_is_none(module: torch.nn.Module, state: dict) -> bool:
     return True
 
 
-def _read_cursor(module: torch.nn.Module, state: dict) -> object:
-    if _missing_is_none(module, state):
-        return None
-    return getattr(module, CURSOR_ATTRIBUTE, None)
+def _read_missing(module: torch.nn.Module, state: dict, name: str) -> object:
+    """``getattr(module, name, None)`` for one ``name`` that is not in ``state`` (the module's ``__dict__``)."""
+    plain = _PLAIN_TYPES.get(type(module))
+    if plain is None:
+        plain = _names_live_in_instance(type(module))
+    if plain:
+        for registry in _REGISTRIES:
+            entries = state.get(registry)
+            if entries and name in entries:
+                break
+        else:
+            return None
+    return getattr(module, name, None)
 
 
 def _read_partial(module: torch.nn.Module, state: dict) -> list:
@@ -170,13 +181,16 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
     state = module.__dict__
     k = state.get(CURSOR_ATTRIBUTE, _MISSING)
     if k is _MISSING:
-        k = _read_cursor(module, state)
+        k = _read_missing(module, state, CURSOR_ATTRIBUTE)
     if k is None:
         return None
-    try:  # ppmedia's staging: every list set on the module itself (one C call reads them all)
-        lists: Iterable[object] = _read_lists(state)
-    except KeyError:  # staged elsewhere (NeMo Automodel sets only some lists)
+    try:  # the seven contract lists, one C call: ppmedia's staging, NeMo Automodel's after its first step
+        lists: Sequence[object] = _read_contract(state)
+    except KeyError:  # NeMo Automodel's first step sets only the lists of the batch's modalities
         lists = _read_partial(module, state)
+    else:  # ppmedia's addition, which no other producer sets
+        timing = state.get(_TIMING_ATTRIBUTE, _MISSING)
+        lists += (_read_missing(module, state, _TIMING_ATTRIBUTE) if timing is _MISSING else timing,)
     # values[i] is field i of the chunk; its length is also the index of the list being read.
     values: list[Tensor | None] = []
     append = values.append

@@ -145,19 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     # -- 3: next_vlm_media_chunk per call --------------------------------------------------------
     chunk_call = staging_bench.run_chunk_call(ref, *CHUNK_CALL_CONFIG, repeats=reps(2000))
     per_call = chunk_call["median_s_per_call"]
-    absent = chunk_call["partial_absent_lists"]
-    partial = f"automodel's, {len(absent)} of {len(ppmedia.STAGED_ATTRIBUTES)} lists absent"
+    lists = len(ppmedia.STAGED_ATTRIBUTES)
+    first = f"automodel's 1st step, {len(chunk_call['partial_absent_lists'])} of {lists} lists absent"
+    later = f"automodel's later steps, {len(chunk_call['partial_later_absent_lists'])} of {lists} absent"
     print(_table(
         f"3. one consumer call per microbatch (median us per call, B={CHUNK_CALL_CONFIG[0]}, n={CHUNK_CALL_CONFIG[1]})",
         ["staging", "consumer", "us per call", "vs anchor"],
         [
             ["ppmedia's, all lists set", "ppmedia next_vlm_media_chunk", _us(per_call["ppmedia_full"]), "-"],
-            [partial, "ppmedia next_vlm_media_chunk", _us(per_call["ppmedia_partial"]),
+            [first, "ppmedia next_vlm_media_chunk", _us(per_call["ppmedia_partial"]),
              f"{chunk_call['partial_over_anchor']:.2f}x"],
-            [partial, "automodel inline (anchor)", _us(per_call["anchor"]), "1.00x"],
+            [later, "ppmedia next_vlm_media_chunk", _us(per_call["ppmedia_partial_later"]),
+             f"{chunk_call['partial_later_over_anchor']:.2f}x"],
+            [first, "automodel inline (anchor)", _us(per_call["anchor"]), "1.00x"],
         ],
     ))
-    print(f"   partial staging by {chunk_call['partial_staged_by']}; absent: {', '.join(absent)}")
+    print(f"   staged {chunk_call['partial_staged_by']}; absent on its 1st step: "
+          f"{', '.join(chunk_call['partial_absent_lists'])}")
     print()
 
     # -- 4 + 5: tiny models -----------------------------------------------------------------------
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     call_us = per_call["ppmedia_full"] * 1e6
     targets.append({"target": f"next_vlm_media_chunk <= {TARGET_CHUNK_CALL_US} us per call (ppmedia's staging)",
                     "measured": round(call_us, 2), "met": call_us <= TARGET_CHUNK_CALL_US})
-    partial = chunk_call["partial_over_anchor"]
+    partial = max(chunk_call["partial_over_anchor"], chunk_call["partial_later_over_anchor"])
     targets.append({"target": "next_vlm_media_chunk on automodel's partial staging <= the anchor's inline consumer",
                     "measured": f"{partial:.2f}x", "met": partial <= 1.0})
     for m in merges:
