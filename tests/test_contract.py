@@ -260,15 +260,21 @@ def test_partial_staging_never_reaches_module_getattr(first_stage):
             calls.append(frame.f_locals.get("name"))
 
     unstaged = torch.nn.Linear(2, 2)
+    later = torch.nn.Linear(2, 2)  # NeMo's later steps: the seven contract lists set (None or lists), no timing
+    for name in _NAMES[:-1]:
+        setattr(later, name, None)
+    later._vlm_pixel_values_chunks = [torch.ones(2, 2)]
+    later._vlm_chunk_idx = 0
     sys.setprofile(profile)
     try:
         next_vlm_media_chunk(first_stage)
         next_vlm_media_chunk(first_stage)
         next_vlm_media_chunk(unstaged)  # nothing staged, not even the cursor
+        next_vlm_media_chunk(later)
     finally:
         sys.setprofile(None)
     assert calls == []
-    assert first_stage._vlm_chunk_idx == 2
+    assert first_stage._vlm_chunk_idx == 2 and later._vlm_chunk_idx == 1
 
 
 class _ClassDefaults(torch.nn.Module):
