@@ -93,6 +93,18 @@ def _not_a_batch(path: pathlib.Path, head: bytes) -> CliError:
     return CliError(f"{path}: not a torch.save or safetensors file (it starts with bytes {start}); {_EXPECTED}")
 
 
+#: sentences of torch's load errors that give Python advice (weights_only=False, add_safe_globals, ...).
+_TORCH_ADVICE = re.compile(
+    r"weights_only|safe_globals|documentation|file an issue|trust|internal miniz error|If you are seeing|"
+    r"still be loaded|this error", re.IGNORECASE)
+
+
+def _without_torch_advice(message: str) -> str:
+    """``message`` without the sentences that tell a Python user what to change in their code."""
+    sentences = re.split(r"(?<=\.)\s+|\n+", message)
+    return " ".join(s.strip() for s in sentences if s.strip() and not _TORCH_ADVICE.search(s)).rstrip(".")
+
+
 def _unpickling_reason(message: str) -> str:
     """What torch's safe loader refused, from its (long, multi-line) error message."""
     blocked = re.search(r"GLOBAL ([\w.]+)", message) or re.search(r"but got <class '([\w.]+)'>", message)
@@ -109,9 +121,8 @@ def _unpickling_reason(message: str) -> str:
     if operand:
         return (f"a plain pickle, not written by torch.save (torch's safe loader stops at pickle opcode "
                 f"{operand.group(1)}); {_EXPECTED}")
-    detail = message.split("WeightsUnpickler error:", 1)[-1]
-    detail = re.split(r"Please use `torch\.serialization|Check the documentation of torch\.load", detail)[0]
-    return f"torch's safe loader refused it ({detail.strip() or 'no reason given'}); {_EXPECTED}"
+    detail = _without_torch_advice(message.split("WeightsUnpickler error:", 1)[-1])
+    return f"torch's safe loader refused it ({detail or 'no reason given'}); {_EXPECTED}"
 
 
 def _torch_load(path: pathlib.Path, head: bytes) -> Any:
@@ -130,7 +141,7 @@ def _torch_load(path: pathlib.Path, head: bytes) -> Any:
             raise CliError(f"{path}: a plain pickle, not written by torch.save; {_EXPECTED}") from None
         if head.startswith(_ZIP_MAGIC) and ("data.pkl" in message or "not in a subdirectory" in message):
             raise CliError(f"{path}: a zip archive, but not one written by torch.save; {_EXPECTED}") from None
-        reason = re.split(r"\. This is an internal miniz error|\. If you are seeing", message)[0]
+        reason = _without_torch_advice(message) or "no reason given"
         raise CliError(f"{path}: damaged or not a torch.save file ({type(exc).__name__}: {reason}); {_EXPECTED}") from None
 
 

@@ -457,3 +457,20 @@ def test_demo_runs_a_real_pipeline_and_prints_parity():
     assert "text-only" in out and "gpipe/inferred" in out and "gpipe/static" in out
     assert "5/5" in out  # the shape-inference forward ran and did not cost a chunk
     assert "all 1 families match the single-process run within 1e-5" in out
+
+
+def test_torch_advice_never_reaches_the_line():
+    # torch's safe-loader errors end with Python advice (weights_only=False, add_safe_globals): dropped
+    from ppmedia.cli_inspect import _unpickling_reason
+
+    message = (
+        "Weights only load failed. In PyTorch 2.6, we changed the default value of the `weights_only` argument in "
+        "`torch.load` from `False` to `True`. Re-running `torch.load` with `weights_only` set to `False` will likely "
+        "succeed, but it can result in arbitrary code execution. Do it only if you got the file from a trusted "
+        "source.\nPlease file an issue with the following so that we can make `weights_only=True` compatible with "
+        "your use case: WeightsUnpickler error: \n\nString is too long\n\nCheck the documentation of torch.load to "
+        "learn more about types accepted by default with weights_only https://pytorch.org/docs/stable/generated/torch.load.html."
+    )
+    assert _unpickling_reason(message) == f"torch's safe loader refused it (String is too long); {EXPECTED}"
+    assert _unpickling_reason("Weights only load failed. Re-running with weights_only=False works.") == (
+        f"torch's safe loader refused it (Weights only load failed); {EXPECTED}")
