@@ -287,7 +287,8 @@ def test_zip_archives_that_are_not_torch_files(capsys, tmp_path):
     cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     assert fails(capsys, "inspect", cut, "--microbatches", "2") == (
         1, f"ppmedia: error: {cut}: damaged or not a torch.save file (RuntimeError: PytorchStreamReader failed "
-           f"reading zip archive: failed finding central directory); {EXPECTED}")
+           f"reading zip archive: failed finding central directory. This can happen if the checkpoint was not saved "
+           f"properly, was transferred incorrectly, or the file was modified after saving); {EXPECTED}")
 
 
 def test_saved_objects_that_are_not_a_batch_dict(capsys, tmp_path):
