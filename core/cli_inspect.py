@@ -255,7 +255,7 @@ def _model(args: argparse.Namespace, file: pathlib.Path, config_path: pathlib.Pa
     in_file = data.pop("model_type", None)
     if in_file is not None and not isinstance(in_file, str):
         raise CliError(f"{config_path}{found}: model_type is {in_file!r}; expected a string")
-    if args.model_type and in_file and _adapter_for(in_file) is not adapter:
+    if args.model_type and in_file and getattr(_adapter_for(in_file), "name", None) != adapter.name:
         raise UsageError(
             f"argument --model-type: {args.model_type!r} contradicts model_type {in_file!r} in {config_path}{found}; "
             f"drop --model-type, or pass --config with a {args.model_type} config.json"

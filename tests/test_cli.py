@@ -475,3 +475,22 @@ def test_torch_advice_never_reaches_the_line():
     assert _unpickling_reason(message) == f"torch's safe loader refused it (String is too long); {EXPECTED}"
     assert _unpickling_reason("Weights only load failed. Re-running with weights_only=False works.") == (
         f"torch's safe loader refused it (Weights only load failed); {EXPECTED}")
+
+
+def test_model_type_contradicting_a_config_ppmedia_does_not_know(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    path = tmp_path / "batch.pt"
+    torch.save({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, path)
+    assert fails(capsys, "inspect", path, "--microbatches", "2", "--model-type", "qwen2_5_vl") == (
+        2, f"ppmedia: error: argument --model-type: 'qwen2_5_vl' contradicts model_type 'gpt2' in "
+           f"{tmp_path / 'config.json'} (found beside the batch); drop --model-type, or pass --config with a "
+           f"qwen2_5_vl config.json (see 'ppmedia inspect --help')")
+
+
+def test_explicit_config_for_a_batch_elsewhere(capsys, tmp_path):
+    path = tmp_path / "batch.safetensors"
+    shutil.copy(QWEN / "inputs.safetensors", path)
+    code, out, err = run(capsys, "inspect", path, "--microbatches", "4", "--config", QWEN / "config.json")
+    assert code == 0 and err == ""
+    assert "adapter qwen2_5_vl (qwen2_5_vl); per-sample counts from placeholder tokens" in out
+    assert out.splitlines()[-1] == "4 microbatches of 8 samples; text-only: [2]"
