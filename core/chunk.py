@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, fields
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -145,11 +144,11 @@ def _read_missing(module: torch.nn.Module, state: dict, name: str) -> object:
     return getattr(module, name, None)
 
 
-def _read_partial(module: torch.nn.Module, state: dict) -> list:
+def _read_partial(module: torch.nn.Module, state: dict) -> tuple[object, ...]:
     """The staged lists when some are not in ``state``: what ``getattr(module, name, None)`` gives."""
     if _missing_is_none(module, state):
-        return list(map(state.get, _ATTRS))
-    return [getattr(module, name, None) for name in _ATTRS]
+        return tuple(map(state.get, _ATTRS))
+    return tuple(getattr(module, name, None) for name in _ATTRS)
 
 
 def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
@@ -185,7 +184,7 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
     if k is None:
         return None
     try:  # the seven contract lists, one C call: ppmedia's staging, NeMo Automodel's after its first step
-        lists: Sequence[object] = _read_contract(state)
+        lists: tuple[object, ...] = _read_contract(state)
     except KeyError:  # NeMo Automodel's first step sets only the lists of the batch's modalities
         lists = _read_partial(module, state)
     else:  # ppmedia's addition, which no other producer sets
