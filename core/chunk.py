@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, fields
-from typing import Iterable
 
 import torch
 from torch import Tensor
@@ -76,18 +75,80 @@ CURSOR_ATTRIBUTE = "_vlm_chunk_idx"
 
 assert tuple(STAGED_ATTRIBUTES) == tuple(f.name for f in fields(VlmMediaChunk))
 _ATTRS = tuple(STAGED_ATTRIBUTES.values())
-_read_lists = operator.itemgetter(*_ATTRS)
+_NAMES = frozenset((*_ATTRS, CURSOR_ATTRIBUTE))
+_NAMES_SET = set(_NAMES)  # a plain set: dict_keys & set looks up the set's few names in the dict
+_TIMING_ATTRIBUTE = STAGED_ATTRIBUTES["second_per_grid_ts"]
+assert _ATTRS[-1] == _TIMING_ATTRIBUTE
+_read_contract = operator.itemgetter(*_ATTRS[:-1])  # a tuple of the seven contract lists
 _MISSING = object()
 _Tensor = torch.Tensor
+_MODULE_GETATTR = torch.nn.Module.__getattr__
+_OBJECT_GETATTRIBUTE = object.__getattribute__
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+# Reading a name that is not in an ``nn.Module``'s ``__dict__`` with ``getattr(module, name, None)``
+# goes through ``Module.__getattr__``, which builds and raises an AttributeError: microseconds per
+# name. NeMo Automodel stages only some of the lists, so ppmedia resolves a missing name itself
+# where it can prove the answer is the same: the class neither defines the name (no class attribute,
+# property or slot) nor answers attributes in its own way (``__getattr__``, ``__getattribute__``),
+# and no parameter, buffer or submodule carries the name. Then the answer is ``None``, exactly what
+# ``getattr`` would return. type -> whether that holds for its instances, decided on a type's first
+# use (a staged name added to a class after that is not seen: staging sets instance attributes).
+_PLAIN_TYPES: dict[type, bool] = {}
 
 
-def _lookup(module: torch.nn.Module, state: dict, name: str) -> object:
-    # nn.Module keeps plain attributes (lists, ints) in __dict__; reading it directly skips
-    # Module.__getattr__, whose miss path costs microseconds. Fall back for anything else.
-    value = state.get(name, _MISSING)
-    if value is _MISSING:
-        value = getattr(module, name, None)
-    return value
+def _names_live_in_instance(cls: type) -> bool:
+    plain = (
+        getattr(cls, "__getattr__", None) is _MODULE_GETATTR
+        and cls.__getattribute__ is _OBJECT_GETATTRIBUTE
+        and not any(hasattr(cls, name) for name in _NAMES)
+    )
+    if len(_PLAIN_TYPES) > 4096:  # dynamically made classes: keep the cache bounded
+        _PLAIN_TYPES.clear()
+    _PLAIN_TYPES[cls] = plain
+    return plain
+
+
+def _missing_is_none(module: torch.nn.Module, state: dict) -> bool:
+    """Whether every staged name absent from ``state`` (the module's ``__dict__``) reads as ``None``."""
+    plain = _PLAIN_TYPES.get(type(module))
+    if plain is None:
+        plain = _names_live_in_instance(type(module))
+    if not plain:
+        return False
+    for registry in _REGISTRIES:
+        entries = state.get(registry)
+        if not entries:
+            continue
+        if len(entries) <= 16:
+            shared = not _NAMES.isdisjoint(entries)  # walks the registry
+        else:  # a long registry (a flat stage of many layers): look the few names up in it instead
+            shared = bool(entries.keys() & _NAMES_SET)
+        if shared:
+            return False
+    return True
+
+
+def _read_missing(module: torch.nn.Module, state: dict, name: str) -> object:
+    """``getattr(module, name, None)`` for one ``name`` that is not in ``state`` (the module's ``__dict__``)."""
+    plain = _PLAIN_TYPES.get(type(module))
+    if plain is None:
+        plain = _names_live_in_instance(type(module))
+    if plain:
+        for registry in _REGISTRIES:
+            entries = state.get(registry)
+            if entries and name in entries:
+                break
+        else:
+            return None
+    return getattr(module, name, None)
+
+
+def _read_partial(module: torch.nn.Module, state: dict) -> tuple[object, ...]:
+    """The staged lists when some are not in ``state``: what ``getattr(module, name, None)`` gives."""
+    if _missing_is_none(module, state):
+        return tuple(map(state.get, _ATTRS))
+    return tuple(getattr(module, name, None) for name in _ATTRS)
 
 
 def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
@@ -96,6 +157,11 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
     Call it exactly once per forward of the first pipeline stage. The cursor advances also for a
     text-only microbatch, so later microbatches always get their own media. Only tensor metadata
     (``numel()``) is read: no tensor data reaches the host, so no device sync happens here.
+
+    Every list is read as ``getattr(module, name, None)`` would read it, but without paying for
+    ``nn.Module.__getattr__``'s miss path on lists a producer did not set (NeMo Automodel sets only
+    some; none sets ``second_per_grid_ts`` but ppmedia), so a partially staged module costs about as
+    much per call as a fully staged one.
 
     Args:
         module: the first stage's module, carrying the lists named in :data:`STAGED_ATTRIBUTES` and
@@ -114,13 +180,16 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
     state = module.__dict__
     k = state.get(CURSOR_ATTRIBUTE, _MISSING)
     if k is _MISSING:
-        k = getattr(module, CURSOR_ATTRIBUTE, None)
+        k = _read_missing(module, state, CURSOR_ATTRIBUTE)
     if k is None:
         return None
-    try:  # the usual case: every list set on the module itself (one C call reads them all)
-        lists: Iterable[object] = _read_lists(state)
-    except KeyError:
-        lists = [_lookup(module, state, name) for name in _ATTRS]
+    try:  # the seven contract lists, one C call: ppmedia's staging, NeMo Automodel's after its first step
+        lists: tuple[object, ...] = _read_contract(state)
+    except KeyError:  # NeMo Automodel's first step sets only the lists of the batch's modalities
+        lists = _read_partial(module, state)
+    else:  # ppmedia's addition, which no other producer sets
+        timing = state.get(_TIMING_ATTRIBUTE, _MISSING)
+        lists += (_read_missing(module, state, _TIMING_ATTRIBUTE) if timing is _MISSING else timing,)
     # values[i] is field i of the chunk; its length is also the index of the list being read.
     values: list[Tensor | None] = []
     append = values.append

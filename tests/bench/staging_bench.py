@@ -21,6 +21,7 @@ The three sides, each timed from the collated batch to the last microbatch's med
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Any
 
@@ -31,7 +32,7 @@ from ppmedia import HostReadCounter, next_vlm_media_chunk, split_media, stage_me
 
 from timing import Side, interleaved
 
-__all__ = ["automodel_consume", "qwen_like_batch", "run_chunk_call", "run_split_stage_consume"]
+__all__ = ["automodel_consume", "qwen_like_batch", "run_chunk_call", "run_split_stage_consume", "stage_like_automodel"]
 
 #: Qwen2.5-VL's ids (only the image one matters here).
 IMAGE_TOKEN_ID = 151655
@@ -230,43 +231,98 @@ def run_split_stage_consume(ref: Any | None, batch_size: int, n: int, repeats: i
     return result
 
 
+def stage_like_automodel(module: torch.nn.Module, staged: Any, later_step: bool = False) -> None:
+    """Set what Automodel 0.7.0's ``stage_vlm_media_for_pp`` sets for an image batch, by hand.
+
+    Its five image-side lists (three of them ``None`` here) and the cursor. On its first step the video
+    lists are not set at all; from the second step on they are ``None`` (its first step's exit set all
+    seven to ``None``), so only ``second_per_grid_ts`` is absent. Used when the Automodel reference is
+    not installed.
+    """
+    chunks = staged.chunks
+    if later_step:
+        module._vlm_pixel_values_videos_chunks = None
+        module._vlm_video_grid_thw_chunks = None
+    module._vlm_pixel_values_chunks = chunks["pixel_values"]
+    module._vlm_image_grid_hws_chunks = chunks["image_grid"]
+    module._vlm_num_patches_chunks = None
+    module._vlm_patch_pixel_values_chunks = None
+    module._vlm_patch_newline_mask_chunks = None
+    module._vlm_chunk_idx = 0
+
+
+def _stage_partial(stack: contextlib.ExitStack, ref: Any | None, batch: dict[str, Any], n: int,
+                   module: torch.nn.Module, later_step: bool) -> str:
+    """Stage ``batch`` on ``module`` as Automodel does (on its first step, or a later one); who staged it."""
+    if ref is None:
+        stage_like_automodel(module, split_media(dict(batch), n), later_step)
+        return "by hand, in automodel's layout (reference not installed)"
+    batch_size = batch["input_ids"].shape[0]
+    if later_step:  # one whole step before: its exit leaves the seven lists set to None
+        first = ref.prepare_vlm_media_for_pp(dict(batch), batch_size=batch_size, n_microbatches=n)
+        with ref.stage_vlm_media_for_pp(automodel_pp_stub(), [module], first):
+            pass
+    am_batch = ref.prepare_vlm_media_for_pp(dict(batch), batch_size=batch_size, n_microbatches=n)
+    stack.enter_context(ref.stage_vlm_media_for_pp(automodel_pp_stub(), [module], am_batch))
+    return "with automodel's stage_vlm_media_for_pp"
+
+
 def run_chunk_call(ref: Any | None, batch_size: int, n: int, repeats: int) -> dict[str, Any]:
-    """``next_vlm_media_chunk`` per call (seconds, median), against Automodel's inline consumer."""
+    """One consumer call per microbatch (seconds, median), four sides interleaved.
+
+    * ``ppmedia_full``: ``next_vlm_media_chunk`` on ppmedia's own staging (every list set);
+    * ``ppmedia_partial``: ``next_vlm_media_chunk`` on Automodel's first-step staging, which sets only
+      some lists (the video lists and ``second_per_grid_ts`` are absent from the module);
+    * ``ppmedia_partial_later``: the same on Automodel's staging of a later step (only
+      ``second_per_grid_ts`` absent: the first step's exit set the other lists to ``None``);
+    * ``anchor``: :func:`automodel_consume`, the consumer Automodel inlines, on the first-step module.
+
+    ``partial_staged_by`` says who staged the partial modules: Automodel's ``stage_vlm_media_for_pp``
+    when the reference is installed, else :func:`stage_like_automodel` (the same attributes, by hand).
+    """
     batch = qwen_like_batch(batch_size, n)
     ids = list(batch["input_ids"].tensor_split(n))
-    module = torch.nn.Module()
     cursor = ppmedia.CURSOR_ATTRIBUTE
+    own, partial, later = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
 
-    def rewind() -> None:
-        module.__dict__[cursor] = 0
+    def rewinder(module: torch.nn.Module) -> Any:
+        def rewind() -> bool:
+            module.__dict__[cursor] = 0
+            return True
 
-    def take_all() -> None:
-        take, m = next_vlm_media_chunk, module
+        return rewind
+
+    def take_all(module: torch.nn.Module) -> None:
+        take = next_vlm_media_chunk
         for _ in range(n):
-            take(m)
+            take(module)
 
-    sides = {"ppmedia": Side(lambda _: take_all(), prepare=lambda: rewind() or True, divide=n)}
-    staged = split_media(dict(batch), n)
-    with stage_media(module, staged):
-        if ref is None:
-            timings = interleaved(sides, repeats=repeats, warmup=20)
-        else:
-            am_module = torch.nn.Module()
-            am_batch = ref.prepare_vlm_media_for_pp(dict(batch), batch_size=batch_size, n_microbatches=n)
+    def anchor_all() -> None:
+        for k in range(n):
+            automodel_consume(partial, ids[k], IMAGE_TOKEN_ID)
 
-            def am_rewind() -> bool:
-                am_module.__dict__["_vlm_chunk_idx"] = 0
-                return True
-
-            def am_take_all() -> None:
-                for k in range(n):
-                    automodel_consume(am_module, ids[k], IMAGE_TOKEN_ID)
-
-            sides["automodel"] = Side(lambda _: am_take_all(), prepare=am_rewind, divide=n)
-            with ref.stage_vlm_media_for_pp(automodel_pp_stub(), [am_module], am_batch):
-                timings = interleaved(sides, repeats=repeats, warmup=20)
+    sides = {
+        "ppmedia_full": Side(lambda _: take_all(own), prepare=rewinder(own), divide=n),
+        "ppmedia_partial": Side(lambda _: take_all(partial), prepare=rewinder(partial), divide=n),
+        "ppmedia_partial_later": Side(lambda _: take_all(later), prepare=rewinder(later), divide=n),
+        "anchor": Side(lambda _: anchor_all(), prepare=rewinder(partial), divide=n),
+    }
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(stage_media(own, split_media(dict(batch), n)))
+        staged_by = _stage_partial(stack, ref, batch, n, partial, later_step=False)
+        _stage_partial(stack, ref, batch, n, later, later_step=True)
+        absent = [name for name in ppmedia.STAGED_ATTRIBUTES.values() if name not in partial.__dict__]
+        absent_later = [name for name in ppmedia.STAGED_ATTRIBUTES.values() if name not in later.__dict__]
+        timings = interleaved(sides, repeats=repeats, warmup=20)
+        own.__dict__[cursor] = n  # stage_media checks that every microbatch was consumed
     return {
         "batch_size": batch_size,
         "n_microbatches": n,
+        "partial_staged_by": staged_by,
+        "partial_absent_lists": absent,
+        "partial_later_absent_lists": absent_later,
         "median_s_per_call": {name: timings.median(name) for name in sides},
+        "partial_over_anchor": timings.ratio("ppmedia_partial", "anchor"),
+        "partial_later_over_anchor": timings.ratio("ppmedia_partial_later", "anchor"),
+        "partial_over_full": timings.ratio("ppmedia_partial", "ppmedia_full"),
     }
