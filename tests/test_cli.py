@@ -33,6 +33,11 @@ PYTHON_TERMS = re.compile(
     r"(?<!n_)\b(images|videos)_per_sample|n_microbatches|batch_size=|split_media|weights_only|media_per_sample|Traceback|\x1b"
 )
 
+from ppmedia.adapters.builtin import ADAPTERS
+
+#: the built-in model types, as the errors list them (sorted)
+KNOWN = ", ".join(sorted(ADAPTERS))
+
 
 def run(capsys, *argv):
     code = main([str(a) for a in argv])
@@ -146,9 +151,8 @@ def test_unknown_model_type_is_refused_before_the_file_is_read(capsys, tmp_path)
     code, line = fails(capsys, "inspect", tmp_path / "missing.pt", "--microbatches", "2", "--model-type", "gpt2")
     assert code == 2
     assert line == (
-        "ppmedia: error: argument --model-type: no ppmedia adapter for 'gpt2'; known model types: kimi_k25, "
-        "kimi_vl, llava_next, qwen2_5_vl, qwen2_vl, step3_vl, step3p7 ('ppmedia adapters' lists them, plugins "
-        "included) (see 'ppmedia inspect --help')"
+        f"ppmedia: error: argument --model-type: no ppmedia adapter for 'gpt2'; known model types: {KNOWN} "
+        "('ppmedia adapters' lists them, plugins included) (see 'ppmedia inspect --help')"
     )
 
 
@@ -323,8 +327,7 @@ def test_batch_without_any_sample_tensor(capsys, tmp_path):
     ("{not json", "not valid JSON (line 1, column 2: Expecting property name enclosed in double quotes)"),
     ("[1, 2]", "holds a JSON list; expected a model config (a JSON object)"),
     ("{}", "no model_type in it; pass --model-type"),
-    ('{"model_type": "gpt2"}', "model_type 'gpt2' has no ppmedia adapter; known model types: kimi_k25, kimi_vl, "
-                               "llava_next, qwen2_5_vl, qwen2_vl, step3_vl, step3p7"),
+    ('{"model_type": "gpt2"}', f"model_type 'gpt2' has no ppmedia adapter; known model types: {KNOWN}"),
 ])
 def test_bad_config_json_beside_the_batch(capsys, tmp_path, text, reason):
     (tmp_path / "config.json").write_text(text)
