@@ -231,9 +231,10 @@ def _list_counts(key: str, value: Sequence[Any], ctx: Context) -> Ints:
     for s, v in enumerate(value):
         if type(v) is not int and (isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral)):
             raise TypeError(f"{key}: {ctx.where(s)} is {v!r} ({type(v).__name__}); expected an int")
-        if not 0 <= v <= _INT64_MAX:
-            raise ValueError(f"{key}: {ctx.where(s)} has {v}; expected a count >= 0 (at most 2**63 - 1)")
-        out.append(int(v))
+        count = int(v)
+        if not 0 <= count <= _INT64_MAX:
+            raise ValueError(f"{key}: {ctx.where(s)} has {count}; expected a count >= 0 (at most 2**63 - 1)")
+        out.append(count)
     return np.asarray(out, dtype=np.int64)
 
 

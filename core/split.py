@@ -101,10 +101,10 @@ class StagedMedia:
     image_rows: tuple[int, ...]
     video_rows: tuple[int, ...]
     crop_rows: tuple[int, ...]
-    chunks: dict[str, list[Tensor]] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    chunks: dict[str, list[Tensor]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.chunks is None:  # split_media passes the views it made; otherwise cut them from ranges
+        if not self.chunks:  # split_media passes the views it made; otherwise cut them from ranges
             self.chunks = {name: _views(tensor, self.ranges[name]) for name, tensor in self.tensors.items()}
 
     def __len__(self) -> int:
@@ -117,7 +117,7 @@ class StagedMedia:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             setattr(self, name, value)
-        self.chunks = None  # type: ignore[assignment]
+        self.chunks = {}
         self.__post_init__()
 
     def chunk(self, k: int) -> VlmMediaChunk | None:
@@ -263,19 +263,20 @@ def _media_of(batch: MutableMapping[str, Any]) -> dict[str, Any]:
 def _microbatches(n: object, batch_size: int) -> int:
     if isinstance(n, (bool, torch.Tensor)) or not isinstance(n, numbers.Integral):
         raise TypeError(f"n_microbatches: got {type(n).__name__}; expected an int >= 1")
-    if not 1 <= n <= max(batch_size, 1):
+    value = int(n)
+    if not 1 <= value <= max(batch_size, 1):
         raise ValueError(
-            f"n_microbatches: got {n} for a batch of {batch_size} samples; expected 1..{max(batch_size, 1)} "
+            f"n_microbatches: got {value} for a batch of {batch_size} samples; expected 1..{max(batch_size, 1)} "
             f"(the schedule's split gives at most one microbatch per sample)"
         )
-    return int(n)
+    return value
 
 
-def _batch_size(batch: MutableMapping[str, Any], media: dict[str, Any], batch_size: int | None) -> int:
+def _batch_size(batch: MutableMapping[str, Any], media: dict[str, Any], batch_size: object) -> int:
     if batch_size is not None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
             raise TypeError(f"batch_size: got {type(batch_size).__name__}; expected an int >= 0")
-        if batch_size < 0:
+        if int(batch_size) < 0:
             raise ValueError(f"batch_size: got {batch_size}; expected an int >= 0")
         return int(batch_size)
     ids = batch.get("input_ids")
