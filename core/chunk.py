@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, fields
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
@@ -81,7 +81,7 @@ _MISSING = object()
 _Tensor = torch.Tensor
 
 
-def _lookup(module: torch.nn.Module, state: dict, name: str) -> object:
+def _lookup(module: torch.nn.Module, state: dict[str, Any], name: str) -> Any:
     # nn.Module keeps plain attributes (lists, ints) in __dict__; reading it directly skips
     # Module.__getattr__, whose miss path costs microseconds. Fall back for anything else.
     value = state.get(name, _MISSING)
@@ -118,7 +118,7 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
     if k is None:
         return None
     try:  # the usual case: every list set on the module itself (one C call reads them all)
-        lists: Iterable[object] = _read_lists(state)
+        lists: Iterable[Any] = _read_lists(state)
     except KeyError:
         lists = [_lookup(module, state, name) for name in _ATTRS]
     # values[i] is field i of the chunk; its length is also the index of the list being read.

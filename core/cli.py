@@ -11,7 +11,7 @@ import json
 import os
 import pathlib
 import sys
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from .tables import format_table
 
@@ -23,7 +23,7 @@ class _Fail(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, no usage dump
         self.exit(2, f"ppmedia: error: {message} (see 'ppmedia {self.prog.split()[-1]} --help')\n"
                   if " " in self.prog else f"ppmedia: error: {message} (see 'ppmedia --help')\n")
 
@@ -99,6 +99,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"adapter {adapter.name} ({model_type}); per-sample counts from placeholder tokens: "
               f"images {images.tolist()}, videos {videos.tolist()}")
     elif model_type:
+        assert adapter is not None
         print(f"adapter {adapter.name} ({model_type}); no config.json beside the file: counts from the batch only")
     input_ids = batch.get("input_ids")
     staged = ppmedia.split_media(batch, args.microbatches, **counts)

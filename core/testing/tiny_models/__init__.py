@@ -51,10 +51,10 @@ def capture_merged_embeds(model: torch.nn.Module, **inputs: Any) -> Tensor:
     """
     captured: list[Tensor] = []
 
-    def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         captured.append(kwargs["inputs_embeds"].detach().clone())
 
-    handle = model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)  # type: ignore[union-attr]
     try:
         with torch.no_grad():
             model(**inputs)
