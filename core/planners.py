@@ -64,6 +64,8 @@ IMAGE_GRID_KEYS: tuple[str, ...] = (
 )
 _PATCH_GRID_KEYS = ("image_grid_thw", "image_grid_hws")
 _INT64_MAX = 2**63 - 1
+# the ufuncs themselves: their reduce skips numpy's Python wrappers (a few hundred ns per call)
+_add, _max, _min, _multiply = np.add, np.maximum, np.minimum, np.multiply
 
 
 @dataclass
@@ -73,6 +75,10 @@ class Context:
     batch_size: int
     bounds: list[int]  # microbatch_bounds(B, n): n + 1 sample offsets
     reader: HostReader = field(default_factory=HostReader)
+    at: Ints = field(init=False, repr=False)  # the bounds as an index array
+
+    def __post_init__(self) -> None:
+        self.at = np.asarray(self.bounds, dtype=np.int64)
 
     def where(self, sample: int) -> str:
         """``"sample s (microbatch k)"`` for error messages."""
@@ -154,45 +160,46 @@ def require_shape(key: str, t: Tensor, expected: tuple[int | None, ...], words: 
 def offsets(sizes: Ints) -> Ints:
     """``[0, s0, s0 + s1, ...]``. Callers check first that the total fits (it equals a tensor dim)."""
     out = np.zeros(sizes.size + 1, dtype=np.int64)
-    np.cumsum(sizes, out=out[1:])
+    _add.accumulate(sizes, out=out[1:])
     return out
 
 
-def exact_sum(values: Ints) -> int:
-    """The sum of non-negative ``values`` as a Python int, never wrapped."""
+def exact_sum(values: Ints, high: int | None = None) -> int:
+    """The sum of non-negative ``values`` as a Python int, never wrapped (``high``: a known maximum)."""
     if values.size == 0:
         return 0
-    if int(values.max()) <= _INT64_MAX // values.size:
-        return int(values.sum())
+    if (int(_max.reduce(values)) if high is None else high) <= _INT64_MAX // values.size:
+        return int(_add.reduce(values))
     return sum(values.tolist())
 
 
 def check_range(key: str, values: Ints, high: int, what: str, locate: Callable[[int], str]) -> None:
     """Every value in ``0..high``; else ``ValueError`` naming the first bad entry via ``locate(i)``."""
-    if values.size and (int(values.min()) < 0 or int(values.max()) > high):
+    # one reduction: as uint64, a negative value is above any int64 ``high``
+    if values.size and int(_max.reduce(values.view(np.uint64))) > high:
         i = int(np.flatnonzero((values < 0) | (values > high))[0])
         raise ValueError(f"{key}: {locate(i)} has {int(values[i])} {what}; expected 0..{high} (the whole batch has {high})")
 
 
-def exact_products(key: str, table: Ints, limit: int, locate: Callable[[int], str]) -> Ints | None:
-    """Row products of a positive grid ``table`` ``[items, c]``, or ``None`` when they cannot sum to ``limit``.
+def exact_products(key: str, table: Ints, limit: int, locate: Callable[[int], str]) -> tuple[Ints, int] | None:
+    """Row products of a positive grid ``table`` ``[items, c]`` and their sum, both exact; ``None`` when
+    a row's product alone exceeds ``limit`` (the pixel rows), so they cannot add up to it.
 
-    A row with an entry <= 0 is a ``ValueError``. ``None`` means some row's product alone exceeds
-    ``limit`` (the pixel rows): computed exactly, never wrapped.
+    A row with an entry <= 0 is a ``ValueError``.
     """
     if table.size == 0:
-        return np.zeros(table.shape[0], dtype=np.int64)
-    if int(table.min()) <= 0:
+        return np.zeros(table.shape[0], dtype=np.int64), 0
+    if int(_min.reduce(table, axis=None)) <= 0:
         i = int(np.flatnonzero((table <= 0).any(axis=1))[0])
         raise ValueError(f"{key}: row {i} ({locate(i)}) is {table[i].tolist()}; expected positive entries")
-    biggest = int(table.max())
-    if biggest <= limit and biggest ** table.shape[1] <= _INT64_MAX // table.shape[0]:
-        products: Ints = table.prod(axis=1)
-        return products if int(products.max()) <= limit else None
+    biggest = int(_max.reduce(table, axis=None))
+    if biggest ** table.shape[1] <= _INT64_MAX // table.shape[0]:  # no product and no sum can wrap
+        products: Ints = _multiply.reduce(table, axis=1)
+        return products, int(_add.reduce(products))
     exact = [math.prod(row) for row in table.tolist()]
     if max(exact) > limit:
         return None
-    return np.asarray(exact, dtype=np.int64)
+    return np.asarray(exact, dtype=np.int64), sum(exact)
 
 
 def first_oversized(table: Ints, limit: int) -> int | None:
@@ -269,7 +276,7 @@ def default_counts(ctx: Context, pixels_key: str, items: int, what: str, batch_k
 def check_counts(ctx: Context, counts: Counts, values: Ints, total: int, what: str) -> None:
     """Counts in ``0..total`` summing exactly to ``total``; the message says which sample is wrong."""
     check_range(counts.key, values, total, what, ctx.where)
-    got = exact_sum(values)
+    got = exact_sum(values, total)
     if got == total:
         return
     hint = ""
@@ -292,7 +299,7 @@ def _pairs(at: Ints) -> tuple[Range, ...]:
 
 
 def _diffs(at: Ints) -> tuple[int, ...]:
-    return tuple((at[1:] - at[:-1]).tolist())
+    return tuple(np.subtract(at[1:], at[:-1]).tolist())
 
 
 def media_part(
@@ -371,7 +378,7 @@ def _plan_image_major(ctx: Context, media: Media, grid_key: str | None, counts: 
     def finish() -> Part:
         per_sample = counts.values(ctx.reader)
         check_counts(ctx, counts, per_sample, n_images, "images")
-        item_at = offsets(per_sample)[ctx.bounds]
+        item_at = offsets(per_sample)[ctx.at]
         return media_part(("pixel_values", "pixel_values", pixels), meta, item_at, item_at)
 
     return finish
@@ -391,7 +398,7 @@ def _plan_patch_rows(ctx: Context, media: Media, grid_key: str, counts: Counts |
         check_counts(ctx, counts, per_sample, grid.shape[0], "images")
         table = ctx.reader.values[slot].reshape(grid.shape[0], grid.shape[1])
         per_image = rows_per_item("pixel_values", grid_key, table, pixels.shape[0], lambda i: ctx.where_item(per_sample, i))
-        item_at = offsets(per_sample)[ctx.bounds]
+        item_at = offsets(per_sample)[ctx.at]
         row_at = offsets(per_image)[item_at]
         return media_part(("pixel_values", "pixel_values", pixels), [("image_grid", grid_key, grid)], item_at, row_at)
 
@@ -402,20 +409,20 @@ def rows_per_item(key: str, grid_key: str, table: Ints, rows: int, locate: Calla
     """Pixel rows per item: the grid products when they add up to ``rows`` (patch rows), else one each
     when there is one row per item (image-major); any other total is a ``ValueError``."""
     items = table.shape[0]
-    products = exact_products(grid_key, table, rows, locate)
-    if products is not None and exact_sum(products) == rows:
-        return products
+    exact = exact_products(grid_key, table, rows, locate)
+    if exact is not None and exact[1] == rows:
+        return exact[0]
     if rows == items:
         return np.ones(items, dtype=np.int64)
-    if products is None:
-        i = first_oversized(table, rows)
-        assert i is not None
+    i = first_oversized(table, rows)
+    if i is not None:
         raise ValueError(
             f"{grid_key}: row {i} ({locate(i)}) is {table[i].tolist()}: its product {math.prod(table[i].tolist())} "
             f"exceeds the {rows} rows of {key}; expected grids whose products sum to {rows}"
         )
+    assert exact is not None
     raise ValueError(
-        f"{key}: dim 0 is {rows}; expected {exact_sum(products)} (the sum of the {grid_key} products, patch rows) "
+        f"{key}: dim 0 is {rows}; expected {exact[1]} (the sum of the {grid_key} products, patch rows) "
         f"or {items} (one row per item) for {grid_key} of shape [{items}, {table.shape[1]}] (whole batch)"
     )
 
@@ -434,16 +441,16 @@ def _plan_pan_and_scan(ctx: Context, media: Media, counts: Counts | None) -> Cal
         per_image_crops = ctx.reader.values[slot]
         per_sample = counts.values(ctx.reader)
         check_range(counts.key, per_sample, n_rows, "images", ctx.where)
-        given = exact_sum(per_sample)
+        given = exact_sum(per_sample, n_rows)
         check_range("num_crops", per_image_crops, n_rows, "crops", lambda i: f"image {i}")
-        if exact_sum(per_image_crops) + n_images != n_rows:
+        if exact_sum(per_image_crops, n_rows) + n_images != n_rows:
             raise ValueError(
                 f"num_crops: {n_images} images + {exact_sum(per_image_crops)} crops = "
                 f"{exact_sum(per_image_crops) + n_images} rows; expected {n_rows}, the rows of pixel_values {shape_of(pixels)}"
             )
         image_at = offsets(per_image_crops + 1)
         if given == n_images:  # counts of images
-            item_at = offsets(per_sample)[ctx.bounds]
+            item_at = offsets(per_sample)[ctx.at]
             row_at = image_at[item_at]
         else:  # counts of rows (placeholder blocks): every sample must start on an image
             if given != n_rows:
@@ -457,7 +464,7 @@ def _plan_pan_and_scan(ctx: Context, media: Media, counts: Counts | None) -> Cal
                     f"{counts.key}: {ctx.where(s)} starts at row {int(sample_at[s])} of pixel_values, inside an "
                     f"image's crops (num_crops); expected counts of images, or of rows that keep each image with its crops"
                 )
-            item_at, row_at = item_of[ctx.bounds], sample_at[ctx.bounds]
+            item_at, row_at = item_of[ctx.at], sample_at[ctx.at]
         return media_part(("pixel_values", "pixel_values", pixels), [("image_grid", "num_crops", crops)], item_at, row_at)
 
     return finish
@@ -498,7 +505,7 @@ def plan_videos(ctx: Context, media: Media, videos_per_sample: CountsArgument) -
         table = ctx.reader.values[slot].reshape(n_videos, 3)
         locate = lambda i: ctx.where_item(per_sample, i)  # noqa: E731
         per_video = rows_per_item("pixel_values_videos", "video_grid_thw", table, pixels.shape[0], locate)
-        item_at = offsets(per_sample)[ctx.bounds]
+        item_at = offsets(per_sample)[ctx.at]
         row_at = offsets(per_video)[item_at]
         return media_part(("pixel_values_videos", "pixel_values_videos", pixels), meta, item_at, row_at)
 
@@ -560,12 +567,12 @@ def plan_step3(ctx: Context, media: Media) -> Callable[[Part | None], Part] | No
     def finish(images: Part | None) -> Part:
         per_sample = ctx.reader.values[slot]
         check_range("num_patches", per_sample, n_crops, "crop patches", ctx.where)
-        if exact_sum(per_sample) != n_crops:
+        if exact_sum(per_sample, n_crops) != n_crops:
             raise ValueError(
                 f"num_patches: sums to {exact_sum(per_sample)}; expected {n_crops}, the rows of patch_pixel_values "
                 f"{shape_of(crops) if crops is not None else '(absent)'} (whole batch)"
             )
-        crop_at = offsets(per_sample)[ctx.bounds]
+        crop_at = offsets(per_sample)[ctx.at]
         rows = _diffs(crop_at)
         image_counts = images.items if images is not None else (0,) * len(rows)
         bounds = ctx.bounds

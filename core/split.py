@@ -241,8 +241,9 @@ def split_media(
     crops = plan_step3(ctx, media)
     ctx.reader.read()  # the one host read
     image_part = images() if images is not None else None
-    parts = [image_part, videos() if videos is not None else None, crops(image_part) if crops is not None else None]
-    staged = _staged(ctx, *parts)  # every view made here, before anything is popped
+    video_part = videos() if videos is not None else None
+    crop_part = crops(image_part) if crops is not None else None
+    staged = _staged(ctx, image_part, video_part, crop_part)  # every view made here, before anything is popped
     for key in [k for k in batch if k in _MEDIA_KEY_SET]:
         del batch[key]
     return staged
@@ -261,7 +262,7 @@ def _media_of(batch: MutableMapping[str, Any]) -> dict[str, Any]:
 
 
 def _microbatches(n: object, batch_size: int) -> int:
-    if isinstance(n, (bool, torch.Tensor)) or not isinstance(n, numbers.Integral):
+    if type(n) is not int and (isinstance(n, (bool, torch.Tensor)) or not isinstance(n, numbers.Integral)):
         raise TypeError(f"n_microbatches: got {type(n).__name__}; expected an int >= 1")
     value = int(n)
     if not 1 <= value <= max(batch_size, 1):
@@ -317,25 +318,23 @@ def _left_over_message(key: str, value: Tensor, B: int) -> str:
     )
 
 
-def _staged(ctx: Context, *parts: Part | None) -> StagedMedia:
+def _staged(ctx: Context, images: Part | None, videos: Part | None, crops: Part | None) -> StagedMedia:
     """The :class:`StagedMedia` of the planners' parts; makes every view."""
-    n = len(ctx.bounds) - 1
-    zero = (0,) * n
-    splits: dict[str, FieldSplit] = {f.name: f for part in parts if part is not None for f in part.fields}
-    images, videos, crops = (part if part is not None else Part([], zero, zero) for part in parts)
+    zero = (0,) * (len(ctx.bounds) - 1)
+    splits = [f for part in (images, videos, crops) if part is not None for f in part.fields]
     return StagedMedia(
-        n_microbatches=n,
+        n_microbatches=len(zero),
         batch_size=ctx.batch_size,
-        chunks={name: _checked_views(f) for name, f in splits.items()},
-        tensors={name: splits[name].tensor for name in _FIELDS if name in splits},
-        sources={name: f.source for name, f in splits.items()},
-        ranges={name: f.ranges for name, f in splits.items()},
+        chunks={f.name: _checked_views(f) for f in splits},
+        tensors={f.name: f.tensor for f in sorted(splits, key=lambda f: _FIELDS.index(f.name))},
+        sources={f.name: f.source for f in splits},
+        ranges={f.name: f.ranges for f in splits},
         samples=tuple(zip(ctx.bounds, ctx.bounds[1:])),
-        images=images.items,
-        videos=videos.items,
-        image_rows=images.rows,
-        video_rows=videos.rows,
-        crop_rows=crops.rows,
+        images=images.items if images is not None else zero,
+        videos=videos.items if videos is not None else zero,
+        image_rows=images.rows if images is not None else zero,
+        video_rows=videos.rows if videos is not None else zero,
+        crop_rows=crops.rows if crops is not None else zero,
     )
 
 
