@@ -468,7 +468,8 @@ def test_real_processor_outputs_split_per_image():
                                     pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2)
     pixtral = PixtralImageProcessorPil(patch_size={"height": 16, "width": 16}, size={"longest_edge": 64})
     qwen = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
-    for processor in (gemma, pixtral, qwen):
+    qwen3 = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16)  # Qwen3-VL's
+    for processor in (gemma, pixtral, qwen, qwen3):
         whole = dict(processor(images, return_tensors="pt"))
         assert "num_crops" not in whole or int(whole["num_crops"].sum()) > 0  # pan-and-scan rows present
         staged = split_media({"input_ids": _ids(4), **whole}, 4, images_per_sample=per_sample)
