@@ -149,8 +149,14 @@ def require_readable(key: str, t: Tensor) -> Tensor:
 
 def require_shape(key: str, t: Tensor, expected: tuple[int | None, ...], words: str) -> None:
     """``t.shape`` matches ``expected`` (``None``: any size), else ``ValueError`` naming both."""
-    if t.dim() != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
-        raise ValueError(f"{key}: shape {shape_of(t)}; expected {words}")
+    shape = t.shape
+    if len(shape) == len(expected):
+        for size, want in zip(shape, expected):
+            if want is not None and size != want:
+                break
+        else:
+            return
+    raise ValueError(f"{key}: shape {shape_of(t)}; expected {words}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,24 +188,25 @@ def check_range(key: str, values: Ints, high: int, what: str, locate: Callable[[
 
 
 def exact_products(key: str, table: Ints, limit: int, locate: Callable[[int], str]) -> tuple[Ints, int] | None:
-    """Row products of a positive grid ``table`` ``[items, c]`` and their sum, both exact; ``None`` when
-    a row's product alone exceeds ``limit`` (the pixel rows), so they cannot add up to it.
+    """Offsets of the row products of a positive grid ``table`` ``[items, c]`` (``items + 1``, from 0) and
+    their exact sum; ``None`` when a row's product alone exceeds ``limit`` (the pixel rows).
 
-    A row with an entry <= 0 is a ``ValueError``.
+    A row with an entry <= 0 is a ``ValueError``. The offsets are exact whenever the sum fits in int64.
     """
     if table.size == 0:
-        return np.zeros(table.shape[0], dtype=np.int64), 0
+        return np.zeros(table.shape[0] + 1, dtype=np.int64), 0
     if int(_min.reduce(table, axis=None)) <= 0:
         i = int(np.flatnonzero((table <= 0).any(axis=1))[0])
         raise ValueError(f"{key}: row {i} ({locate(i)}) is {table[i].tolist()}; expected positive entries")
     biggest = int(_max.reduce(table, axis=None))
     if biggest ** table.shape[1] <= _INT64_MAX // table.shape[0]:  # no product and no sum can wrap
-        products: Ints = _multiply.reduce(table, axis=1)
-        return products, int(_add.reduce(products))
+        at = offsets(_multiply.reduce(table, axis=1))
+        return at, int(at[-1])
     exact = [math.prod(row) for row in table.tolist()]
     if max(exact) > limit:
         return None
-    return np.asarray(exact, dtype=np.int64), sum(exact)
+    total = sum(exact)
+    return (offsets(np.asarray(exact, dtype=np.int64)) if total <= _INT64_MAX else np.zeros(0, dtype=np.int64)), total
 
 
 def first_oversized(table: Ints, limit: int) -> int | None:
@@ -273,12 +280,16 @@ def default_counts(ctx: Context, pixels_key: str, items: int, what: str, batch_k
     return Counts(batch_key, False, host=np.ones(ctx.batch_size, dtype=np.int64))
 
 
-def check_counts(ctx: Context, counts: Counts, values: Ints, total: int, what: str) -> None:
-    """Counts in ``0..total`` summing exactly to ``total``; the message says which sample is wrong."""
+def check_counts(ctx: Context, counts: Counts, values: Ints, total: int, what: str) -> Ints:
+    """Counts in ``0..total`` summing exactly to ``total``; returns their offsets (``B + 1``, from 0).
+
+    The message says which sample is wrong.
+    """
     check_range(counts.key, values, total, what, ctx.where)
-    got = exact_sum(values, total)
+    at = offsets(values) if total <= _INT64_MAX // max(values.size, 1) else None  # no partial sum can wrap
+    got = int(at[-1]) if at is not None else sum(values.tolist())
     if got == total:
-        return
+        return at if at is not None else offsets(values)
     hint = ""
     if counts.from_argument and got < total and what == "images":
         hint = (
@@ -377,8 +388,7 @@ def _plan_image_major(ctx: Context, media: Media, grid_key: str | None, counts: 
 
     def finish() -> Part:
         per_sample = counts.values(ctx.reader)
-        check_counts(ctx, counts, per_sample, n_images, "images")
-        item_at = offsets(per_sample)[ctx.at]
+        item_at = check_counts(ctx, counts, per_sample, n_images, "images")[ctx.at]
         return media_part(("pixel_values", "pixel_values", pixels), meta, item_at, item_at)
 
     return finish
@@ -395,25 +405,25 @@ def _plan_patch_rows(ctx: Context, media: Media, grid_key: str, counts: Counts |
 
     def finish() -> Part:
         per_sample = counts.values(ctx.reader)
-        check_counts(ctx, counts, per_sample, grid.shape[0], "images")
+        item_at = check_counts(ctx, counts, per_sample, grid.shape[0], "images")[ctx.at]
         table = ctx.reader.values[slot].reshape(grid.shape[0], grid.shape[1])
-        per_image = rows_per_item("pixel_values", grid_key, table, pixels.shape[0], lambda i: ctx.where_item(per_sample, i))
-        item_at = offsets(per_sample)[ctx.at]
-        row_at = offsets(per_image)[item_at]
+        rows_at = row_offsets("pixel_values", grid_key, table, pixels.shape[0], lambda i: ctx.where_item(per_sample, i))
+        row_at = rows_at[item_at]
         return media_part(("pixel_values", "pixel_values", pixels), [("image_grid", grid_key, grid)], item_at, row_at)
 
     return finish
 
 
-def rows_per_item(key: str, grid_key: str, table: Ints, rows: int, locate: Callable[[int], str]) -> Ints:
-    """Pixel rows per item: the grid products when they add up to ``rows`` (patch rows), else one each
-    when there is one row per item (image-major); any other total is a ``ValueError``."""
+def row_offsets(key: str, grid_key: str, table: Ints, rows: int, locate: Callable[[int], str]) -> Ints:
+    """Offsets of each item's pixel rows (``items + 1``, from 0): by the grid products when they add up
+    to ``rows`` (patch rows), else one row each when there is one row per item (image-major); any
+    other total is a ``ValueError``."""
     items = table.shape[0]
     exact = exact_products(grid_key, table, rows, locate)
     if exact is not None and exact[1] == rows:
         return exact[0]
     if rows == items:
-        return np.ones(items, dtype=np.int64)
+        return np.arange(items + 1, dtype=np.int64)
     i = first_oversized(table, rows)
     if i is not None:
         raise ValueError(
@@ -501,12 +511,10 @@ def plan_videos(ctx: Context, media: Media, videos_per_sample: CountsArgument) -
 
     def finish() -> Part:
         per_sample = counts.values(ctx.reader)
-        check_counts(ctx, counts, per_sample, n_videos, "videos")
+        item_at = check_counts(ctx, counts, per_sample, n_videos, "videos")[ctx.at]
         table = ctx.reader.values[slot].reshape(n_videos, 3)
         locate = lambda i: ctx.where_item(per_sample, i)  # noqa: E731
-        per_video = rows_per_item("pixel_values_videos", "video_grid_thw", table, pixels.shape[0], locate)
-        item_at = offsets(per_sample)[ctx.at]
-        row_at = offsets(per_video)[item_at]
+        row_at = row_offsets("pixel_values_videos", "video_grid_thw", table, pixels.shape[0], locate)[item_at]
         return media_part(("pixel_values_videos", "pixel_values_videos", pixels), meta, item_at, row_at)
 
     return finish
@@ -545,7 +553,7 @@ def plan_step3(ctx: Context, media: Media) -> Callable[[Part | None], Part] | No
     ``finish(images)`` takes the images' part: a microbatch with neither images nor crops stages an
     empty ``num_patches``, so it stays text-only for the consumer.
     """
-    crops, num_patches, newline = (media.get(k) for k in ("patch_pixel_values", "num_patches", "patch_newline_mask"))
+    crops, num_patches, newline = media.get("patch_pixel_values"), media.get("num_patches"), media.get("patch_newline_mask")
     B = ctx.batch_size
     if num_patches is None:
         if crops is not None:

@@ -55,6 +55,7 @@ MEDIA_KEYS: tuple[str, ...] = (
 _MEDIA_KEY_SET = frozenset(MEDIA_KEYS)
 _NOT_TENSORS = frozenset({"second_per_grid_ts"})  # may also be a list (of seconds)
 _FIELDS = tuple(f.name for f in fields(VlmMediaChunk))
+_ORDER = {name: i for i, name in enumerate(_FIELDS)}
 Range = tuple[int, int]
 
 
@@ -326,7 +327,7 @@ def _staged(ctx: Context, images: Part | None, videos: Part | None, crops: Part 
         n_microbatches=len(zero),
         batch_size=ctx.batch_size,
         chunks={f.name: _checked_views(f) for f in splits},
-        tensors={f.name: f.tensor for f in sorted(splits, key=lambda f: _FIELDS.index(f.name))},
+        tensors={f.name: f.tensor for f in sorted(splits, key=_field_order)},
         sources={f.name: f.source for f in splits},
         ranges={f.name: f.ranges for f in splits},
         samples=tuple(zip(ctx.bounds, ctx.bounds[1:])),
@@ -336,6 +337,10 @@ def _staged(ctx: Context, images: Part | None, videos: Part | None, crops: Part 
         video_rows=videos.rows if videos is not None else zero,
         crop_rows=crops.rows if crops is not None else zero,
     )
+
+
+def _field_order(f: FieldSplit) -> int:
+    return _ORDER[f.name]
 
 
 def _checked_views(f: FieldSplit) -> list[Tensor]:

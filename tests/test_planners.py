@@ -29,8 +29,8 @@ def test_check_range_names_the_first_bad_entry():
 
 
 def test_exact_products():
-    products, total = exact_products("g", np.array([[1, 2, 3], [2, 2, 2]], dtype=np.int64), 14, str)
-    assert products.tolist() == [6, 8] and total == 14
+    at, total = exact_products("g", np.array([[1, 2, 3], [2, 2, 2]], dtype=np.int64), 14, str)
+    assert at.tolist() == [0, 6, 14] and total == 14
     # 4 * (2**64 + 1) wraps to 4 in int64; exactly it exceeds any row count
     wrapping = np.array([[1, 2, 2], [4, 274177, 67280421310721]], dtype=np.int64)
     assert int(wrapping.prod(axis=1).sum()) == 8
