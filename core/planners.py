@@ -68,17 +68,16 @@ _INT64_MAX = 2**63 - 1
 _add, _max, _min, _multiply = np.add, np.maximum, np.minimum, np.multiply
 
 
-@dataclass
 class Context:
     """What every planner shares: the batch size, the microbatch sample offsets, the host reader."""
 
-    batch_size: int
-    bounds: list[int]  # microbatch_bounds(B, n): n + 1 sample offsets
-    reader: HostReader = field(default_factory=HostReader)
-    at: Ints = field(init=False, repr=False)  # the bounds as an index array
+    __slots__ = ("batch_size", "bounds", "at", "reader")
 
-    def __post_init__(self) -> None:
-        self.at = np.asarray(self.bounds, dtype=np.int64)
+    def __init__(self, batch_size: int, bounds: list[int]) -> None:
+        self.batch_size = batch_size
+        self.bounds = bounds  # microbatch_bounds(B, n): n + 1 sample offsets
+        self.at: Ints = np.asarray(bounds, dtype=np.int64)  # the same, as an index array
+        self.reader = HostReader()
 
     def where(self, sample: int) -> str:
         """``"sample s (microbatch k)"`` for error messages."""
