@@ -64,6 +64,8 @@ IMAGE_GRID_KEYS: tuple[str, ...] = (
 )
 _PATCH_GRID_KEYS = ("image_grid_thw", "image_grid_hws")
 _INT64_MAX = 2**63 - 1
+_STRIDED = torch.strided
+_INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32})
 # the ufuncs themselves: their reduce skips numpy's Python wrappers (a few hundred ns per call)
 _add, _max, _min, _multiply = np.add, np.maximum, np.minimum, np.multiply
 
@@ -121,7 +123,7 @@ def require_tensor(key: str, value: object) -> Tensor:
     """``value`` as a dense tensor, else ``TypeError`` naming ``key``."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{key}: got {type(value).__name__}; expected a torch.Tensor")
-    if value.is_nested or value.layout != torch.strided:
+    if value.is_nested or value.layout is not _STRIDED:
         layout = "nested" if value.is_nested else str(value.layout)
         raise TypeError(f"{key}: a {layout} tensor; expected a dense (strided) torch.Tensor")
     return value
@@ -129,6 +131,8 @@ def require_tensor(key: str, value: object) -> Tensor:
 
 def require_integer(key: str, t: Tensor) -> None:
     """``t`` has an integer dtype that converts exactly to int64."""
+    if t.dtype in _INTEGER_DTYPES:
+        return
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{key}: dtype {t.dtype}; expected an integer dtype")
     if t.dtype == torch.uint64:
@@ -138,7 +142,7 @@ def require_integer(key: str, t: Tensor) -> None:
 def require_readable(key: str, t: Tensor) -> Tensor:
     """An integer tensor whose values the split needs: not on the ``meta`` device (it has no data)."""
     require_integer(key, t)
-    if t.device.type == "meta":
+    if t.is_meta:
         raise ValueError(
             f"{key}: shape {shape_of(t)} on the meta device; expected a tensor with data (cpu or an "
             f"accelerator): the split reads its values"
