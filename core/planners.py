@@ -26,8 +26,9 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -64,6 +65,7 @@ IMAGE_GRID_KEYS: tuple[str, ...] = (
 )
 _PATCH_GRID_KEYS = ("image_grid_thw", "image_grid_hws")
 _INT64_MAX = 2**63 - 1
+_VIDEO_KEYS = frozenset({"pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "n_videos_per_sample"})
 _STRIDED = torch.strided
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32})
 # the ufuncs themselves: their reduce skips numpy's Python wrappers (a few hundred ns per call)
@@ -91,8 +93,7 @@ class Context:
         return f"sample {sample}, microbatch {bisect.bisect_right(self.bounds, sample) - 1}"
 
 
-@dataclass
-class FieldSplit:
+class FieldSplit(NamedTuple):
     """One chunk field: its batch tensor, the key it came from, its ranges along dim 0 per microbatch."""
 
     name: str
@@ -102,8 +103,7 @@ class FieldSplit:
     sizes: tuple[int, ...] | None  # the ranges' lengths when they tile dim 0 (fast views), else None
 
 
-@dataclass
-class Part:
+class Part(NamedTuple):
     """A planner's result: its fields, and per microbatch its items (images/videos) and pixel rows."""
 
     fields: list[FieldSplit]
@@ -307,13 +307,10 @@ def check_counts(ctx: Context, counts: Counts, values: Ints, total: int, what: s
 # parts
 
 
-def _pairs(at: Ints) -> tuple[Range, ...]:
+def _cut(at: Ints) -> tuple[tuple[Range, ...], tuple[int, ...]]:
+    """``n + 1`` offsets -> the ``n`` ``(start, stop)`` ranges and their lengths."""
     values = at.tolist()
-    return tuple(zip(values, values[1:]))
-
-
-def _diffs(at: Ints) -> tuple[int, ...]:
-    return tuple(np.subtract(at[1:], at[:-1]).tolist())
+    return tuple(zip(values, values[1:])), tuple(map(operator.sub, values[1:], values[:-1]))
 
 
 def media_part(
@@ -321,9 +318,10 @@ def media_part(
 ) -> Part:
     """A part whose pixel field follows ``row_at`` and whose per-item fields follow ``item_at``."""
     name, source, tensor = pixels
-    rows, items = _diffs(row_at), _diffs(item_at)
-    fields = [FieldSplit(name, source, tensor, _pairs(row_at), rows)]
-    fields += [FieldSplit(n, s, t, _pairs(item_at), items) for n, s, t in meta]
+    row_ranges, rows = _cut(row_at)
+    item_ranges, items = _cut(item_at)
+    fields = [FieldSplit(name, source, tensor, row_ranges, rows)]
+    fields += [FieldSplit(n, s, t, item_ranges, items) for n, s, t in meta]
     return Part(fields, items, rows)
 
 
@@ -489,6 +487,8 @@ def _plan_pan_and_scan(ctx: Context, media: Media, counts: Counts | None) -> Cal
 
 def plan_videos(ctx: Context, media: Media, videos_per_sample: CountsArgument) -> Callable[[], Part] | None:
     """Plan ``pixel_values_videos`` (patch rows per ``video_grid_thw`` row) and ``second_per_grid_ts``."""
+    if videos_per_sample is None and _VIDEO_KEYS.isdisjoint(media):  # the usual image-only batch
+        return None
     pixels, grid = media.get("pixel_values_videos"), media.get("video_grid_thw")
     timing = media.get("second_per_grid_ts")
     if pixels is None or grid is None:
@@ -584,14 +584,14 @@ def plan_step3(ctx: Context, media: Media) -> Callable[[Part | None], Part] | No
                 f"{shape_of(crops) if crops is not None else '(absent)'} (whole batch)"
             )
         crop_at = offsets(per_sample)[ctx.at]
-        rows = _diffs(crop_at)
+        crop_ranges, rows = _cut(crop_at)
         image_counts = images.items if images is not None else (0,) * len(rows)
         bounds = ctx.bounds
         ranges = tuple((a, b) if image_counts[k] or rows[k] else (a, a) for k, (a, b) in enumerate(zip(bounds, bounds[1:])))
         fields = [FieldSplit("num_patches", "num_patches", num_patches, ranges, None)]
         for name, t in (("patch_pixel_values", crops), ("patch_newline_mask", newline)):
             if t is not None:
-                fields.append(FieldSplit(name, name, t, _pairs(crop_at), rows))
+                fields.append(FieldSplit(name, name, t, crop_ranges, rows))
         return Part(fields, (0,) * len(rows), rows)
 
     return finish
