@@ -286,21 +286,37 @@ def default_counts(ctx: Context, pixels_key: str, items: int, what: str, batch_k
 def check_counts(ctx: Context, counts: Counts, values: Ints, total: int, what: str) -> Ints:
     """Counts in ``0..total`` summing exactly to ``total``; returns their offsets (``B + 1``, from 0).
 
-    The message says which sample is wrong.
+    The message says which sample is wrong and, for counts passed as an argument, why counts taken from
+    placeholder tokens can be wrong and what to pass instead.
     """
-    check_range(counts.key, values, total, what, ctx.where)
+    try:
+        check_range(counts.key, values, total, what, ctx.where)
+    except ValueError as error:
+        raise ValueError(f"{error}{_tokens_hint(counts, what, fewer=False)}") from None
     at = offsets(values) if total <= _INT64_MAX // max(values.size, 1) else None  # no partial sum can wrap
     got = int(at[-1]) if at is not None else sum(values.tolist())
     if got == total:
         return at if at is not None else offsets(values)
-    hint = ""
-    if counts.from_argument and got < total and what == "images":
-        hint = (
+    raise ValueError(
+        f"{counts.key}: counts sum to {got}; expected {total}, the number of {what} (whole batch)"
+        f"{_tokens_hint(counts, what, fewer=got < total)}"
+    )
+
+
+def _tokens_hint(counts: Counts, what: str, fewer: bool) -> str:
+    if counts.from_argument and what == "images" and fewer:
+        return (
             ". If these counts come from placeholder runs (an adapter's media_per_sample), images written "
             "back to back form one run and cannot be told apart from the tokens: put n_images_per_sample "
             "[B] (the images of each sample) in the batch instead"
         )
-    raise ValueError(f"{counts.key}: counts sum to {got}; expected {total}, the number of {what} (whole batch){hint}")
+    if counts.from_argument and what == "videos":
+        return (
+            ". If these counts come from placeholder runs (an adapter's media_per_sample), videos written "
+            "back to back, or a video written as one block per temporal step (Qwen3-VL), cannot be "
+            "counted from the tokens: put n_videos_per_sample [B] (the videos of each sample) in the batch instead"
+        )
+    return ""
 
 
 # --------------------------------------------------------------------------------------------------

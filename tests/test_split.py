@@ -330,6 +330,13 @@ def test_back_to_back_images_hint():
     assert "back to back" in message and "n_images_per_sample" in message
 
 
+def test_video_counts_from_tokens_hint():
+    # one 3-step video written as three timestamped blocks (Qwen3-VL): tokens count 3 videos
+    batch = {"input_ids": _ids(2), "pixel_values_videos": torch.randn(12, 6), "video_grid_thw": torch.tensor([[3, 2, 2]])}
+    message = _unchanged_after(batch, ValueError, r"videos_per_sample: sample 0 \(microbatch 0\) has 3 videos; expected 0..1", videos_per_sample=torch.tensor([3, 0]))
+    assert "one block per temporal step" in message and "n_videos_per_sample" in message
+
+
 def test_microbatches_beyond_samples_are_refused():
     _unchanged_after(_qwen_batch(), ValueError, r"n_microbatches: got 3 for a batch of 2 samples; expected 1..2", n=3)
 
