@@ -267,13 +267,18 @@ def pending_counts(ctx: Context, media: Media, batch_key: str, arg_name: str, ar
         require_readable(key, require_tensor(key, value))
         require_shape(key, value, (ctx.batch_size,), f"[{ctx.batch_size}] (one count per sample)")
         return Counts(key, in_batch is None, slot=ctx.reader.add(value))
+    if isinstance(value, np.ndarray) and value.ndim == 1:  # its items as Python scalars, checked one by one
+        value = value.tolist()
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return Counts(key, in_batch is None, host=_list_counts(key, value, ctx))
     raise TypeError(f"{key}: got {type(value).__name__}; expected a [B] integer tensor or a sequence of ints")
 
 
 def default_counts(ctx: Context, pixels_key: str, items: int, what: str, batch_key: str, arg_name: str) -> Counts:
-    """One item per sample, when there are exactly ``B`` items; else the error saying what to pass."""
+    """One item per sample, when there are exactly ``B`` items (none when there are none); else the
+    error saying what to pass."""
+    if items == 0:
+        return Counts(batch_key, False, host=np.zeros(ctx.batch_size, dtype=np.int64))
     if items != ctx.batch_size:
         raise ValueError(
             f"{pixels_key}: {items} {what} for a batch of {ctx.batch_size} samples and nothing maps them "
@@ -511,9 +516,9 @@ def plan_videos(ctx: Context, media: Media, videos_per_sample: CountsArgument) -
         for key, value, missing in (("pixel_values_videos", pixels, "video_grid_thw"),
                                     ("video_grid_thw", grid, "pixel_values_videos"),
                                     ("second_per_grid_ts", timing, "pixel_values_videos and video_grid_thw")):
-            if value is not None:
-                shape = shape_of(value) if isinstance(value, Tensor) else f"of {len(value)} entries"
-                raise ValueError(f"{key}: shape {shape} given without {missing}")
+            if value is not None and not (key == "second_per_grid_ts" and _is_empty(value)):
+                seen = f"shape {shape_of(value)}" if isinstance(value, Tensor) else f"a {type(value).__name__}"
+                raise ValueError(f"{key}: {seen} given without {missing}")
         return _no_media(ctx, pending_counts(ctx, media, "n_videos_per_sample", "videos_per_sample", videos_per_sample), "videos")
     if pixels.dim() < 2:
         raise ValueError(f"pixel_values_videos: shape {shape_of(pixels)}; expected at least 2 dims (patches first)")
@@ -537,6 +542,13 @@ def plan_videos(ctx: Context, media: Media, videos_per_sample: CountsArgument) -
         return media_part(("pixel_values_videos", "pixel_values_videos", pixels), meta, item_at, row_at)
 
     return finish
+
+
+def _is_empty(value: object) -> bool:
+    """An empty tensor or sequence (a batch without videos may carry an empty ``second_per_grid_ts``)."""
+    if isinstance(value, Tensor):
+        return value.numel() == 0
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 0
 
 
 def video_timing(value: object, n_videos: int) -> Tensor:

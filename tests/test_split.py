@@ -383,7 +383,23 @@ def test_bad_second_per_grid_ts(timing, exc, match):
 
 
 def test_second_per_grid_ts_without_videos():
-    _unchanged_after({"input_ids": _ids(2), "second_per_grid_ts": [1.0]}, ValueError, "second_per_grid_ts: shape of 1 entries given without")
+    _unchanged_after({"input_ids": _ids(2), "second_per_grid_ts": [1.0]}, ValueError, "second_per_grid_ts: a list given without")
+    _unchanged_after({"input_ids": _ids(2), "second_per_grid_ts": 1.0}, ValueError, "second_per_grid_ts: a float given without")
+    for empty in ([], torch.zeros(0)):  # nothing to split: popped
+        batch = {"input_ids": _ids(2), "second_per_grid_ts": empty}
+        assert split_media(batch, 2).tensors == {} and set(batch) == {"input_ids"}
+
+
+def test_zero_images_need_no_counts():
+    batch = {"input_ids": _ids(3), "pixel_values": torch.zeros(0, 6), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long)}
+    staged = split_media(batch, 3)
+    assert staged.images == (0, 0, 0) and list(staged) == [None, None, None]
+
+
+def test_numpy_count_arrays():
+    assert split_media(_qwen_batch(), 2, images_per_sample=np.array([2, 0])).images == (2, 0)
+    _unchanged_after(_qwen_batch(), TypeError, r"images_per_sample: sample 0 \(microbatch 0\) is 1.0 \(float\)",
+                     images_per_sample=np.array([1.0, 1.0]))
 
 
 # --------------------------------------------------------------------- Gemma 3 and Mistral 3 layouts
