@@ -53,7 +53,8 @@ MEDIA_KEYS: tuple[str, ...] = (
     "n_videos_per_sample",
 )
 _MEDIA_KEY_SET = frozenset(MEDIA_KEYS)
-_NOT_TENSORS = frozenset({"second_per_grid_ts"})  # may also be a list (of seconds)
+# may also be sequences: seconds per video, counts per sample (checked where they are read)
+_NOT_TENSORS = frozenset({"second_per_grid_ts", "n_images_per_sample", "n_videos_per_sample"})
 _FIELDS = tuple(f.name for f in fields(VlmMediaChunk))
 _ORDER = {name: i for i, name in enumerate(_FIELDS)}
 Range = tuple[int, int]

@@ -396,6 +396,15 @@ def test_zero_images_need_no_counts():
     assert staged.images == (0, 0, 0) and list(staged) == [None, None, None]
 
 
+def test_counts_in_the_batch_as_lists():
+    batch = _qwen_batch(B=3)
+    batch["n_images_per_sample"] = [1, 0, 1]
+    assert split_media(batch, 3).images == (1, 0, 1) and "n_images_per_sample" not in batch
+    batch = _qwen_batch(B=3)
+    batch["n_images_per_sample"] = [1, 0.5, 1]
+    _unchanged_after(batch, TypeError, r"n_images_per_sample: sample 1 \(microbatch 1\) is 0.5", n=3)
+
+
 def test_numpy_count_arrays():
     assert split_media(_qwen_batch(), 2, images_per_sample=np.array([2, 0])).images == (2, 0)
     _unchanged_after(_qwen_batch(), TypeError, r"images_per_sample: sample 0 \(microbatch 0\) is 1.0 \(float\)",
