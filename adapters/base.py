@@ -19,7 +19,7 @@ from ..chunk import VlmMediaChunk
 __all__ = ["Count", "HostCount", "VlmAdapter", "WireTensor", "config_value", "inner_model"]
 
 
-def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> torch.nn.Module:
+def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> Any:
     """The module that holds ``attribute``: ``model.model`` (a ``...ForConditionalGeneration``), or
     ``model`` itself (the inner ``...Model``, or a remote-code model with the same members).
 
@@ -135,7 +135,7 @@ class VlmAdapter(abc.ABC):
 
     # -- media side -------------------------------------------------------------------------
     @abc.abstractmethod
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Count]:
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> Mapping[str, Count]:
         """``{modality: number of feature rows}`` the chunk will produce, from its metadata.
 
         An ``int`` when it follows from shapes alone; else a 0-dim tensor computed on the chunk's

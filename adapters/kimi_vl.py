@@ -146,7 +146,7 @@ class KimiVLAdapter(VlmAdapter):
         elif hasattr(model, "_extract_image_features") and hasattr(model, "vision_tower"):
             if grid.shape[-1] == 3:
                 grid = grid[:, 1:]
-            features = model._extract_image_features(_as_tower_dtype(pixels, model.vision_tower), grid)
+            features = model._extract_image_features(_as_tower_dtype(pixels, model.vision_tower), grid)  # type: ignore[operator,arg-type]
         else:
             raise TypeError(
                 f"{type(model).__name__} has neither model.model.get_image_features with "

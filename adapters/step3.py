@@ -90,7 +90,7 @@ class Step3Adapter(VlmAdapter):
         return {"image": input_ids == _image_token_id(config)}
 
     # -- media side -------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor | int]:
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, int]:
         """``crops * tokens_per_crop + images * tokens_per_global``, from shapes only.
 
         The ``<patch_newline>`` tokens are text, not placeholders, so they are not counted.
@@ -143,7 +143,7 @@ class Step3Adapter(VlmAdapter):
                 f"num_local_patches {num_local_patches} (per image) does not fit the chunk's {images} "
                 f"global views and {patches} crop patches"
             )
-        output = model.model.get_image_features(
+        output = model.model.get_image_features(  # type: ignore[union-attr,operator]
             pixel_values=globals_,
             pixel_values_local=crops,
             num_local_patches=num_local_patches,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from torch import Tensor
 
 from .split import StagedMedia, split_media
+
+if TYPE_CHECKING:  # typing only: importing the adapters here would cost every `import ppmedia`
+    from .adapters.base import VlmAdapter
 
 __all__ = ["PipelineBatch", "collate_for_pipeline"]
 
@@ -66,7 +69,7 @@ class collate_for_pipeline:
         collate_fn: Callable[[list[Any]], Mapping[str, Any]],
         n_microbatches: int,
         *,
-        adapter: Any = None,
+        adapter: VlmAdapter | None = None,
         config: Any = None,
         **split_kwargs: Any,
     ) -> None:

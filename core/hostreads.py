@@ -6,13 +6,14 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["HostReadCounter", "HostReader"]
 
-_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
 
 _READS = {
     torch.Tensor.item: "item",
@@ -71,7 +72,7 @@ class HostReader:
     def __init__(self) -> None:
         self._parts: list[Tensor] = []
         self._sizes: list[int] = []
-        self.values: list[list[int]] = []
+        self.values: list[npt.NDArray[np.int64]] = []
 
     def add(self, t: Tensor) -> int:
         self._parts.append(t if t.dim() == 1 else t.reshape(-1))
@@ -91,7 +92,7 @@ class HostReader:
                 by_device.setdefault(part.device, []).append(i)
             groups = [(indices, torch.cat([parts[i] for i in indices])) for indices in by_device.values()]
         for indices, joined in groups:
-            flat = joined.cpu().numpy()  # the host read
+            flat: npt.NDArray[np.int64] = joined.cpu().numpy()  # the host read
             offset = 0
             for i in indices:
                 self.values[i] = flat[offset : offset + self._sizes[i]]

@@ -101,7 +101,7 @@ class _KeptLayers(nn.ModuleList):
         for index, layer in items:
             self.add_module(str(index), layer)
 
-    def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
+    def __getitem__(self, idx: int | slice) -> Any:
         values = list(self._modules.values())
         if isinstance(idx, slice):
             return nn.ModuleList(values[idx])
@@ -143,7 +143,7 @@ def _get_path(root: nn.Module, path: str) -> nn.Module | None:
     return module
 
 
-def find_language_model(model: nn.Module) -> tuple[str, nn.Module]:
+def find_language_model(model: nn.Module) -> tuple[str, Any]:
     """``(dotted path, module)`` of the decoder stack inside ``model``.
 
     The first of ``model.language_model`` (transformers 5 VLMs), ``language_model``, ``model.model``
@@ -256,7 +256,7 @@ class StageModule(nn.Module):
 
     # -- helpers -------------------------------------------------------------------------------
     @property
-    def stage_language_model(self) -> nn.Module:
+    def stage_language_model(self) -> Any:
         """This stage's (pruned) language model."""
         module = _get_path(self, self.language_model_path)
         assert module is not None
@@ -320,7 +320,7 @@ class StageModule(nn.Module):
             wire = {spec.name: tensor for spec, tensor in zip(specs, args[2:])}
         hidden = self._decode(hidden, attention_mask, wire)
         if self.is_last:
-            return self._modules[self.head_name](hidden)
+            return self._modules[self.head_name](hidden)  # type: ignore[misc]
         out = [hidden.contiguous(), attention_mask.contiguous()]
         for spec in self.wire_out:
             tensor = wire.get(spec.name)
@@ -400,7 +400,7 @@ def build_stage_modules(
     embed = lm.get_input_embeddings()
     embed_name = _child_name(lm, embed, "input embedding")
     norm_name = "norm" if isinstance(lm._modules.get("norm"), nn.Module) else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
     head_name = _child_name(model, head, "output head (lm_head)")
     path = lm_path.split(".")
 

@@ -551,7 +551,7 @@ def _run_scenario(
             t0 = time.perf_counter()
             if first is not None:
                 target = first.submod if scenario.fault == "bare_module" else first
-                staging = stage_media(target, staged)
+                staging: contextlib.AbstractContextManager[Any] = stage_media(target, staged)
             else:
                 staging = contextlib.nullcontext()
             with staging:

@@ -187,8 +187,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
         input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
         attention_mask[b, : len(ids)] = 1
 
-    grids = [g for sample in IMAGE_GRIDS for g in sample]
-    image_grid_hws = torch.tensor(grids, dtype=torch.int64)
+    image_grid_hws = torch.tensor([g for sample in IMAGE_GRIDS for g in sample], dtype=torch.int64)
     patches = int(image_grid_hws.prod(-1).sum())
     pixel_values = torch.randn((patches, CHANNELS, PATCH_SIZE, PATCH_SIZE), generator=gen)
     return {
