@@ -148,7 +148,7 @@ class Gemma3Adapter(VlmAdapter):
         wire: Mapping[str, Tensor],
     ) -> dict[str, Any]:
         """The model's own masks (causal OR same image block; sliding layers within the window)."""
-        lm = stage.stage_language_model
+        lm: torch.nn.Module = getattr(stage, "stage_language_model")
         return {"attention_mask": self.attention_masks(lm, hidden, attention_mask, wire["token_type_ids"])}
 
     def attention_masks(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -82,8 +83,8 @@ assert _ATTRS[-1] == _TIMING_ATTRIBUTE
 _read_contract = operator.itemgetter(*_ATTRS[:-1])  # a tuple of the seven contract lists
 _MISSING = object()
 _Tensor = torch.Tensor
-_MODULE_GETATTR = torch.nn.Module.__getattr__
-_OBJECT_GETATTRIBUTE = object.__getattribute__
+_MODULE_GETATTR: Any = torch.nn.Module.__getattr__
+_OBJECT_GETATTRIBUTE: Any = object.__getattribute__
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 
 # Reading a name that is not in an ``nn.Module``'s ``__dict__`` with ``getattr(module, name, None)``
@@ -109,7 +110,7 @@ def _names_live_in_instance(cls: type) -> bool:
     return plain
 
 
-def _missing_is_none(module: torch.nn.Module, state: dict) -> bool:
+def _missing_is_none(module: torch.nn.Module, state: dict[str, Any]) -> bool:
     """Whether every staged name absent from ``state`` (the module's ``__dict__``) reads as ``None``."""
     plain = _PLAIN_TYPES.get(type(module))
     if plain is None:
@@ -129,7 +130,7 @@ def _missing_is_none(module: torch.nn.Module, state: dict) -> bool:
     return True
 
 
-def _read_missing(module: torch.nn.Module, state: dict, name: str) -> object:
+def _read_missing(module: torch.nn.Module, state: dict[str, Any], name: str) -> Any:
     """``getattr(module, name, None)`` for one ``name`` that is not in ``state`` (the module's ``__dict__``)."""
     plain = _PLAIN_TYPES.get(type(module))
     if plain is None:
@@ -144,7 +145,7 @@ def _read_missing(module: torch.nn.Module, state: dict, name: str) -> object:
     return getattr(module, name, None)
 
 
-def _read_partial(module: torch.nn.Module, state: dict) -> tuple[object, ...]:
+def _read_partial(module: torch.nn.Module, state: dict[str, Any]) -> tuple[Any, ...]:
     """The staged lists when some are not in ``state``: what ``getattr(module, name, None)`` gives."""
     if _missing_is_none(module, state):
         return tuple(map(state.get, _ATTRS))
@@ -184,7 +185,7 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
     if k is None:
         return None
     try:  # the seven contract lists, one C call: ppmedia's staging, NeMo Automodel's after its first step
-        lists: tuple[object, ...] = _read_contract(state)
+        lists: tuple[Any, ...] = _read_contract(state)
     except KeyError:  # NeMo Automodel's first step sets only the lists of the batch's modalities
         lists = _read_partial(module, state)
     else:  # ppmedia's addition, which no other producer sets

@@ -125,7 +125,7 @@ def build_model(seed: int = 0) -> Gemma3ForConditionalGeneration:
     """
     model = seeded(Gemma3ForConditionalGeneration, build_config(), seed)
     with torch.no_grad():
-        projector = model.model.multi_modal_projector
+        projector: Any = getattr(model.model, "multi_modal_projector")
         projector.mm_input_projection_weight.normal_(0.0, 0.2)
         for name, param in model.named_parameters():
             if "norm" in name and param.dim() == 1 and "vision_tower" not in name:
