@@ -48,6 +48,8 @@ from ..tables import format_table
 
 __all__ = [
     "ALL_SCENARIOS",
+    "BF16_GRAD_RTOL",
+    "BF16_LOSS_TOLERANCE",
     "DEFAULT_SCENARIOS",
     "FAULTS",
     "FamilyReport",
@@ -73,10 +75,17 @@ __all__ = [
 #: shapes, other pixels): nothing raises, the losses and gradients differ from the reference.
 FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch")
 _SHAPES = ("inferred", "static")
+#: bfloat16 parameters vs the float32 reference: the loss may differ by this much (absolute) ...
+BF16_LOSS_TOLERANCE = 5e-2
+#: ... and each gradient by this fraction of the largest reference gradient of its side.
+BF16_GRAD_RTOL = 1e-1
 
 
 class ParityError(RuntimeError):
     """A worker failed; the message carries the worker's traceback."""
+
+
+_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -84,30 +93,55 @@ class Scenario:
     """One pipeline configuration.
 
     Attributes:
-        schedule: ``gpipe``, ``1f1b`` or ``interleaved`` (Interleaved1F1B, 2 stages per rank).
+        schedule: ``gpipe``, ``1f1b``, ``interleaved`` or any torch schedule name, case-insensitive
+            (``ZBVZeroBubble``, ``DualPipeV``, ...: :func:`ppmedia.pipeline.schedule_names`).
         shapes: ``inferred`` (the schedule infers shapes on the first step) or ``static``
             (``input_args``/``output_args`` on every stage).
         fault: ``None``, or one of :data:`FAULTS` to break the run on purpose.
+        dp: data-parallel replicas; the pipeline has ``world_size // dp`` ranks, replica ``r`` takes
+            the samples ``tensor_split(range(B), dp)[r]`` of the global batch and its media.
+        checkpointing: the model's own activation checkpointing (vision blocks and decoder layers),
+            in train mode.
+        dtype: ``float32``, or ``bfloat16`` parameters (compared with the float32 reference).
+        clip: clip gradients to half the reference's global norm (``ppmedia.pipeline.clip_grad_norm``
+            vs ``torch.nn.utils.clip_grad_norm_`` on the reference).
     """
 
     schedule: str
     shapes: str = "inferred"
     fault: str | None = None
+    dp: int = 1
+    checkpointing: bool = False
+    dtype: str = "float32"
+    clip: bool = False
 
     def __post_init__(self) -> None:
-        from ..pipeline import SCHEDULES
+        from ..pipeline import schedule_layout
 
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"scenario schedule: got {self.schedule!r}; expected one of {', '.join(SCHEDULES)}")
+        try:
+            schedule_layout(self.schedule)
+        except ValueError as exc:
+            raise ValueError(f"scenario schedule: {exc}") from None
         if self.shapes not in _SHAPES:
             raise ValueError(f"scenario shapes: got {self.shapes!r}; expected one of {', '.join(_SHAPES)}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"scenario fault: got {self.fault!r}; expected None or one of {', '.join(FAULTS)}")
+        if self.dp < 1:
+            raise ValueError(f"scenario dp: got {self.dp}; expected >= 1")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"scenario dtype: got {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
+
+    @property
+    def options(self) -> list[str]:
+        """The name's option tokens: ``dp2``, ``ckpt``, ``bf16``, ``clip``."""
+        out = [f"dp{self.dp}"] if self.dp != 1 else []
+        out += ["ckpt"] * self.checkpointing + ["bf16"] * (self.dtype == "bfloat16") + ["clip"] * self.clip
+        return out
 
     @property
     def name(self) -> str:
-        """``schedule/shapes`` (plus ``/fault``)."""
-        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []))
+        """``schedule/shapes`` (plus ``/fault`` and option tokens, e.g. ``1f1b/static/dp2/clip``)."""
+        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []) + self.options)
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -119,16 +153,32 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes[/fault]]`` (``"1f1b/static"``) or :class:`Scenario`."""
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip]``
+    (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``) or :class:`Scenario` objects."""
     out = []
     for spec in specs:
         if isinstance(spec, Scenario):
             out.append(spec)
             continue
-        parts = str(spec).replace(":", "/").split("/")
-        if not 1 <= len(parts) <= 3:
-            raise ValueError(f"scenario {spec!r}: expected schedule[/shapes[/fault]]")
-        out.append(Scenario(*parts))
+        schedule, *tokens = str(spec).replace(":", "/").split("/")
+        kwargs: dict[str, Any] = {}
+        for token in tokens:
+            if token in _SHAPES:
+                kwargs["shapes"] = token
+            elif token in FAULTS:
+                kwargs["fault"] = token
+            elif token.startswith("dp") and token[2:].isdigit():
+                kwargs["dp"] = int(token[2:])
+            elif token in ("ckpt", "clip"):
+                kwargs["checkpointing" if token == "ckpt" else "clip"] = True
+            elif token == "bf16":
+                kwargs["dtype"] = "bfloat16"
+            else:
+                raise ValueError(
+                    f"scenario {spec!r}: unknown part {token!r}; expected "
+                    f"schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip]"
+                )
+        out.append(Scenario(schedule, **kwargs))
     return out
 
 
@@ -178,6 +228,16 @@ class StepResult:
         first_stage_calls: forward calls of stage 0 during the step; expected_first_stage_calls: ``n + 1``
             on the first step with inferred shapes, else ``n``.
         chunk_trace: per call of stage 0, the chunk index it consumed (== the microbatch of its rows).
+        grad_norm_pipeline / grad_norm_reference: with ``clip``: the global gradient norm before
+            clipping (``ppmedia.pipeline.clip_grad_norm`` / ``torch.nn.utils.clip_grad_norm_``).
+        layer_calls / expected_layer_calls: calls of the decoder layers' first child module during the
+            step, all ranks and replicas together: ``layers x n x dp`` (plus one forward per layer for
+            shape inference), twice ``n`` with activation checkpointing (the backward recomputes each
+            layer's forward). vision_layer_calls: the same for the vision tower's blocks (not checked:
+            text-only microbatches skip the tower).
+        media_rows: per replica, per chunk its first stage consumed: ``[dp_rank, chunk, field, start,
+            stop]``, the rows of the GLOBAL batch's media tensor the staged view covers (checked
+            in the worker against the replica's own samples).
     """
 
     step: int
@@ -194,6 +254,12 @@ class StepResult:
     first_stage_calls: int
     expected_first_stage_calls: int
     chunk_trace: list[int] = field(default_factory=list)
+    grad_norm_pipeline: float | None = None
+    grad_norm_reference: float | None = None
+    layer_calls: int = -1
+    expected_layer_calls: int = -1
+    vision_layer_calls: int = -1
+    media_rows: list[list[Any]] = field(default_factory=list)
 
     @property
     def loss_diff(self) -> float:
@@ -216,10 +282,17 @@ class ScenarioResult:
     layers_per_stage: list[int]
     steps: list[StepResult]
     missing_params: list[str] = field(default_factory=list)
+    dp: int = 1
+    checkpointing: bool = False
+    dtype: str = "float32"
+    clip: bool = False
+    stage_indices: list[list[int]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
-        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []))
+        options = [f"dp{self.dp}"] if self.dp != 1 else []
+        options += ["ckpt"] * self.checkpointing + ["bf16"] * (self.dtype == "bfloat16") + ["clip"] * self.clip
+        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []) + options)
 
     @property
     def max_loss_diff(self) -> float:
@@ -234,15 +307,31 @@ class ScenarioResult:
         return max((s.grad_diff_lm for s in self.steps), default=float("nan"))
 
     def passed(self, tolerance: float = 1e-5) -> bool:
-        """Every loss and gradient within ``tolerance``, every parameter compared, call counts right."""
+        """Every loss and gradient within ``tolerance`` (bfloat16: :data:`BF16_LOSS_TOLERANCE` and
+        :data:`BF16_GRAD_RTOL` of the largest reference gradient), every parameter compared, call
+        counts right."""
         if not self.steps or self.missing_params:
             return False
-        return all(
-            s.loss_diff <= tolerance
-            and s.grad_diff_vision <= tolerance
-            and s.grad_diff_lm <= tolerance
+        return all(self._step_ok(s, tolerance) for s in self.steps)
+
+    def _step_ok(self, s: StepResult, tolerance: float) -> bool:
+        if self.dtype == "bfloat16":
+            loss_tol = BF16_LOSS_TOLERANCE
+            vision_tol = BF16_GRAD_RTOL * s.reference_grad_max_vision
+            lm_tol = BF16_GRAD_RTOL * s.reference_grad_max_lm
+        else:
+            loss_tol = vision_tol = lm_tol = tolerance
+        norm_rtol = BF16_GRAD_RTOL if self.dtype == "bfloat16" else 1e-5
+        norms_ok = s.grad_norm_pipeline is None or s.grad_norm_reference is None or (
+            abs(s.grad_norm_pipeline - s.grad_norm_reference) <= norm_rtol * s.grad_norm_reference
+        )
+        return (
+            s.loss_diff <= loss_tol
+            and s.grad_diff_vision <= vision_tol
+            and s.grad_diff_lm <= lm_tol
             and s.first_stage_calls == s.expected_first_stage_calls
-            for s in self.steps
+            and s.layer_calls == s.expected_layer_calls
+            and norms_ok
         )
 
 
@@ -420,155 +509,323 @@ def _microbatch_of(ids: torch.Tensor, input_ids: torch.Tensor, samples: Sequence
     return -1
 
 
-def _run_scenario(
-    family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any
-) -> dict[str, Any]:
-    from ..chunk import CURSOR_ATTRIBUTE
-    from ..pipeline import (
-        SCHEDULES,
-        build_schedule,
-        count_valid_tokens,
-        default_layer_split,
-        find_language_model,
-        make_labels,
-        make_pipeline_stages,
-        stage_indices_for_rank,
-        sync_tied_gradients,
-        tied_parameters,
-    )
-    from ..registry import get_adapter
-    from ..stage import stage_media
+@dataclass
+class _Groups:
+    """This rank's place in the ``dp x pp`` layout (rank = dp_rank * pp + pp_rank)."""
 
+    pp: int
+    dp: int
+    pp_rank: int
+    dp_rank: int
+    pp_group: Any
+    dp_group: Any
+
+
+_GROUP_CACHE: dict[tuple[int, int], _Groups] = {}
+
+
+def _groups(world: int, rank: int, dp: int) -> _Groups:
+    """The pipeline and data-parallel groups of a ``dp x (world // dp)`` layout (created once per layout;
+    ``new_group`` is collective, so every rank creates every group in the same order)."""
     import torch.distributed as dist
 
-    n = job.n_microbatches
-    adapter = get_adapter(pristine)
-    config = pristine.config
-    tied = tied_parameters(pristine)
-    per_rank = SCHEDULES[scenario.schedule]
-    n_stages = world * per_rank
+    if (world, dp) in _GROUP_CACHE:
+        return _GROUP_CACHE[(world, dp)]
+    pp = world // dp
+    if dp == 1:
+        groups = _Groups(pp, 1, rank, 0, None, None)
+    else:
+        pp_groups = [dist.new_group([d * pp + p for p in range(pp)]) for d in range(dp)]
+        dp_groups = [dist.new_group([d * pp + p for d in range(dp)]) for p in range(pp)]
+        groups = _Groups(pp, dp, rank % pp, rank // pp, pp_groups[rank // pp], dp_groups[rank % pp])
+    _GROUP_CACHE[(world, dp)] = groups
+    return groups
+
+
+@dataclass
+class _Built:
+    """One rank's pipeline for one scenario, and its single-process reference."""
+
+    stages: list[Any]
+    modules: list[Any]
+    schedule: Any
+    first: Any
+    tied: list[Any]
+    owned: dict[str, tuple[torch.nn.Parameter, bool]]
+    optimizer: Any
+    reference: torch.nn.Module
+    ref_optimizer: Any
+    n_stages: int
+    layers_per_stage: list[int]
+    indices: list[int]
+
+
+def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module, tiny_module: Any) -> _Built:
+    from ..pipeline import (
+        build_schedule,
+        default_layer_split,
+        find_language_model,
+        make_pipeline_stages,
+        schedule_layout,
+        tied_parameters,
+    )
+
+    layout = schedule_layout(scenario.schedule)
+    n_stages = layout.n_stages(g.pp)
     _, lm = find_language_model(pristine)
     layers_per_stage = default_layer_split(len(lm.layers), n_stages)
-    indices = stage_indices_for_rank(rank, world, per_rank)
-
+    indices = layout.stage_indices(g.pp_rank, g.pp)
     model = copy.deepcopy(pristine)
-    reference = copy.deepcopy(pristine)
-    first_batch = tiny_module.build_batch(job.seed)
-    B, S = first_batch["input_ids"].shape
-    static = (B // n, S) if scenario.shapes == "static" else None
-    stages = make_pipeline_stages(model, n_stages, indices, "cpu", layers_per_stage=layers_per_stage, static_microbatch=static)
+    if scenario.dtype == "bfloat16":
+        model.to(torch.bfloat16)
+    if scenario.checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        model.train()
+    tied = tied_parameters(model)
+    B, S = tiny_module.build_batch(job.seed)["input_ids"].shape
+    static = (B // g.dp // job.n_microbatches, S) if scenario.shapes == "static" else None
+    stages = make_pipeline_stages(
+        model, n_stages, indices, "cpu", group=g.pp_group, layers_per_stage=layers_per_stage, static_microbatch=static
+    )
     del model  # this rank keeps only its stages' modules
     modules = [st.submod for st in stages]
-    schedule = build_schedule(scenario.schedule, stages, n)
-
+    schedule = build_schedule(scenario.schedule, stages, job.n_microbatches)
     owned: dict[str, tuple[torch.nn.Parameter, bool]] = {}
     for module in modules:
         for name, param in module.named_parameters(remove_duplicate=False):
             owned[name] = (param, module.is_language_parameter(name))
     unique = list({id(p): p for p, _ in owned.values()}.values())
-    optimizer = torch.optim.SGD(unique, lr=job.lr)
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=job.lr)
+    reference = copy.deepcopy(pristine)
+    return _Built(
+        stages, modules, schedule, next((st for st in stages if st.is_first), None), tied, owned,
+        torch.optim.SGD(unique, lr=job.lr), reference, torch.optim.SGD(reference.parameters(), lr=job.lr),
+        n_stages, layers_per_stage, indices,
+    )
 
-    first = next((st for st in stages if st.is_first), None)
-    trace: list[tuple[int | None, int]] = []
-    current: dict[str, Any] = {}
-    handle = None
-    if first is not None:
+
+class _Probe:
+    """Hooks that watch one step: which chunk each first-stage forward takes (and which rows of the
+    global batch's media it covers), and how often the decoder and vision layers run."""
+
+    def __init__(self, built: _Built) -> None:
+        from ..chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES
+
+        self.trace: list[tuple[int | None, int]] = []
+        self.views: list[tuple[int, str, torch.Tensor]] = []
+        self.layer_calls = 0
+        self.vision_calls = 0
+        self.layers = 0
+        self.current: dict[str, Any] = {}
+        self.handles: list[Any] = []
+
         def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             cursor = module.__dict__.get(CURSOR_ATTRIBUTE)
-            trace.append((cursor, _microbatch_of(args[0], current["input_ids"], current["samples"])))
+            self.trace.append((cursor, _microbatch_of(args[0], self.current["input_ids"], self.current["samples"])))
+            for name, attribute in STAGED_ATTRIBUTES.items():
+                staged = module.__dict__.get(attribute)
+                if cursor is not None and staged is not None and cursor < len(staged) and staged[cursor].numel():
+                    self.views.append((cursor, name, staged[cursor]))
 
-        handle = first.submod.register_forward_pre_hook(record)
+        def count(attr: str) -> Any:
+            def hook(*_: Any) -> None:
+                setattr(self, attr, getattr(self, attr) + 1)
 
+            return hook
+
+        if built.first is not None:
+            self.handles.append(built.first.submod.register_forward_pre_hook(record))
+        for module in built.modules:
+            decoder = list(module.stage_language_model.layers)
+            self.layers += len(decoder)
+            ids = {id(layer) for layer in decoder}
+            for sub in module.modules():
+                if hasattr(sub, "gradient_checkpointing") and isinstance(sub, torch.nn.Module):
+                    child = next(iter(sub.children()), None)
+                    if child is not None:
+                        attr = "layer_calls" if id(sub) in ids else "vision_calls"
+                        self.handles.append(child.register_forward_pre_hook(count(attr)))
+
+    def reset(self, input_ids: torch.Tensor, samples: Any) -> None:
+        self.current.update(input_ids=input_ids, samples=samples)
+        self.trace.clear()
+        self.views.clear()
+        self.layer_calls = self.vision_calls = 0
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _media_rows(probe: _Probe, media_batch: dict[str, Any], global_split: Any, g: _Groups, n: int, where: str) -> list[list[Any]]:
+    """Locate every consumed media view in the GLOBAL batch's tensor and check that it covers exactly
+    the rows of this replica's microbatch (so no replica's media ever reach another)."""
+    rows = []
+    for chunk, name, view in probe.views:
+        whole = media_batch[global_split.sources[name]]
+        if view.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
+            raise AssertionError(f"{where}: staged {name} of chunk {chunk} is not a view of the batch's tensor")
+        stride = whole.stride(0) if whole.dim() else 1
+        start = (view.storage_offset() - whole.storage_offset()) // max(stride, 1)
+        expected = global_split.ranges[name][g.dp_rank * n + chunk]
+        if (start, start + view.shape[0]) != tuple(expected):
+            raise AssertionError(
+                f"{where}: replica {g.dp_rank} chunk {chunk} staged {name} rows {start}:{start + view.shape[0]} "
+                f"of the global batch; its own samples' rows are {expected[0]}:{expected[1]}"
+            )
+        rows.append([g.dp_rank, chunk, name, int(start), int(start + view.shape[0])])
+    return rows
+
+
+def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[str, Any], media_local: dict[str, Any],
+                   num_valid: int, probe: _Probe, adapter: Any, config: Any, n: int) -> tuple[list[torch.Tensor], float, Any]:
+    """One schedule step on this replica's share, then the tied, data-parallel and clipping steps."""
+    from ..pipeline import all_reduce_gradients, make_labels, sync_tied_gradients
+    from ..stage import stage_media
+
+    import torch.distributed as dist
+
+    ids, mask = local["input_ids"], local["attention_mask"]
+    labels = make_labels(ids, config, adapter, attention_mask=mask)
+    staged = _split(adapter, config, dict(media_local), n)
+    probe.reset(ids, staged.samples)
+    built.optimizer.zero_grad(set_to_none=True)
+    losses: list[torch.Tensor] = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    if built.first is not None:
+        staging = stage_media(built.first.submod if scenario.fault == "bare_module" else built.first, staged)
+    else:
+        staging = contextlib.nullcontext()
+    with staging:
+        built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
+    sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
+    if g.dp > 1:
+        all_reduce_gradients(built.modules, group=g.dp_group)
+    return losses, time.perf_counter() - t0, staged
+
+
+def _reference_step(built: _Built, tiny_module: Any, batch: dict[str, Any], targets: torch.Tensor) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    built.ref_optimizer.zero_grad(set_to_none=True)
+    inputs = dict(tiny_module.reference_inputs(batch))
+    inputs.setdefault("use_cache", False)
+    out = built.reference(**inputs, labels=targets)
+    out.loss.backward()
+    return out, time.perf_counter() - t0
+
+
+def _clip_both(built: _Built, g: _Groups) -> tuple[float, float]:
+    """Clip the reference to half its global norm with torch, the pipeline to the same with ppmedia."""
+    from ..pipeline import clip_grad_norm
+
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(built.reference.parameters(), float("inf")))
+    max_norm = 0.5 * ref_norm
+    torch.nn.utils.clip_grad_norm_(built.reference.parameters(), max_norm)
+    norm = clip_grad_norm(built.modules, max_norm, tied=built.tied, group=g.pp_group)
+    return float(norm), ref_norm
+
+
+def _compare(built: _Built) -> tuple[dict[bool, float], dict[bool, float], dict[bool, int]]:
+    """Max |grad diff|, max |reference grad| and parameter counts, per side (True: language model)."""
+    ref_params = dict(built.reference.named_parameters(remove_duplicate=False))
+    diffs = {True: 0.0, False: 0.0}
+    scale = {True: 0.0, False: 0.0}
+    counts = {True: 0, False: 0}
+    for name, (param, is_lm) in built.owned.items():
+        ref_grad = ref_params[name].grad
+        grad = None if param.grad is None else param.grad.float()
+        diffs[is_lm] = max(diffs[is_lm], _max_abs_diff(grad, ref_grad))
+        scale[is_lm] = max(scale[is_lm], _max_abs_diff(ref_grad, None))
+        counts[is_lm] += 1
+    return diffs, scale, counts
+
+
+def _check_calls(probe: _Probe, built: _Built, scenario: Scenario, step: int, n: int, where: str) -> tuple[int, int]:
+    """Stage 0 ran once per microbatch (plus the shape-inference forward) on its own chunk; returns
+    the decoder layers' calls and the expected number."""
+    inference = scenario.shapes == "inferred" and step == 0
+    expected_calls = n + inference
+    if built.first is not None:
+        if len(probe.trace) != expected_calls:
+            raise AssertionError(f"{where}: stage 0's forward ran {len(probe.trace)} times; expected {expected_calls}")
+        for cursor, microbatch in probe.trace:
+            if cursor != microbatch or microbatch < 0:
+                raise AssertionError(
+                    f"{where}: stage 0 consumed chunk {cursor} for the rows of microbatch {microbatch} (trace {probe.trace})"
+                )
+    expected_layers = probe.layers * (n * (2 if scenario.checkpointing else 1) + inference)
+    return expected_calls, expected_layers
+
+
+def _run_scenario(
+    family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any
+) -> dict[str, Any]:
+    from ..pipeline import count_valid_tokens, make_labels, shard_batch
+    from ..registry import get_adapter
+
+    n = job.n_microbatches
+    adapter, config = get_adapter(pristine), pristine.config
+    g = _groups(world, rank, scenario.dp)
+    built = _build(scenario, job, g, pristine, tiny_module)
+    probe = _Probe(built)
     step_results = []
     try:
         for step in range(job.steps):
+            where = f"{family} {scenario.name} step {step}"
             batch = tiny_module.build_batch(job.seed + step)
             ids, mask = batch["input_ids"], batch["attention_mask"]
-            labels = make_labels(ids, config, adapter, attention_mask=mask)
-            targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
-            num_valid = count_valid_tokens(labels)
+            num_valid = count_valid_tokens(make_labels(ids, config, adapter, attention_mask=mask))
             media_batch = tiny_module.build_batch(job.seed + 1000 + step) if scenario.fault == "wrong_batch" else batch
-            staged = _split(adapter, config, dict(media_batch), n)
-            current.update(input_ids=ids, samples=staged.samples)
-            trace.clear()
-
-            optimizer.zero_grad(set_to_none=True)
-            losses: list[torch.Tensor] = []
-            dist.barrier()
-            t0 = time.perf_counter()
-            if first is not None:
-                target = first.submod if scenario.fault == "bare_module" else first
-                staging = stage_media(target, staged)
-            else:
-                staging = contextlib.nullcontext()
-            with staging:
-                schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
-            sync_tied_gradients(modules, tied)
-            wall_pipeline = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            ref_optimizer.zero_grad(set_to_none=True)
-            inputs = dict(tiny_module.reference_inputs(batch))
-            inputs.setdefault("use_cache", False)
-            out = reference(**inputs, labels=targets)
-            out.loss.backward()
-            wall_reference = time.perf_counter() - t0
-
-            diffs = {True: 0.0, False: 0.0}
-            scale = {True: 0.0, False: 0.0}
-            counts = {True: 0, False: 0}
-            for name, (param, is_lm) in owned.items():
-                ref_grad = ref_params[name].grad
-                diffs[is_lm] = max(diffs[is_lm], _max_abs_diff(param.grad, ref_grad))
-                scale[is_lm] = max(scale[is_lm], _max_abs_diff(ref_grad, None))
-                counts[is_lm] += 1
-
-            expected_calls = n + 1 if scenario.shapes == "inferred" and step == 0 else n
-            if first is not None:
-                calls = len(trace)
-                if calls != expected_calls:
-                    raise AssertionError(
-                        f"{family} {scenario.name} step {step}: stage 0's forward ran {calls} times; "
-                        f"expected {expected_calls}"
-                    )
-                for cursor, microbatch in trace:
-                    if cursor != microbatch or microbatch < 0:
-                        raise AssertionError(
-                            f"{family} {scenario.name} step {step}: stage 0 consumed chunk {cursor} for the rows "
-                            f"of microbatch {microbatch} (trace {trace})"
-                        )
+            images, videos = adapter.media_per_sample(ids, config)
+            local, media_local = (
+                (shard_batch(b, g.dp_rank, g.dp, images_per_sample=images, videos_per_sample=videos) for b in (batch, media_batch))
+                if g.dp > 1 else (dict(batch), dict(media_batch))
+            )
+            losses, wall_pipeline, _ = _pipeline_step(built, scenario, g, local, media_local, num_valid, probe, adapter, config, n)
+            targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
+            out, wall_reference = _reference_step(built, tiny_module, batch, targets)
+            norms = _clip_both(built, g) if scenario.clip else (None, None)
+            diffs, scale, counts = _compare(built)
+            expected_calls, expected_layers = _check_calls(probe, built, scenario, step, n, where)
+            global_split = _split(adapter, config, dict(media_batch), g.dp * n)
             step_results.append(
                 {
                     "step": step,
-                    "loss_pipeline": float(sum(l.detach() for l in losses)) if losses else None,
+                    "loss_pipeline": float(sum(l.detach().float() for l in losses)) if losses else None,
                     "loss_reference": float(out.loss.detach()),
                     "grad_diff_vision": diffs[False],
                     "grad_diff_lm": diffs[True],
-                    "params_compared": len(owned),
+                    "params_compared": len(built.owned),
                     "vision_params_compared": counts[False],
                     "reference_grad_max_vision": scale[False],
                     "reference_grad_max_lm": scale[True],
                     "wall_pipeline_s": wall_pipeline,
                     "wall_reference_s": wall_reference,
-                    "first_stage_calls": len(trace) if first is not None else None,
+                    "first_stage_calls": len(probe.trace) if built.first is not None else None,
                     "expected_first_stage_calls": expected_calls,
-                    "chunk_trace": [c for c, _ in trace] if first is not None else None,
+                    "chunk_trace": [c for c, _ in probe.trace] if built.first is not None else None,
+                    "grad_norm_pipeline": norms[0],
+                    "grad_norm_reference": norms[1],
+                    "layer_calls": probe.layer_calls,
+                    "expected_layer_calls": expected_layers,
+                    "vision_layer_calls": probe.vision_calls,
+                    "media_rows": _media_rows(probe, media_batch, global_split, g, n, where),
                 }
             )
-            optimizer.step()
-            ref_optimizer.step()
+            built.optimizer.step()
+            built.ref_optimizer.step()
     finally:
-        if handle is not None:
-            handle.remove()
+        probe.remove()
     return {
         "family": family,
         "scenario": asdict(scenario),
-        "n_stages": n_stages,
-        "layers_per_stage": layers_per_stage,
-        "owned": sorted(owned),
-        "all_params": sorted(ref_params),
+        "n_stages": built.n_stages,
+        "layers_per_stage": built.layers_per_stage,
+        "stage_indices": built.indices,
+        "dp_rank": g.dp_rank,
+        "owned": sorted(built.owned),
+        "all_params": sorted(dict(built.reference.named_parameters(remove_duplicate=False))),
         "steps": step_results,
     }
 
@@ -596,50 +853,62 @@ def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]
     }
 
 
+def _merge_step(k: int, rows: list[dict[str, Any]]) -> StepResult:
+    losses = [r["loss_pipeline"] for r in rows if r["loss_pipeline"] is not None]
+    calls = next((r for r in rows if r["first_stage_calls"] is not None), rows[0])
+    return StepResult(
+        step=k,
+        loss_pipeline=sum(losses) if losses else float("nan"),  # one last stage per replica
+        loss_reference=rows[0]["loss_reference"],
+        grad_diff_vision=max(r["grad_diff_vision"] for r in rows),
+        grad_diff_lm=max(r["grad_diff_lm"] for r in rows),
+        params_compared=sum(r["params_compared"] for r in rows),
+        vision_params_compared=sum(r["vision_params_compared"] for r in rows),
+        reference_grad_max_vision=max(r["reference_grad_max_vision"] for r in rows),
+        reference_grad_max_lm=max(r["reference_grad_max_lm"] for r in rows),
+        wall_pipeline_s=max(r["wall_pipeline_s"] for r in rows),
+        wall_reference_s=max(r["wall_reference_s"] for r in rows),
+        first_stage_calls=calls["first_stage_calls"] if calls["first_stage_calls"] is not None else -1,
+        expected_first_stage_calls=calls["expected_first_stage_calls"],
+        chunk_trace=list(calls["chunk_trace"] or []),
+        grad_norm_pipeline=rows[0]["grad_norm_pipeline"],
+        grad_norm_reference=rows[0]["grad_norm_reference"],
+        layer_calls=sum(r["layer_calls"] for r in rows),
+        expected_layer_calls=sum(r["expected_layer_calls"] for r in rows),
+        vision_layer_calls=sum(r["vision_layer_calls"] for r in rows),
+        media_rows=[row for r in rows for row in r["media_rows"]],
+    )
+
+
+def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
+    s0 = views[0]
+    owned = set().union(*(v["owned"] for v in views))
+    steps = [_merge_step(k, [v["steps"][k] for v in views]) for k in range(len(s0["steps"]))]
+    sc = s0["scenario"]
+    return ScenarioResult(
+        family=family,
+        schedule=sc["schedule"],
+        shapes=sc["shapes"],
+        fault=sc["fault"],
+        n_stages=s0["n_stages"],
+        layers_per_stage=list(s0["layers_per_stage"]),
+        steps=steps,
+        missing_params=sorted(set(s0["all_params"]) - owned),
+        dp=sc["dp"],
+        checkpointing=sc["checkpointing"],
+        dtype=sc["dtype"],
+        clip=sc["clip"],
+        stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0],
+    )
+
+
 def _merge(per_rank: list[list[dict[str, Any]]], world: int, tolerance: float, launcher: str, wall: float) -> ParityReport:
     families = []
     for f_index, base in enumerate(per_rank[0]):
-        scenarios = []
-        for s_index, s0 in enumerate(base["scenarios"]):
-            views = [per_rank[r][f_index]["scenarios"][s_index] for r in range(world)]
-            owned = set().union(*(v["owned"] for v in views))
-            missing = sorted(set(s0["all_params"]) - owned)
-            steps = []
-            for k in range(len(s0["steps"])):
-                rows = [v["steps"][k] for v in views]
-                loss = next((r["loss_pipeline"] for r in rows if r["loss_pipeline"] is not None), float("nan"))
-                calls = next((r for r in rows if r["first_stage_calls"] is not None), rows[0])
-                steps.append(
-                    StepResult(
-                        step=k,
-                        loss_pipeline=loss,
-                        loss_reference=rows[0]["loss_reference"],
-                        grad_diff_vision=max(r["grad_diff_vision"] for r in rows),
-                        grad_diff_lm=max(r["grad_diff_lm"] for r in rows),
-                        params_compared=sum(r["params_compared"] for r in rows),
-                        vision_params_compared=sum(r["vision_params_compared"] for r in rows),
-                        reference_grad_max_vision=max(r["reference_grad_max_vision"] for r in rows),
-                        reference_grad_max_lm=max(r["reference_grad_max_lm"] for r in rows),
-                        wall_pipeline_s=max(r["wall_pipeline_s"] for r in rows),
-                        wall_reference_s=max(r["wall_reference_s"] for r in rows),
-                        first_stage_calls=calls["first_stage_calls"] if calls["first_stage_calls"] is not None else -1,
-                        expected_first_stage_calls=calls["expected_first_stage_calls"],
-                        chunk_trace=list(calls["chunk_trace"] or []),
-                    )
-                )
-            sc = s0["scenario"]
-            scenarios.append(
-                ScenarioResult(
-                    family=base["family"],
-                    schedule=sc["schedule"],
-                    shapes=sc["shapes"],
-                    fault=sc["fault"],
-                    n_stages=s0["n_stages"],
-                    layers_per_stage=list(s0["layers_per_stage"]),
-                    steps=steps,
-                    missing_params=missing,
-                )
-            )
+        scenarios = [
+            _merge_scenario(base["family"], [per_rank[r][f_index]["scenarios"][s_index] for r in range(world)])
+            for s_index in range(len(base["scenarios"]))
+        ]
         families.append(
             FamilyReport(
                 family=base["family"],
@@ -759,10 +1028,13 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             f"schedules need equal microbatches: use 1, 2, 4 or 8"
         )
     for sc in scenarios:
-        if sc.schedule == "interleaved" and n_microbatches % world_size:
+        if world_size % sc.dp:
+            raise ValueError(f"{sc.name}: dp {sc.dp} does not divide the {world_size} processes")
+        rows = batch_size // sc.dp if batch_size % sc.dp == 0 else 0
+        if rows == 0 or rows % n_microbatches:
             raise ValueError(
-                f"{sc.name}: Interleaved1F1B needs n_microbatches ({n_microbatches}) to be a multiple of the "
-                f"{world_size} ranks"
+                f"{sc.name}: {sc.dp} replicas of the {batch_size}-sample batch cannot each run {n_microbatches} "
+                f"equal microbatches"
             )
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")
