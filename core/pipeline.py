@@ -311,7 +311,9 @@ class StageModule(nn.Module):
         out = [hidden.contiguous(), attention_mask.contiguous()]
         if self.carries_position_ids:
             assert positions is not None
-            out.append(positions.transpose(0, 1).contiguous())
+            # a copy, never a view of the input: split-backward schedules (ZBV, DualPipeV) detach_()
+            # every stage output in place, which a view refuses
+            out.append(positions.transpose(0, 1).clone(memory_format=torch.contiguous_format))
         return tuple(out)
 
     def _embed_and_merge(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor | None]:
