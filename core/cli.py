@@ -141,8 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job: tiny seeded VLMs through a real 2-process pipeline, parity-checked")
     demo.add_argument("--family", default="all", choices=("all", *FAMILIES), help="model family (default: all)")
     demo.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
-    demo.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"), help="pipeline schedule")
+    from .demo import positive_int, schedule_argument, schedule_choices
+
+    demo.add_argument(
+        "--schedule", default="1f1b", type=schedule_argument, choices=schedule_choices(), metavar="SCHEDULE",
+        help=f"pipeline schedule, case-insensitive: {', '.join(schedule_choices())} (default 1f1b)",
+    )
     demo.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
+    demo.add_argument("--pp", type=positive_int, default=2, help="pipeline ranks (default 2)")
+    demo.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas of the pipeline (default 1)")
     demo.set_defaults(func=cmd_demo)
 
     adapters = sub.add_parser("adapters", help="list registered adapters (plugins included)")

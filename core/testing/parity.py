@@ -76,9 +76,9 @@ __all__ = [
 FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch")
 _SHAPES = ("inferred", "static")
 #: bfloat16 parameters vs the float32 reference: the loss may differ by this much (absolute) ...
-BF16_LOSS_TOLERANCE = 5e-2
+BF16_LOSS_TOLERANCE = 2e-3
 #: ... and each gradient by this fraction of the largest reference gradient of its side.
-BF16_GRAD_RTOL = 1e-1
+BF16_GRAD_RTOL = 3e-2
 
 
 class ParityError(RuntimeError):
@@ -198,6 +198,7 @@ class MicrobatchInfo:
     video_rows: int
     crop_rows: int
     placeholder_tokens: int
+    replica: int = 0
 
     @property
     def patch_rows(self) -> int:
@@ -399,9 +400,9 @@ class ParityReport:
             )
             lines.append(
                 _table(
-                    ("mb", "samples", "images", "videos", "patch rows", "placeholders", ""),
+                    ("replica", "mb", "samples", "images", "videos", "patch rows", "placeholders", ""),
                     [
-                        (m.index, m.samples, m.images, m.videos, m.patch_rows, m.placeholder_tokens,
+                        (m.replica, m.index, m.samples, m.images, m.videos, m.patch_rows, m.placeholder_tokens,
                          "text-only" if m.text_only else "")
                         for m in f.microbatches
                     ],
@@ -443,9 +444,11 @@ def _split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> Any:
     return split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
 
 
-def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> list[MicrobatchInfo]:
+def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int, dp: int = 1) -> list[MicrobatchInfo]:
+    """Per microbatch (per replica with ``dp > 1``: replica ``r``'s microbatch ``k`` holds the global
+    batch's ``tensor_split(range(B), dp * n)[r * n + k]`` samples when the shares are even)."""
     ids = batch["input_ids"]
-    staged = _split(adapter, config, dict(batch), n)
+    staged = _split(adapter, config, dict(batch), n * dp)
     placeholders = torch.zeros(ids.shape[0], dtype=torch.int64)
     for mask in adapter.placeholder_masks(ids, config).values():
         placeholders += mask.sum(dim=1)
@@ -453,7 +456,8 @@ def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int) 
     for k, (a, b) in enumerate(staged.samples):
         infos.append(
             MicrobatchInfo(
-                index=k,
+                index=k % n,
+                replica=k // n,
                 samples=b - a,
                 images=staged.images[k],
                 videos=staged.videos[k],
@@ -850,7 +854,8 @@ def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]
     batch = module.build_batch(job.seed)
     from ..registry import get_adapter
 
-    infos = _microbatch_infos(get_adapter(pristine), pristine.config, dict(batch), job.n_microbatches)
+    dp = max((spec.get("dp", 1) for spec in job.scenarios), default=1)
+    infos = _microbatch_infos(get_adapter(pristine), pristine.config, dict(batch), job.n_microbatches, dp)
     results = [
         _run_scenario(family, Scenario(**spec), job, rank, world, pristine, module) for spec in job.scenarios
     ]
