@@ -349,8 +349,8 @@ class FamilyReport:
     scenarios: list[ScenarioResult]
 
     def scenario(self, name: str) -> ScenarioResult:
-        for result in self.scenarios:
-            if result.name == name:
+        for result in self.scenarios:  # schedule names are case-insensitive
+            if result.name.lower() == name.lower():
                 return result
         raise KeyError(f"{self.family}: no scenario {name!r}; ran {[r.name for r in self.scenarios]}")
 
@@ -644,7 +644,7 @@ class _Probe:
             self.layers += len(decoder)
             ids = {id(layer) for layer in decoder}
             for sub in module.modules():
-                if hasattr(sub, "gradient_checkpointing") and isinstance(sub, torch.nn.Module):
+                if isinstance(sub, _checkpoint_layer_class()):
                     child = next(iter(sub.children()), None)
                     if child is not None:
                         attr = "layer_calls" if id(sub) in ids else "vision_calls"
@@ -659,6 +659,13 @@ class _Probe:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def _checkpoint_layer_class() -> type:
+    """transformers' checkpointable layer class (decoder layers and vision blocks)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return GradientCheckpointingLayer
 
 
 def _media_rows(probe: _Probe, media_batch: dict[str, Any], global_split: Any, g: _Groups, n: int, where: str) -> list[list[Any]]:
