@@ -1105,7 +1105,9 @@ def run_parity(
 
     if launched_by_torchrun():
         try:
-            return run_worker(int(os.environ["RANK"]), world_size, "env://", job, tolerance, launcher="torchrun")
+            nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))  # torchrun's agents (nodes)
+            launcher = f"torchrun, {nodes} nodes" if nodes > 1 else "torchrun"
+            return run_worker(int(os.environ["RANK"]), world_size, "env://", job, tolerance, launcher=launcher)
         except Exception as exc:
             raise ParityError(f"parity worker failed on rank {os.environ['RANK']}: {_root_cause(exc)}") from exc
 
