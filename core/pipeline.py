@@ -353,6 +353,44 @@ def _overrides_position_ids(adapter: VlmAdapter) -> bool:
     return type(adapter).position_ids is not VlmAdapter.position_ids
 
 
+def _stage_tree(
+    model: nn.Module,
+    lm: nn.Module,
+    lm_path: str,
+    layer_range: tuple[int, int],
+    *,
+    first: bool,
+    last: bool,
+    embed_name: str,
+    norm_name: str | None,
+) -> nn.Module:
+    """The stage's copy of ``model``'s first child on the way to the language model (``model.model``).
+
+    The language model keeps its layers in ``layer_range``, its embedding (first stage), norm (last
+    stage) and rotary embedding (always); the modules between the root and the language model keep
+    everything else (the vision side) only on the first stage.
+    """
+    start, stop = layer_range
+    num_layers = len(lm.layers)
+    lm_shell = _shallow(lm, keep_members=True)
+    lm_shell._modules["layers"] = _KeptLayers({i: lm.layers[i] for i in range(start, stop)})
+    if not first:
+        del lm_shell._modules[embed_name]
+    if norm_name is not None and not last:
+        lm_shell._modules[norm_name] = nn.Identity()
+    lm_shell.__dict__["config"] = _stage_language_config(lm.config, range(start, stop), num_layers)
+
+    path = lm_path.split(".")
+    node: nn.Module = lm_shell
+    for depth in range(len(path) - 1, 0, -1):
+        parent = _get_path(model, ".".join(path[:depth]))
+        assert parent is not None
+        shell = _shallow(parent, keep_members=first)
+        shell._modules[path[depth]] = node
+        node = shell
+    return node
+
+
 def build_stage_modules(
     model: nn.Module,
     n_stages: int,
@@ -386,8 +424,7 @@ def build_stage_modules(
         if not 0 <= s < n_stages:
             raise ValueError(f"stages: {s} out of range for {n_stages} stages")
 
-    embed = lm.get_input_embeddings()
-    embed_name = _child_name(lm, embed, "input embedding")
+    embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
     norm_name = "norm" if isinstance(lm._modules.get("norm"), nn.Module) else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = _child_name(model, head, "output head (lm_head)")
@@ -398,25 +435,8 @@ def build_stage_modules(
     for s in wanted:
         first, last = s == 0, s == n_stages - 1
         start, stop = ranges[s]
-        # the language model: its layers, embedding (first), norm (last), rotary embedding (always)
-        lm_shell = _shallow(lm, keep_members=True)
-        lm_shell._modules["layers"] = _KeptLayers({i: lm.layers[i] for i in range(start, stop)})
-        if not first:
-            del lm_shell._modules[embed_name]
-        if norm_name is not None and not last:
-            lm_shell._modules[norm_name] = nn.Identity()
-        lm_shell.__dict__["config"] = _stage_language_config(lm.config, range(start, stop), num_layers)
-
-        # the modules between the root and the language model: everything else (vision) only on
-        # the first stage
-        node: nn.Module = lm_shell
-        for depth in range(len(path) - 1, 0, -1):
-            parent = _get_path(model, ".".join(path[:depth]))
-            assert parent is not None
-            shell = _shallow(parent, keep_members=first)
-            shell._modules[path[depth]] = node
-            node = shell
-
+        node = _stage_tree(model, lm, lm_path, (start, stop), first=first, last=last, embed_name=embed_name,
+                           norm_name=norm_name)
         children: dict[str, nn.Module] = {}
         parameters: dict[str, nn.Parameter] = {}
         for name, child in model._modules.items():
