@@ -751,6 +751,13 @@ def build_schedule(
     schedule = layout.schedule_class(
         target, n_microbatches, loss_fn=loss_fn, scale_grads=False, **schedule_kwargs
     )
+    mapping = getattr(schedule, "stage_index_to_group_rank", None) or {}
+    wrong = [i for i in got if i in mapping and mapping[i] != pp_rank]
+    if wrong:  # the class placed them elsewhere than schedule_layout predicted
+        raise ValueError(
+            f"schedule {layout.name}: the schedule puts stages {wrong} on other ranks "
+            f"({mapping}); rank {pp_rank} built them"
+        )
     _check_first_stage_order(schedule, layout.name)
     return schedule
 
