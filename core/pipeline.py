@@ -908,6 +908,10 @@ def sync_tied_gradients(
 # data parallel: batch shards, gradient reduction, global-norm clipping
 
 
+#: media keys with one entry per SAMPLE (dim 0 = batch), sliced with the samples by :func:`shard_batch`.
+_PER_SAMPLE_MEDIA_KEYS = frozenset({"num_patches"})
+
+
 def shard_batch(
     batch: Mapping[str, Any],
     dp_rank: int,
@@ -953,7 +957,8 @@ def shard_batch(
     for key, value in counts.items():
         out[key] = value[a:b]
     for field_name, key in staged.sources.items():
-        out[key] = staged.chunks[field_name][dp_rank]
+        # per-sample media metadata (Step3's num_patches [B]) follows the samples, not the media rows
+        out[key] = batch[key][a:b] if key in _PER_SAMPLE_MEDIA_KEYS else staged.chunks[field_name][dp_rank]
     return out
 
 

@@ -200,3 +200,41 @@ def test_schedules_that_cannot_run_refuse_with_a_reason():
     )  # stand-in: a schedule whose first stage would run microbatch 2 before 1
     with pytest.raises(ValueError, match=r"forwards in microbatch order \[0, 2, 1\].*wrong microbatch"):
         _check_first_stage_order(order, "Custom")
+
+
+# ----------------------------------------------------------------------------------------------
+# shard_batch (no processes)
+
+
+@pytest.mark.parametrize("family", ("qwen2_5_vl", "llava_next", "step3", "kimi_vl"))
+def test_shard_batch_gives_each_replica_its_samples_and_only_their_media(family):
+    import torch
+
+    import ppmedia
+    import ppmedia.testing.tiny_models as tiny
+    from ppmedia.pipeline import shard_batch
+
+    module = tiny.load(family)
+    config = module.build_config()
+    adapter = ppmedia.get_adapter(config)
+    batch = module.build_batch(0)
+    images, videos = adapter.media_per_sample(batch["input_ids"], config)
+    whole = ppmedia.split_media(dict(batch), 4, images_per_sample=images, videos_per_sample=videos)
+    for replica in range(4):  # 4 replicas of 2 samples; replica 2 holds the text-only samples 4, 5
+        local = shard_batch(batch, replica, 4, images_per_sample=images, videos_per_sample=videos)
+        assert torch.equal(local["input_ids"], batch["input_ids"][2 * replica : 2 * replica + 2])
+        local_images, local_videos = adapter.media_per_sample(local["input_ids"], config)
+        staged = ppmedia.split_media(dict(local), 1, images_per_sample=local_images, videos_per_sample=local_videos)
+        expected, got = whole.chunk(replica), staged.chunk(0)
+        assert (expected is None) == (got is None) == (replica == 2)
+        if got is not None:
+            for name in ("pixel_values", "image_grid", "pixel_values_videos", "patch_pixel_values", "num_patches"):
+                a, b = getattr(expected, name), getattr(got, name)
+                assert (a is None and b is None) or torch.equal(a, b), name
+            # a view of the global batch's tensor, not a copy
+            assert got.pixel_values.untyped_storage().data_ptr() == batch["pixel_values"].untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="dp_rank 2; expected 0 <= dp_rank < dp_size"):
+        shard_batch(batch, 2, 2, images_per_sample=images, videos_per_sample=videos)
+    bad = dict(batch, extra=torch.zeros(3, 5))
+    with pytest.raises(ValueError, match=r"extra has shape \[3, 5\]; expected \[8, \.\.\.\]"):
+        shard_batch(bad, 0, 2, images_per_sample=images, videos_per_sample=videos)
