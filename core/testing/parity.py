@@ -5,11 +5,17 @@ launched under ``torchrun``, runs the worker in the current process with environ
 Each worker builds the same tiny seeded model (``ppmedia.tiny``), its own pipeline stages
 (:mod:`ppmedia.pipeline`) and runs every requested :class:`Scenario` for ``steps`` training steps::
 
-    staged = split_media(batch, n, images_per_sample=..., videos_per_sample=...)
+    local = shard_batch(batch, dp_rank, dp, ...)            # dp > 1: this replica's samples and media
+    staged = split_media(local, n, images_per_sample=..., videos_per_sample=...)
     with stage_media(first_stage, staged):
         schedule.step(input_ids, attention_mask, target=labels, losses=losses,
-                      loss_kwargs={"num_valid_tokens": N})
-    sync_tied_gradients(...); compare with the reference; SGD step (pipeline and reference)
+                      loss_kwargs={"num_valid_tokens": N})      # N: the GLOBAL batch's valid tokens
+    sync_tied_gradients(..., pp_group); all_reduce_gradients(..., dp_group)   # dp > 1
+    [clip_grad_norm]; compare with the reference; SGD step (pipeline and reference)
+
+A scenario (:class:`Scenario`) picks the schedule (any torch ships), inferred or static shapes, the
+``dp x pp`` layout (``pp = world_size // dp``; rank ``= dp_rank * pp + pp_rank``), the model's own
+activation checkpointing, bfloat16 parameters and global-norm clipping.
 
 The reference is computed in the same worker, single-process, on the full batch, by the model's OWN
 forward (``model(**reference_inputs(batch), labels=...)``, transformers' own loss: the mean token
@@ -20,7 +26,10 @@ the first stage, language model everywhere) with the reference's; the last stage
 The worker also checks, on the first stage, that its forward ran ``n + 1`` times on the first step of
 a scenario with inferred shapes (the schedule's shape-inference forward) and ``n`` times otherwise, and
 that every call consumed the media chunk of the microbatch whose rows it got (a mismatch in counts
-would already raise in ``adapter.merge``). A failed check raises in the worker, which fails the run.
+would already raise in ``adapter.merge``), and that every media view it consumed covers exactly the
+rows of its replica's microbatch in the GLOBAL batch's tensors. It counts the calls of the decoder
+layers (twice per microbatch with activation checkpointing). A failed check raises in the worker,
+which fails the run.
 
 Results come back as a :class:`ParityReport` (per family: a per-microbatch table and, per scenario and
 step, both losses, the max gradient differences split into vision and language model, wall times).
@@ -1139,7 +1148,7 @@ def run_parity(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ppmedia.testing.parity [FAMILY ...] [--scenario S ...] [--steps N] [--microbatches N]``.
+    """``python -m ppmedia.testing.parity [FAMILY ...] [--scenario S ...] [--steps N] [--microbatches N] [--world-size N]``.
 
     Works as a plain command (spawns the workers) and under ``torchrun --nproc-per-node 2``.
     Prints the report (rank 0 only under torchrun); exit status 0 when every scenario passed.
@@ -1150,10 +1159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m ppmedia.testing.parity", description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
-    parser.add_argument("--scenario", action="append", help="schedule[/shapes] (repeatable; default: gpipe and 1f1b, both shapes)")
+    parser.add_argument(
+        "--scenario", action="append",
+        help="schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
+    )
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     args = parser.parse_args(argv)
     report = run_parity(
         args.families,
@@ -1161,6 +1175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=args.steps,
         n_microbatches=args.microbatches,
         seed=args.seed,
+        world_size=args.world_size,
     )
     if not launched_by_torchrun() or os.environ.get("RANK") == "0":
         print(report.format())
