@@ -735,7 +735,7 @@ def build_schedule(
     """
     if not stages:
         raise ValueError("build_schedule: got no stages; expected this rank's PipelineStage objects")
-    layout = schedule_layout(name, len(stages) if len(stages) > 1 else None)
+    layout = schedule_layout(name, len(stages))
     pp_rank, pp_size = stages[0].group_rank, stages[0].group_size
     got = [int(st.stage_index) for st in stages]
     want = layout.stage_indices(pp_rank, pp_size)
