@@ -27,6 +27,12 @@ Parameter names are the full model's (``model.language_model.layers.3.mlp.up_pro
 that on whichever stage holds layer 3), so gradients compare one to one with the full model.
 The modules share parameters with ``model``; drop your reference to ``model`` to free the rest.
 
+Around the stages: :func:`schedule_layout` / :func:`build_schedule` take any schedule torch ships by
+name (torch's ``get_schedule_class``) and place the stages as it wants (looped or V-shaped);
+:func:`shard_batch`, :func:`all_reduce_gradients` and :func:`clip_grad_norm` add data parallelism
+(``pp x dp``: each replica a full pipeline on its share of the batch, gradients summed over replicas)
+and global-norm clipping; :func:`sync_tied_gradients` sums a tied embedding's two copies.
+
 The decoder layers run through the language model's own ``forward`` (called with
 ``inputs_embeds=``), so its masks and rotary embeddings are the model's own. That forward indexes
 ``config.layer_types`` by the position of a layer in ``self.layers``; each stage's language model
