@@ -238,3 +238,30 @@ def test_shard_batch_gives_each_replica_its_samples_and_only_their_media(family)
     bad = dict(batch, extra=torch.zeros(3, 5))
     with pytest.raises(ValueError, match=r"extra has shape \[3, 5\]; expected \[8, \.\.\.\]"):
         shard_batch(bad, 0, 2, images_per_sample=images, videos_per_sample=videos)
+
+
+def test_demo_takes_pp_dp_and_any_torch_schedule_name(monkeypatch, capsys):
+    """The demo's flags reach the harness: --pp x --dp processes, torch's schedule names in any case.
+    (run_parity is replaced by a recorder here: the real 4-process run is the pp2 x dp2 test above.)"""
+    from ppmedia import cli, demo
+    from ppmedia.testing import parity
+
+    args = cli.build_parser().parse_args(["demo", "--family", "qwen2_5_vl", "--pp", "2", "--dp", "2",
+                                          "--schedule", "zbvzerobubble", "--steps", "1"])
+    assert args.schedule == "ZBVZeroBubble" and (args.pp, args.dp) == (2, 2)
+    calls = []
+
+    class _Report:  # what demo.run reads from a report
+        ok = True
+
+        def format(self):
+            return "report"
+
+    monkeypatch.setattr(parity, "run_parity", lambda *a, **k: calls.append((a, k)) or _Report())
+    assert demo.run(args) == 0
+    (positional, kwargs), = calls
+    assert positional == ("qwen2_5_vl", ["ZBVZeroBubble/inferred/dp2", "ZBVZeroBubble/static/dp2"])
+    assert kwargs["world_size"] == 4 and kwargs["steps"] == 1
+    assert "pp=2 x dp=2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["demo", "--dp", "0"])

@@ -988,6 +988,7 @@ def run_worker(
         dist.all_gather_object(gathered, mine)
         return _merge(gathered, dist.get_world_size(), tolerance, launcher, time.perf_counter() - start)
     finally:
+        _GROUP_CACHE.clear()  # the groups die with the process group (torchrun runs one per family)
         gc.collect()
         dist.destroy_process_group()
 
