@@ -971,26 +971,35 @@ def run_worker(
 
     ``job`` holds ``families``, ``scenarios`` (dicts of :class:`Scenario` fields), ``steps``,
     ``n_microbatches``, ``seed`` and ``lr``. ``init_method`` is ``tcp://127.0.0.1:PORT`` or ``env://``.
+
+    With ``env://`` (torchrun) the process group is created on the first call and kept for later
+    calls in the same process (``ppmedia demo`` runs one family per call): re-creating it would
+    meet the previous incarnation's keys in torchrun's agent store, which breaks the ``dp``/``pp``
+    sub-groups. The launcher's process ends with :func:`exit_worker`. A spawned worker destroys its
+    group before returning.
     """
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     spec = _Job(**job)
     start = time.perf_counter()
-    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=60)}
-    if init_method == "env://":
-        dist.init_process_group("gloo", init_method="env://", **kwargs)
-    else:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, **kwargs)
+    keep = init_method == "env://"
+    if not (keep and dist.is_initialized()):
+        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=60)}
+        if keep:
+            dist.init_process_group("gloo", init_method="env://", **kwargs)
+        else:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, **kwargs)
     try:
         mine = [_run_family(family, spec, dist.get_rank(), dist.get_world_size()) for family in spec.families]
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return _merge(gathered, dist.get_world_size(), tolerance, launcher, time.perf_counter() - start)
     finally:
-        _GROUP_CACHE.clear()  # the groups die with the process group (torchrun runs one per family)
         gc.collect()
-        dist.destroy_process_group()
+        if not keep:
+            _GROUP_CACHE.clear()  # the sub-groups die with the process group
+            dist.destroy_process_group()
 
 
 def _spawn_entry(rank: int, world_size: int, init_method: str, job: dict[str, Any], tolerance: float, out_dir: str) -> None:
