@@ -140,7 +140,7 @@ def load(ctx: dict[str, Any], folder: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # CPU processes sharing cores: one intra-op thread each
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
         if dist.get_world_size() != args.pp * args.dp:
