@@ -27,7 +27,6 @@ __all__ = [
     "COMMANDS",
     "CliError",
     "Command",
-    "SCHEDULES",
     "UsageError",
     "build_parser",
     "cli_terms",
@@ -38,8 +37,6 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------- demo
-#: ``ppmedia demo --schedule`` choices.
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 #: samples in every tiny batch the demo runs (see ppmedia.testing.parity).
 _DEMO_BATCH_SIZE = 8
 
@@ -49,17 +46,31 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--family", default="all", choices=("all", *FAMILIES), help="model family (default: all)")
     parser.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per step (default 4)")
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    from .demo import schedule_argument, schedule_choices
+
+    choices = schedule_choices()
+    parser.add_argument(
+        "--schedule", default="1f1b", type=schedule_argument, choices=choices, metavar="SCHEDULE",
+        help=f"pipeline schedule, case-insensitive: {', '.join(choices)} (default 1f1b)",
+    )
     parser.add_argument("--steps", type=positive_int, default=2, help="training steps (default 2)")
+    parser.add_argument("--pp", type=positive_int, default=2, help="pipeline ranks (default 2)")
+    parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas of the pipeline (default 1)")
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    if _DEMO_BATCH_SIZE % args.microbatches:
-        divisors = [d for d in range(1, _DEMO_BATCH_SIZE + 1) if _DEMO_BATCH_SIZE % d == 0]
+    if _DEMO_BATCH_SIZE % args.dp:
         raise UsageError(
-            f"argument --microbatches: got {args.microbatches}; the demo's tiny batches have {_DEMO_BATCH_SIZE} "
-            f"samples and the schedules need equal microbatches: use {', '.join(map(str, divisors[:-1]))} or "
-            f"{divisors[-1]}"
+            f"argument --dp: got {args.dp}; the demo's tiny batches have {_DEMO_BATCH_SIZE} samples, shared "
+            f"equally by the replicas: use 1, 2, 4 or 8"
+        )
+    per_replica = _DEMO_BATCH_SIZE // args.dp
+    if per_replica % args.microbatches:
+        divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
+        raise UsageError(
+            f"argument --microbatches: got {args.microbatches}; the demo's tiny batches have {per_replica} "
+            f"samples{' per replica' if args.dp > 1 else ''} and the schedules need equal microbatches: use "
+            + (f"{', '.join(map(str, divisors[:-1]))} or {divisors[-1]}" if len(divisors) > 1 else "1")
         )
     from . import demo
     from .testing import parity

@@ -1,9 +1,11 @@
 """``ppmedia demo``: the main job on the built-in tiny seeded models.
 
 For each family: the tiny model and its 8-sample mixed batch (``ppmedia.tiny``, the models behind
-``fixtures/``), a real 2-process pipeline (gloo on 127.0.0.1, or the ``torchrun`` launcher's
-processes) running the chosen schedule with shapes inferred on the first step and with static shapes,
-and the single-process full-batch run of the same model as the reference.
+``fixtures/``), a real ``pp x dp`` process layout (default 2 x 1; gloo on 127.0.0.1, or the
+``torchrun`` launcher's processes) running the chosen schedule (any torch ships) with shapes inferred
+on the first step and with static shapes, and the single-process full-batch run of the same model as
+the reference. With ``dp > 1`` each replica runs the pipeline on its share of the batch (its samples'
+media only) and the gradients are summed across replicas.
 """
 
 from __future__ import annotations
@@ -24,22 +26,53 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
+def schedule_choices() -> list[str]:
+    """What ``--schedule`` accepts: ppmedia's short names, then every schedule torch ships."""
+    from .pipeline import SCHEDULE_ALIASES, schedule_names
+
+    short = set(SCHEDULE_ALIASES)
+    return [*SCHEDULE_ALIASES, *(name for name in schedule_names() if name.lower() not in short)]
+
+
+def schedule_argument(value: str) -> str:
+    """``--schedule``'s type: the canonical spelling of a name given in any case (``zbvzerobubble``)."""
+    for name in schedule_choices():
+        if name.lower() == value.lower():
+            return name
+    return value  # argparse then reports it with the list of choices
+
+
+def _layout(args: argparse.Namespace) -> tuple[int, int, str]:
+    """``(pp, dp, where)``: under torchrun the launcher's world is ``pp x dp`` (``--dp`` given)."""
+    dp = getattr(args, "dp", 1)
+    if parity.launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world % dp:
+            raise ValueError(f"--dp {dp} does not divide the {world} processes torchrun started")
+        return world // dp, dp, f"torchrun, {world} processes"
+    pp = getattr(args, "pp", 2)
+    return pp, dp, f"{pp * dp} processes, gloo on 127.0.0.1"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns 0 when every family matched its reference within 1e-5."""
     families = list(tiny.FAMILIES) if args.family == "all" else [args.family]
-    scenarios = [f"{args.schedule}/inferred", f"{args.schedule}/static"]
-    torchrun = parity.launched_by_torchrun()
-    where = f"torchrun, {os.environ.get('WORLD_SIZE')} processes" if torchrun else "2 processes, gloo on 127.0.0.1"
+    pp, dp, where = _layout(args)
+    suffix = f"/dp{dp}" if dp > 1 else ""
+    scenarios = [f"{args.schedule}/inferred{suffix}", f"{args.schedule}/static{suffix}"]
     _say(
-        f"ppmedia demo: {len(families)} tiny VLM(s), {args.microbatches} microbatches, schedule {args.schedule} "
-        f"(shapes inferred on the first step, then static input/output args), {args.steps} steps, {where}"
+        f"ppmedia demo: {len(families)} tiny VLM(s), {args.microbatches} microbatches per replica, schedule "
+        f"{args.schedule}, pp={pp} x dp={dp} (shapes inferred on the first step, then static input/output "
+        f"args), {args.steps} steps, {where}"
     )
     failed = []
     started = time.perf_counter()
     for i, family in enumerate(families, 1):
         _say(f"[{i}/{len(families)}] {family}: building stages and spawning the pipeline ...")
         t0 = time.perf_counter()
-        report = parity.run_parity(family, scenarios, steps=args.steps, n_microbatches=args.microbatches)
+        report = parity.run_parity(
+            family, scenarios, steps=args.steps, n_microbatches=args.microbatches, world_size=pp * dp
+        )
         _say(report.format())
         _say(f"[{i}/{len(families)}] {family}: {'parity ok' if report.ok else 'PARITY FAILED'} in {time.perf_counter() - t0:.1f} s\n")
         if not report.ok:
@@ -53,4 +86,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run(argparse.Namespace(family="all", microbatches=4, schedule="1f1b", steps=2)))
+    sys.exit(run(argparse.Namespace(family="all", microbatches=4, schedule="1f1b", steps=2, pp=2, dp=1)))

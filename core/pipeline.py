@@ -35,6 +35,12 @@ Parameter names are the full model's (``model.language_model.layers.3.mlp.up_pro
 that on whichever stage holds layer 3), so gradients compare one to one with the full model.
 The modules share parameters with ``model``; drop your reference to ``model`` to free the rest.
 
+Around the stages: :func:`schedule_layout` / :func:`build_schedule` take any schedule torch ships by
+name (torch's ``get_schedule_class``) and place the stages as it wants (looped or V-shaped);
+:func:`shard_batch`, :func:`all_reduce_gradients` and :func:`clip_grad_norm` add data parallelism
+(``pp x dp``: each replica a full pipeline on its share of the batch, gradients summed over replicas)
+and global-norm clipping; :func:`sync_tied_gradients` sums a tied embedding's two copies.
+
 The decoder layers run through the language model's own ``forward`` (called with
 ``inputs_embeds=``), so its masks and rotary embeddings are the model's own. That forward indexes
 ``config.layer_types`` by the position of a layer in ``self.layers``; each stage's language model
@@ -57,16 +63,23 @@ from .chunk import next_vlm_media_chunk
 __all__ = [
     "IGNORE_INDEX",
     "SCHEDULES",
+    "SCHEDULE_ALIASES",
+    "ScheduleLayout",
     "StageModule",
     "TiedParameters",
+    "all_reduce_gradients",
     "build_schedule",
     "build_stage_modules",
+    "clip_grad_norm",
     "count_valid_tokens",
     "default_layer_split",
     "find_language_model",
     "make_labels",
     "make_pipeline_stages",
     "pipeline_loss",
+    "schedule_layout",
+    "schedule_names",
+    "shard_batch",
     "stage_indices_for_rank",
     "static_stage_args",
     "sync_tied_gradients",
@@ -76,7 +89,8 @@ __all__ = [
 #: label value ignored by the loss (padding, media placeholders, the last position).
 IGNORE_INDEX = -100
 
-#: schedule names :func:`build_schedule` knows, with the number of stages each rank holds.
+#: ppmedia's short schedule names with the number of stages each rank holds (every schedule torch
+#: ships works too, by its own name: :func:`schedule_names`, :func:`schedule_layout`).
 SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
 #: where the language model sits inside a ``...ForConditionalGeneration`` model, tried in order.
@@ -118,9 +132,17 @@ def _shallow(module: nn.Module, *, keep_members: bool) -> nn.Module:
 
     The registries (children, parameters, buffers) are new dicts, so entries can be replaced or
     removed without touching ``module``. With ``keep_members=False`` they start empty.
+
+    Every hook dict (forward/backward pre/post hooks, their ``with_kwargs`` and ``always_call``
+    flags, state-dict and load-state-dict hooks) is a new dict too: the hooks ``module`` had are
+    carried over, but a hook registered later on the copy (FSDP, activation checkpointing, a user's
+    probe) fires on the copy only, and one registered on ``module`` never reaches the copy.
     """
     new = copy.copy(module)  # shallow: a new __dict__ whose values are module's own
     state = new.__dict__
+    for name, value in module.__dict__.items():
+        if "hook" in name and isinstance(value, (dict, set)):
+            state[name] = copy.copy(value)  # keeps OrderedDict / set type and current entries
     if keep_members:
         state["_modules"] = dict(module._modules)
         state["_parameters"] = dict(module._parameters)
@@ -334,7 +356,9 @@ class StageModule(nn.Module):
                 # e.g. a text-only microbatch's zero deepstack features: keep a gradient slot, so the
                 # schedule's metadata (taken from whichever microbatch comes first) fits every microbatch
                 tensor = tensor.detach().requires_grad_()
-            out.append(tensor.contiguous())
+            # a copy, never the input or a view of it: split-backward schedules (ZBV, DualPipeV)
+            # detach_() every stage output in place, which a view refuses
+            out.append(tensor.clone(memory_format=torch.contiguous_format))
         return tuple(out)
 
     def _embed_and_merge(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -362,6 +386,44 @@ class StageModule(nn.Module):
         kwargs.update(self.adapter.decoder_kwargs(self, range(*self.layer_range), hidden, attention_mask, wire))
         out = self.stage_language_model(inputs_embeds=hidden, use_cache=False, **kwargs)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _stage_tree(
+    model: nn.Module,
+    lm: nn.Module,
+    lm_path: str,
+    layer_range: tuple[int, int],
+    *,
+    first: bool,
+    last: bool,
+    embed_name: str,
+    norm_name: str | None,
+) -> nn.Module:
+    """The stage's copy of ``model``'s first child on the way to the language model (``model.model``).
+
+    The language model keeps its layers in ``layer_range``, its embedding (first stage), norm (last
+    stage) and rotary embedding (always); the modules between the root and the language model keep
+    everything else (the vision side) only on the first stage.
+    """
+    start, stop = layer_range
+    num_layers = len(lm.layers)
+    lm_shell = _shallow(lm, keep_members=True)
+    lm_shell._modules["layers"] = _KeptLayers({i: lm.layers[i] for i in range(start, stop)})
+    if not first:
+        del lm_shell._modules[embed_name]
+    if norm_name is not None and not last:
+        lm_shell._modules[norm_name] = nn.Identity()
+    lm_shell.__dict__["config"] = _stage_language_config(lm.config, range(start, stop), num_layers)
+
+    path = lm_path.split(".")
+    node: nn.Module = lm_shell
+    for depth in range(len(path) - 1, 0, -1):
+        parent = _get_path(model, ".".join(path[:depth]))
+        assert parent is not None
+        shell = _shallow(parent, keep_members=first)
+        shell._modules[path[depth]] = node
+        node = shell
+    return node
 
 
 def build_stage_modules(
@@ -397,8 +459,7 @@ def build_stage_modules(
         if not 0 <= s < n_stages:
             raise ValueError(f"stages: {s} out of range for {n_stages} stages")
 
-    embed = lm.get_input_embeddings()
-    embed_name = _child_name(lm, embed, "input embedding")
+    embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
     norm_name = "norm" if isinstance(lm._modules.get("norm"), nn.Module) else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
     head_name = _child_name(model, head, "output head (lm_head)")
@@ -408,25 +469,8 @@ def build_stage_modules(
     for s in wanted:
         first, last = s == 0, s == n_stages - 1
         start, stop = ranges[s]
-        # the language model: its layers, embedding (first), norm (last), rotary embedding (always)
-        lm_shell = _shallow(lm, keep_members=True)
-        lm_shell._modules["layers"] = _KeptLayers({i: lm.layers[i] for i in range(start, stop)})
-        if not first:
-            del lm_shell._modules[embed_name]
-        if norm_name is not None and not last:
-            lm_shell._modules[norm_name] = nn.Identity()
-        lm_shell.__dict__["config"] = _stage_language_config(lm.config, range(start, stop), num_layers)
-
-        # the modules between the root and the language model: everything else (vision) only on
-        # the first stage
-        node: nn.Module = lm_shell
-        for depth in range(len(path) - 1, 0, -1):
-            parent = _get_path(model, ".".join(path[:depth]))
-            assert parent is not None
-            shell = _shallow(parent, keep_members=first)
-            shell._modules[path[depth]] = node
-            node = shell
-
+        node = _stage_tree(model, lm, lm_path, (start, stop), first=first, last=last, embed_name=embed_name,
+                           norm_name=norm_name)
         children: dict[str, nn.Module] = {}
         parameters: dict[str, nn.Parameter] = {}
         for name, child in model._modules.items():
@@ -474,13 +518,24 @@ def _wire_shape(spec: WireTensor, b: int, S: int, H: int) -> list[int]:
 # PipelineStage construction
 
 
-def stage_indices_for_rank(rank: int, world_size: int, stages_per_rank: int = 1) -> list[int]:
-    """The stages a rank holds in a looped layout: ``rank, rank + world_size, ...``.
+def stage_indices_for_rank(rank: int, world_size: int, stages_per_rank: int = 1, style: str = "loop") -> list[int]:
+    """The stages a rank holds, in increasing order.
 
-    This is the layout ``torch.distributed.pipelining``'s multi-stage schedules (Interleaved1F1B)
-    expect: stage ``i`` lives on rank ``i % world_size``.
+    ``style="loop"``: stage ``i`` lives on rank ``i % world_size`` (``rank, rank + world_size, ...``),
+    the layout of GPipe, 1F1B, Interleaved1F1B, LoopedBFS and InterleavedZeroBubble. ``style="v"``:
+    the stages go down the ranks and come back (2 ranks, 4 stages: rank 0 holds 0 and 3, rank 1 holds
+    1 and 2), the layout of ZBVZeroBubble and DualPipeV, whose first and last stage share rank 0.
+    The mapping is torch's own (``torch.distributed.pipelining._utils.generate_stage_to_rank_mapping``).
     """
-    return [rank + k * world_size for k in range(stages_per_rank)]
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    if not 0 <= rank < world_size or stages_per_rank < 1:
+        raise ValueError(
+            f"stage_indices_for_rank: got rank {rank}, world_size {world_size}, stages_per_rank "
+            f"{stages_per_rank}; expected 0 <= rank < world_size and stages_per_rank >= 1"
+        )
+    mapping = generate_stage_to_rank_mapping(world_size, world_size * stages_per_rank, style=style)
+    return sorted(stage for stage, owner in mapping.items() if owner == rank)
 
 
 def _text_dims(config: Any) -> tuple[int, int]:
@@ -581,28 +636,181 @@ def make_pipeline_stages(
     return stages
 
 
+#: ppmedia's short schedule names and the torch schedule each stands for.
+SCHEDULE_ALIASES: dict[str, str] = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+
+#: schedules that torch builds with a V-shaped stage placement (``generate_stage_to_rank_mapping(...,
+#: style="v")`` in their ``__init__``); torch exposes the style on no class attribute.
+_V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+@dataclass(frozen=True)
+class ScheduleLayout:
+    """How a torch schedule places stages on the ranks of a pipeline group.
+
+    Attributes:
+        name: torch's name of the schedule (``"ZBVZeroBubble"``), as
+            ``torch.distributed.pipelining.schedules.get_schedule_class`` takes it.
+        schedule_class: the class.
+        stages_per_rank: 1 for single-stage schedules (GPipe, 1F1B), else the requested number
+            (default 2; V-shaped schedules need exactly 2).
+        style: ``"loop"`` or ``"v"`` (see :func:`stage_indices_for_rank`).
+    """
+
+    name: str
+    schedule_class: type
+    stages_per_rank: int
+    style: str
+
+    @property
+    def multi_stage(self) -> bool:
+        """Whether the class takes a list of stages (``PipelineScheduleMulti``) rather than one."""
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+        return not issubclass(self.schedule_class, PipelineScheduleSingle)
+
+    def n_stages(self, pp_size: int) -> int:
+        """The pipeline length on ``pp_size`` ranks."""
+        return pp_size * self.stages_per_rank
+
+    def stage_indices(self, pp_rank: int, pp_size: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` builds, in increasing order."""
+        return stage_indices_for_rank(pp_rank, pp_size, self.stages_per_rank, self.style)
+
+
+def schedule_names() -> list[str]:
+    """Every schedule torch ships that :func:`build_schedule` can run (torch's names, e.g. ``GPipe``,
+    ``ZBVZeroBubble``): the ``Schedule*`` classes of ``torch.distributed.pipelining.schedules`` that
+    its ``get_schedule_class`` knows by name. The abstract bases (``PipelineScheduleSingle``,
+    ``PipelineScheduleMulti``) are not schedules and are left out."""
+    from torch.distributed.pipelining import schedules
+
+    names = []
+    for attr in sorted(vars(schedules)):
+        if not attr.startswith("Schedule") or not isinstance(getattr(schedules, attr), type):
+            continue
+        try:
+            if schedules.get_schedule_class(attr[len("Schedule"):]) is getattr(schedules, attr):
+                names.append(attr[len("Schedule"):])
+        except ValueError:
+            continue
+    return names
+
+
+def schedule_layout(name: str, stages_per_rank: int | None = None) -> ScheduleLayout:
+    """Resolve a schedule name (ppmedia's short ones or any of torch's, case-insensitive).
+
+    The class comes from torch's own registry (``get_schedule_class``), not a table here.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones); an abstract base class;
+            ``stages_per_rank`` other than 1 for a single-stage schedule or other than 2 for a V-shaped one.
+    """
+    from torch.distributed.pipelining import schedules
+
+    torch_name = SCHEDULE_ALIASES.get(name.lower(), name)
+    try:
+        cls = schedules.get_schedule_class(torch_name)
+    except ValueError:
+        known = ", ".join([*SCHEDULE_ALIASES, *schedule_names()])
+        raise ValueError(f"schedule: got {name!r}; expected one of {known} (case-insensitive)") from None
+    if cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        raise ValueError(
+            f"schedule {name!r}: {cls.__name__} is torch's abstract base class, not a schedule (it has no "
+            f"order of forwards and backwards to run); pick one of {', '.join(schedule_names())}"
+        )
+    single = issubclass(cls, schedules.PipelineScheduleSingle)
+    style = "v" if cls.__name__ in _V_SHAPED else "loop"
+    default = 1 if single else 2
+    per_rank = default if stages_per_rank is None else int(stages_per_rank)
+    if (single or style == "v") and per_rank != default:
+        what = "a single-stage schedule" if single else "a V-shaped schedule"
+        raise ValueError(f"schedule {cls.__name__}: stages_per_rank {per_rank}; {what} needs exactly {default}")
+    if per_rank < 1:
+        raise ValueError(f"schedule {cls.__name__}: stages_per_rank {per_rank}; expected >= 1")
+    return ScheduleLayout(cls.__name__[len("Schedule"):], cls, per_rank, style)
+
+
+def _check_first_stage_order(schedule: Any, name: str) -> None:
+    """Refuse a schedule whose first stage does not run its forwards in microbatch order.
+
+    The first stage takes its media by cursor (one chunk per forward, in call order), so microbatch
+    ``k``'s forward must be the ``k``-th forward of stage 0. Checked on the schedule's own action
+    list (runtime schedules: ``pipeline_order``); single-stage schedules run forwards in order."""
+    order = getattr(schedule, "pipeline_order", None)
+    if not order:
+        return
+    seen: list[int] = []
+
+    def visit(action: Any) -> None:
+        if action is None:
+            return
+        for sub in getattr(action, "sub_actions", None) or ():
+            visit(sub)
+        kind = getattr(getattr(action, "computation_type", None), "value", None)
+        if getattr(action, "stage_index", None) == 0 and kind == "F":
+            seen.append(action.microbatch_index)
+
+    for rank_actions in order.values():
+        for action in rank_actions:
+            visit(action)
+    if seen != sorted(seen) or len(set(seen)) != len(seen):
+        raise ValueError(
+            f"schedule {name}: the first stage runs its forwards in microbatch order {seen}; staged media "
+            f"are handed out by a cursor in call order, so they would reach the wrong microbatch"
+        )
+
+
 def build_schedule(
     name: str,
     stages: Sequence[Any],
     n_microbatches: int,
     loss_fn: Callable[..., Tensor] | None = None,
+    **schedule_kwargs: Any,
 ) -> Any:
-    """A ``torch.distributed.pipelining`` schedule by name: ``gpipe``, ``1f1b`` or ``interleaved``.
+    """A ``torch.distributed.pipelining`` schedule by name.
+
+    ``name`` is one of ppmedia's short names (``gpipe``, ``1f1b``, ``interleaved``) or any schedule
+    torch ships, case-insensitively (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``,
+    ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``: :func:`schedule_names`). ``stages``
+    are this rank's ``PipelineStage`` objects, built for the indices of :func:`schedule_layout`
+    (``layout.stage_indices(pp_rank, pp_size)``). Extra keyword arguments go to the schedule class.
 
     Gradients are not scaled by the number of microbatches (``scale_grads=False``):
     :func:`pipeline_loss` already divides by the valid tokens of the whole batch.
-    """
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    Raises:
+        ValueError: unknown or abstract schedule; stages that do not match the schedule's placement;
+            a schedule whose first stage would run microbatches out of order (the media cursor
+            would hand them the wrong media); torch's own checks (e.g. too few microbatches).
+    """
+    if not stages:
+        raise ValueError("build_schedule: got no stages; expected this rank's PipelineStage objects")
+    layout = schedule_layout(name, len(stages))
+    pp_rank, pp_size = stages[0].group_rank, stages[0].group_size
+    got = [int(st.stage_index) for st in stages]
+    want = layout.stage_indices(pp_rank, pp_size)
+    if got != want or stages[0].num_stages != layout.n_stages(pp_size):
+        raise ValueError(
+            f"schedule {layout.name}: pipeline rank {pp_rank} of {pp_size} holds stages {got} of "
+            f"{stages[0].num_stages}; this schedule places stages {want} of {layout.n_stages(pp_size)} on it "
+            f"({layout.style} layout, {layout.stages_per_rank} per rank): build them with "
+            f"schedule_layout({name!r}).stage_indices(pp_rank, pp_size)"
+        )
     loss_fn = pipeline_loss if loss_fn is None else loss_fn
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule: got {name!r}; expected one of {', '.join(SCHEDULES)}")
-    if len(stages) != SCHEDULES[name]:
-        raise ValueError(f"schedule {name}: got {len(stages)} stages on this rank; expected {SCHEDULES[name]}")
-    if name == "interleaved":
-        return ScheduleInterleaved1F1B(list(stages), n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
-    return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    target = list(stages) if layout.multi_stage else stages[0]
+    schedule = layout.schedule_class(
+        target, n_microbatches, loss_fn=loss_fn, scale_grads=False, **schedule_kwargs
+    )
+    mapping = getattr(schedule, "stage_index_to_group_rank", None) or {}
+    wrong = [i for i in got if i in mapping and mapping[i] != pp_rank]
+    if wrong:  # the class placed them elsewhere than schedule_layout predicted
+        raise ValueError(
+            f"schedule {layout.name}: the schedule puts stages {wrong} on other ranks "
+            f"({mapping}); rank {pp_rank} built them"
+        )
+    _check_first_stage_order(schedule, layout.name)
+    return schedule
 
 
 # --------------------------------------------------------------------------------------------------
@@ -744,4 +952,140 @@ def sync_tied_gradients(
                 total += p.grad
         dist.all_reduce(total, group=group)
         for p in params:
-            p.grad = total.clone() if len(params) > 1 else total
+            p.grad = total.to(p.dtype) if len(params) == 1 else total.to(p.dtype, copy=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# data parallel: batch shards, gradient reduction, global-norm clipping
+
+
+#: media keys with one entry per SAMPLE (dim 0 = batch), sliced with the samples by :func:`shard_batch`.
+_PER_SAMPLE_MEDIA_KEYS = frozenset({"num_patches"})
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    dp_rank: int,
+    dp_size: int,
+    *,
+    images_per_sample: Any = None,
+    videos_per_sample: Any = None,
+) -> dict[str, Any]:
+    """Data-parallel replica ``dp_rank``'s share of a global batch, media included.
+
+    The replica gets the samples ``torch.tensor_split(range(B), dp_size)[dp_rank]`` of every
+    ``[B, ...]`` tensor, and of every media tensor exactly its samples' images, videos and crops (cut
+    by :func:`ppmedia.split_media`, so a replica's media never hold another replica's): views of the
+    batch's tensors, no copy. Split per microbatch afterwards, on the replica's share. Per-sample count
+    keys (``n_images_per_sample``) are sliced with the samples; non-tensor values are kept as they are.
+
+    Args:
+        batch: a processor/collator batch (not modified).
+        dp_rank, dp_size: the replica and the number of replicas.
+        images_per_sample, videos_per_sample: as for :func:`ppmedia.split_media` (for the GLOBAL batch).
+
+    Raises:
+        ValueError: ``dp_rank`` out of range; a non-media tensor whose dim 0 is not the batch size.
+    """
+    from .split import split_media
+
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"shard_batch: dp_rank {dp_rank}; expected 0 <= dp_rank < dp_size ({dp_size})")
+    rest = dict(batch)
+    counts = {k: rest[k] for k in ("n_images_per_sample", "n_videos_per_sample") if k in rest}
+    staged = split_media(rest, dp_size, images_per_sample=images_per_sample, videos_per_sample=videos_per_sample)
+    a, b = staged.samples[dp_rank]
+    out: dict[str, Any] = {}
+    for key, value in rest.items():
+        if isinstance(value, Tensor) and value.dim() > 0:
+            if value.shape[0] != staged.batch_size:
+                raise ValueError(
+                    f"shard_batch: {key} has shape {list(value.shape)}; expected [{staged.batch_size}, ...] "
+                    f"(one row per sample) to shard it over {dp_size} replicas"
+                )
+            value = value[a:b]
+        out[key] = value
+    for key, value in counts.items():
+        out[key] = value[a:b]
+    for field_name, key in staged.sources.items():
+        # per-sample media metadata (Step3's num_patches [B]) follows the samples, not the media rows
+        out[key] = batch[key][a:b] if key in _PER_SAMPLE_MEDIA_KEYS else staged.chunks[field_name][dp_rank]
+    return out
+
+
+def _unique_trainable(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for param in module.parameters():
+            if param.requires_grad:
+                seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> None:
+    """Sum the gradients of ``modules``' parameters across the data-parallel ``group``.
+
+    Call it on every replica after the pipeline step (and :func:`sync_tied_gradients`), with the
+    same stage modules in the same order (the replicas of one pipeline rank hold the same stages).
+    A parameter without a gradient (a replica whose share had no images leaves the vision tower's at
+    ``None``) contributes zeros and gets the sum. One flat ``all_reduce`` per dtype.
+
+    With :func:`pipeline_loss` normalised by the valid tokens of the GLOBAL batch, the sum is the
+    global batch's gradient (no division by the number of replicas).
+    """
+    import torch.distributed as dist
+
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for param in _unique_trainable(modules):
+        by_dtype.setdefault(param.dtype, []).append(param)
+    for dtype in sorted(by_dtype, key=str):
+        params = by_dtype[dtype]
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p)
+            offset += n
+
+
+def clip_grad_norm(
+    modules: Sequence[nn.Module],
+    max_norm: float,
+    *,
+    tied: Sequence[TiedParameters] = (),
+    group: Any = None,
+) -> Tensor:
+    """Clip the gradients of a pipeline to a GLOBAL L2 norm, like ``torch.nn.utils.clip_grad_norm_`` on
+    the whole model; returns the total norm before clipping (a float32 scalar, equal on every rank).
+
+    Call it after :func:`sync_tied_gradients` and :func:`all_reduce_gradients`: each rank sums the
+    squares of its stages' gradients (a tied parameter counted once, on the rank holding its first
+    name), ``group`` (the pipeline group) sums them across stages, and every gradient is scaled by
+    ``max_norm / (norm + 1e-6)`` when that is below 1. After the data-parallel reduction the replicas
+    hold equal gradients, so the pipeline group's sum is the global norm.
+    """
+    import torch.distributed as dist
+
+    params = _unique_trainable(modules)
+    skip: set[int] = set()
+    for entry in tied:
+        holders = {}
+        for module in modules:
+            named = dict(module.named_parameters(remove_duplicate=False))
+            holders.update({name: named[name] for name in entry.names if name in named})
+        if holders and entry.names[0] not in holders:
+            skip.update(id(p) for p in holders.values())
+    squares = torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu")
+    for p in params:
+        if p.grad is not None and id(p) not in skip:
+            squares += p.grad.detach().float().pow(2).sum()
+    dist.all_reduce(squares, group=group)
+    total = squares.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(scale.to(p.grad.dtype))
+    return total

@@ -5,11 +5,17 @@ launched under ``torchrun``, runs the worker in the current process with environ
 Each worker builds the same tiny seeded model (``ppmedia.tiny``), its own pipeline stages
 (:mod:`ppmedia.pipeline`) and runs every requested :class:`Scenario` for ``steps`` training steps::
 
-    staged = split_media(batch, n, images_per_sample=..., videos_per_sample=...)
+    local = shard_batch(batch, dp_rank, dp, ...)            # dp > 1: this replica's samples and media
+    staged = split_media(local, n, images_per_sample=..., videos_per_sample=...)
     with stage_media(first_stage, staged):
         schedule.step(input_ids, attention_mask, target=labels, losses=losses,
-                      loss_kwargs={"num_valid_tokens": N})
-    sync_tied_gradients(...); compare with the reference; SGD step (pipeline and reference)
+                      loss_kwargs={"num_valid_tokens": N})      # N: the GLOBAL batch's valid tokens
+    sync_tied_gradients(..., pp_group); all_reduce_gradients(..., dp_group)   # dp > 1
+    [clip_grad_norm]; compare with the reference; SGD step (pipeline and reference)
+
+A scenario (:class:`Scenario`) picks the schedule (any torch ships), inferred or static shapes, the
+``dp x pp`` layout (``pp = world_size // dp``; rank ``= dp_rank * pp + pp_rank``), the model's own
+activation checkpointing, bfloat16 parameters and global-norm clipping.
 
 The reference is computed in the same worker, single-process, on the full batch, by the model's OWN
 forward (``model(**reference_inputs(batch), labels=...)``, transformers' own loss: the mean token
@@ -20,7 +26,10 @@ the first stage, language model everywhere) with the reference's; the last stage
 The worker also checks, on the first stage, that its forward ran ``n + 1`` times on the first step of
 a scenario with inferred shapes (the schedule's shape-inference forward) and ``n`` times otherwise, and
 that every call consumed the media chunk of the microbatch whose rows it got (a mismatch in counts
-would already raise in ``adapter.merge``). A failed check raises in the worker, which fails the run.
+would already raise in ``adapter.merge``), and that every media view it consumed covers exactly the
+rows of its replica's microbatch in the GLOBAL batch's tensors. It counts the calls of the decoder
+layers (twice per microbatch with activation checkpointing). A failed check raises in the worker,
+which fails the run.
 
 Results come back as a :class:`ParityReport` (per family: a per-microbatch table and, per scenario and
 step, both losses, the max gradient differences split into vision and language model, wall times).
@@ -49,6 +58,8 @@ from ..tables import format_table
 
 __all__ = [
     "ALL_SCENARIOS",
+    "BF16_GRAD_RTOL",
+    "BF16_LOSS_TOLERANCE",
     "DEFAULT_SCENARIOS",
     "FAULTS",
     "FamilyReport",
@@ -77,10 +88,17 @@ FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch")
 #: run variants that must still match (see :class:`Scenario`).
 VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision")
 _SHAPES = ("inferred", "static")
+#: bfloat16 parameters vs the float32 reference: the loss may differ by this much (absolute) ...
+BF16_LOSS_TOLERANCE = 2e-3
+#: ... and each gradient by this fraction of the largest reference gradient of its side.
+BF16_GRAD_RTOL = 3e-2
 
 
 class ParityError(RuntimeError):
     """A worker failed; the message carries the worker's traceback."""
+
+
+_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -88,34 +106,52 @@ class Scenario:
     """One pipeline configuration.
 
     Attributes:
-        schedule: ``gpipe``, ``1f1b`` or ``interleaved`` (Interleaved1F1B, 2 stages per rank).
+        schedule: ``gpipe``, ``1f1b``, ``interleaved`` or any torch schedule name, case-insensitive
+            (``ZBVZeroBubble``, ``DualPipeV``, ...: :func:`ppmedia.pipeline.schedule_names`).
         shapes: ``inferred`` (the schedule infers shapes on the first step) or ``static``
             (``input_args``/``output_args`` on every stage).
         fault: ``None``, or one of :data:`FAULTS` to break the run on purpose.
+        dp: data-parallel replicas; the pipeline has ``world_size // dp`` ranks, replica ``r`` takes
+            the samples ``tensor_split(range(B), dp)[r]`` of the global batch and its media.
+        checkpointing: the model's own activation checkpointing (vision blocks and decoder layers),
+            in train mode.
+        dtype: ``float32``, or ``bfloat16`` parameters (compared with the float32 reference).
+        clip: clip gradients to half the reference's global norm (``ppmedia.pipeline.clip_grad_norm``
+            vs ``torch.nn.utils.clip_grad_norm_`` on the reference).
+        layers: decoder layers per stage (``layers_per_stage``), or ``None`` for
+            :func:`~ppmedia.pipeline.default_layer_split`; e.g. ``(2, 0)`` puts every Qwen3-VL deepstack
+            layer of the tiny model on stage 0, the default ``(1, 1)`` sends a deepstack level across.
         variant: ``None``, or one of :data:`VARIANTS`: ``text_only_first`` builds the batch with its
             text-only samples first (the tiny module's ``build_batch(seed, text_only_first=True)``), so
             the schedule infers shapes from a microbatch without media; ``frozen_vision`` freezes every
             parameter outside the language model (``requires_grad=False``) on both sides.
-        layers: decoder layers per stage (``layers_per_stage``), or ``None`` for
-            :func:`~ppmedia.pipeline.default_layer_split`; e.g. ``(2, 0)`` puts every Qwen3-VL deepstack
-            layer of the tiny model on stage 0, the default ``(1, 1)`` sends a deepstack level across.
     """
 
     schedule: str
     shapes: str = "inferred"
     fault: str | None = None
+    dp: int = 1
+    checkpointing: bool = False
+    dtype: str = "float32"
+    clip: bool = False
     layers: tuple[int, ...] | None = None
     variant: str | None = None
 
     def __post_init__(self) -> None:
-        from ..pipeline import SCHEDULES
+        from ..pipeline import schedule_layout
 
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"scenario schedule: got {self.schedule!r}; expected one of {', '.join(SCHEDULES)}")
+        try:
+            schedule_layout(self.schedule)
+        except ValueError as exc:
+            raise ValueError(f"scenario schedule: {exc}") from None
         if self.shapes not in _SHAPES:
             raise ValueError(f"scenario shapes: got {self.shapes!r}; expected one of {', '.join(_SHAPES)}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"scenario fault: got {self.fault!r}; expected None or one of {', '.join(FAULTS)}")
+        if self.dp < 1:
+            raise ValueError(f"scenario dp: got {self.dp}; expected >= 1")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"scenario dtype: got {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(n) for n in self.layers))
         if self.variant is not None and self.variant not in VARIANTS:
@@ -123,18 +159,19 @@ class Scenario:
 
     @property
     def name(self) -> str:
-        """``schedule/shapes`` (plus ``/fault``, plus ``/layers=2+0``)."""
-        return _scenario_name(self.schedule, self.shapes, self.fault, self.layers, self.variant)
+        """``schedule/shapes`` (plus ``/fault`` and option tokens, e.g. ``1f1b/static/dp2/clip``)."""
+        return _scenario_name(self)
 
 
-def _scenario_name(
-    schedule: str, shapes: str, fault: str | None, layers: Sequence[int] | None, variant: str | None = None
-) -> str:
-    parts = [schedule, shapes] + ([fault] if fault else [])
-    if layers is not None:
-        parts.append("layers=" + "+".join(str(n) for n in layers))
-    if variant is not None:
-        parts.append(variant)
+def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
+    """``schedule/shapes[/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``."""
+    parts = [sc.schedule, sc.shapes] + ([sc.fault] if sc.fault else [])
+    parts += [f"dp{sc.dp}"] if sc.dp != 1 else []
+    parts += ["ckpt"] * sc.checkpointing + ["bf16"] * (sc.dtype == "bfloat16") + ["clip"] * sc.clip
+    if sc.layers is not None:
+        parts.append("layers=" + "+".join(str(n) for n in sc.layers))
+    if sc.variant is not None:
+        parts.append(sc.variant)
     return "/".join(parts)
 
 
@@ -147,25 +184,40 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes[/fault]][/layers=A+B]`` (``"1f1b/static"``,
-    ``"gpipe/static/layers=2+0"``) or :class:`Scenario`."""
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``
+    (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
+    objects."""
     out = []
     for spec in specs:
         if isinstance(spec, Scenario):
             out.append(spec)
             continue
-        parts = str(spec).replace(":", "/").split("/")
-        layers = None
-        if parts[-1].startswith("layers="):
-            try:
-                layers = tuple(int(n) for n in parts.pop()[len("layers="):].split("+"))
-            except ValueError:
-                raise ValueError(f"scenario {spec!r}: layers=A+B... takes integers") from None
-        if not 1 <= len(parts) <= 3:
-            raise ValueError(f"scenario {spec!r}: expected schedule[/shapes[/fault]][/layers=A+B...]")
-        shapes = parts[1] if len(parts) > 1 else "inferred"
-        fault = parts[2] if len(parts) > 2 else None
-        out.append(Scenario(parts[0], shapes, fault, layers))
+        schedule, *tokens = str(spec).replace(":", "/").split("/")
+        kwargs: dict[str, Any] = {}
+        for token in tokens:
+            if token in _SHAPES:
+                kwargs["shapes"] = token
+            elif token in FAULTS:
+                kwargs["fault"] = token
+            elif token.startswith("dp") and token[2:].isdigit():
+                kwargs["dp"] = int(token[2:])
+            elif token in ("ckpt", "clip"):
+                kwargs["checkpointing" if token == "ckpt" else "clip"] = True
+            elif token == "bf16":
+                kwargs["dtype"] = "bfloat16"
+            elif token.startswith("layers="):
+                try:
+                    kwargs["layers"] = tuple(int(n) for n in token[len("layers="):].split("+"))
+                except ValueError:
+                    raise ValueError(f"scenario {spec!r}: layers=A+B... takes integers") from None
+            elif token in VARIANTS:
+                kwargs["variant"] = token
+            else:
+                raise ValueError(
+                    f"scenario {spec!r}: unknown part {token!r}; expected "
+                    f"schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant]"
+                )
+        out.append(Scenario(schedule, **kwargs))
     return out
 
 
@@ -185,6 +237,7 @@ class MicrobatchInfo:
     video_rows: int
     crop_rows: int
     placeholder_tokens: int
+    replica: int = 0
 
     @property
     def patch_rows(self) -> int:
@@ -215,6 +268,16 @@ class StepResult:
         first_stage_calls: forward calls of stage 0 during the step; expected_first_stage_calls: ``n + 1``
             on the first step with inferred shapes, else ``n``.
         chunk_trace: per call of stage 0, the chunk index it consumed (== the microbatch of its rows).
+        grad_norm_pipeline / grad_norm_reference: with ``clip``: the global gradient norm before
+            clipping (``ppmedia.pipeline.clip_grad_norm`` / ``torch.nn.utils.clip_grad_norm_``).
+        layer_calls / expected_layer_calls: calls of the decoder layers' first child module during the
+            step, all ranks and replicas together: ``layers x n x dp`` (plus one forward per layer for
+            shape inference), twice ``n`` with activation checkpointing (the backward recomputes each
+            layer's forward). vision_layer_calls: the same for the vision tower's blocks (not checked:
+            text-only microbatches skip the tower).
+        media_rows: per replica, per chunk its first stage consumed: ``[dp_rank, chunk, field, start,
+            stop]``, the rows of the GLOBAL batch's media tensor the staged view covers (checked
+            in the worker against the replica's own samples).
     """
 
     step: int
@@ -231,6 +294,12 @@ class StepResult:
     first_stage_calls: int
     expected_first_stage_calls: int
     chunk_trace: list[int] = field(default_factory=list)
+    grad_norm_pipeline: float | None = None
+    grad_norm_reference: float | None = None
+    layer_calls: int = -1
+    expected_layer_calls: int = -1
+    vision_layer_calls: int = -1
+    media_rows: list[list[Any]] = field(default_factory=list)
 
     @property
     def loss_diff(self) -> float:
@@ -253,12 +322,17 @@ class ScenarioResult:
     layers_per_stage: list[int]
     steps: list[StepResult]
     missing_params: list[str] = field(default_factory=list)
+    dp: int = 1
+    checkpointing: bool = False
+    dtype: str = "float32"
+    clip: bool = False
+    stage_indices: list[list[int]] = field(default_factory=list)
     layers: list[int] | None = None  # the scenario's explicit layers_per_stage, if any
     variant: str | None = None
 
     @property
     def name(self) -> str:
-        return _scenario_name(self.schedule, self.shapes, self.fault, self.layers, self.variant)
+        return _scenario_name(self)
 
     @property
     def max_loss_diff(self) -> float:
@@ -273,15 +347,31 @@ class ScenarioResult:
         return max((s.grad_diff_lm for s in self.steps), default=float("nan"))
 
     def passed(self, tolerance: float = 1e-5) -> bool:
-        """Every loss and gradient within ``tolerance``, every parameter compared, call counts right."""
+        """Every loss and gradient within ``tolerance`` (bfloat16: :data:`BF16_LOSS_TOLERANCE` and
+        :data:`BF16_GRAD_RTOL` of the largest reference gradient), every parameter compared, call
+        counts right."""
         if not self.steps or self.missing_params:
             return False
-        return all(
-            s.loss_diff <= tolerance
-            and s.grad_diff_vision <= tolerance
-            and s.grad_diff_lm <= tolerance
+        return all(self._step_ok(s, tolerance) for s in self.steps)
+
+    def _step_ok(self, s: StepResult, tolerance: float) -> bool:
+        if self.dtype == "bfloat16":
+            loss_tol = BF16_LOSS_TOLERANCE
+            vision_tol = BF16_GRAD_RTOL * s.reference_grad_max_vision
+            lm_tol = BF16_GRAD_RTOL * s.reference_grad_max_lm
+        else:
+            loss_tol = vision_tol = lm_tol = tolerance
+        norm_rtol = BF16_GRAD_RTOL if self.dtype == "bfloat16" else 1e-5
+        norms_ok = s.grad_norm_pipeline is None or s.grad_norm_reference is None or (
+            abs(s.grad_norm_pipeline - s.grad_norm_reference) <= norm_rtol * s.grad_norm_reference
+        )
+        return (
+            s.loss_diff <= loss_tol
+            and s.grad_diff_vision <= vision_tol
+            and s.grad_diff_lm <= lm_tol
             and s.first_stage_calls == s.expected_first_stage_calls
-            for s in self.steps
+            and (s.expected_layer_calls < 0 or s.layer_calls == s.expected_layer_calls)
+            and norms_ok
         )
 
 
@@ -298,8 +388,8 @@ class FamilyReport:
     scenarios: list[ScenarioResult]
 
     def scenario(self, name: str) -> ScenarioResult:
-        for result in self.scenarios:
-            if result.name == name:
+        for result in self.scenarios:  # schedule names are case-insensitive
+            if result.name.lower() == name.lower():
                 return result
         raise KeyError(f"{self.family}: no scenario {name!r}; ran {[r.name for r in self.scenarios]}")
 
@@ -349,9 +439,9 @@ class ParityReport:
             )
             lines.append(
                 _table(
-                    ("mb", "samples", "images", "videos", "patch rows", "placeholders", ""),
+                    ("replica", "mb", "samples", "images", "videos", "patch rows", "placeholders", ""),
                     [
-                        (m.index, m.samples, m.images, m.videos, m.patch_rows, m.placeholder_tokens,
+                        (m.replica, m.index, m.samples, m.images, m.videos, m.patch_rows, m.placeholder_tokens,
                          "text-only" if m.text_only else "")
                         for m in f.microbatches
                     ],
@@ -391,9 +481,11 @@ def _split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> Any:
     return split_media(batch, n, **adapter.media_counts(batch, config))
 
 
-def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> list[MicrobatchInfo]:
+def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int, dp: int = 1) -> list[MicrobatchInfo]:
+    """Per microbatch (per replica with ``dp > 1``: replica ``r``'s microbatch ``k`` holds the global
+    batch's ``tensor_split(range(B), dp * n)[r * n + k]`` samples when the shares are even)."""
     ids = batch["input_ids"]
-    staged = _split(adapter, config, dict(batch), n)
+    staged = _split(adapter, config, dict(batch), n * dp)
     placeholders = torch.zeros(ids.shape[0], dtype=torch.int64)
     for mask in adapter.placeholder_masks(ids, config).values():
         placeholders += mask.sum(dim=1)
@@ -401,7 +493,8 @@ def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int) 
     for k, (a, b) in enumerate(staged.samples):
         infos.append(
             MicrobatchInfo(
-                index=k,
+                index=k % n,
+                replica=k // n,
                 samples=b - a,
                 images=staged.images[k],
                 videos=staged.videos[k],
@@ -457,169 +550,357 @@ def _microbatch_of(ids: torch.Tensor, input_ids: torch.Tensor, samples: Sequence
     return -1
 
 
-def _run_scenario(
-    family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any
-) -> dict[str, Any]:
-    from ..chunk import CURSOR_ATTRIBUTE
-    from ..pipeline import (
-        SCHEDULES,
-        build_schedule,
-        count_valid_tokens,
-        default_layer_split,
-        find_language_model,
-        make_labels,
-        make_pipeline_stages,
-        stage_indices_for_rank,
-        sync_tied_gradients,
-        tied_parameters,
-    )
-    from ..registry import get_adapter
-    from ..stage import stage_media
+@dataclass
+class _Groups:
+    """This rank's place in the ``dp x pp`` layout (rank = dp_rank * pp + pp_rank)."""
 
+    pp: int
+    dp: int
+    pp_rank: int
+    dp_rank: int
+    pp_group: Any
+    dp_group: Any
+
+
+_GROUP_CACHE: dict[tuple[int, int], _Groups] = {}
+
+
+def _groups(world: int, rank: int, dp: int) -> _Groups:
+    """The pipeline and data-parallel groups of a ``dp x (world // dp)`` layout (created once per layout;
+    ``new_group`` is collective, so every rank creates every group in the same order)."""
     import torch.distributed as dist
 
-    n = job.n_microbatches
-    adapter = get_adapter(pristine)
-    config = pristine.config
-    tied = tied_parameters(pristine)
-    per_rank = SCHEDULES[scenario.schedule]
-    n_stages = world * per_rank
+    if (world, dp) in _GROUP_CACHE:
+        return _GROUP_CACHE[(world, dp)]
+    pp = world // dp
+    if dp == 1:
+        groups = _Groups(pp, 1, rank, 0, None, None)
+    else:
+        pp_groups = [dist.new_group([d * pp + p for p in range(pp)]) for d in range(dp)]
+        dp_groups = [dist.new_group([d * pp + p for d in range(dp)]) for p in range(pp)]
+        groups = _Groups(pp, dp, rank % pp, rank // pp, pp_groups[rank // pp], dp_groups[rank % pp])
+    _GROUP_CACHE[(world, dp)] = groups
+    return groups
+
+
+@dataclass
+class _Built:
+    """One rank's pipeline for one scenario, and its single-process reference."""
+
+    stages: list[Any]
+    modules: list[Any]
+    schedule: Any
+    first: Any
+    tied: list[Any]
+    owned: dict[str, tuple[torch.nn.Parameter, bool]]
+    optimizer: Any
+    reference: torch.nn.Module
+    ref_optimizer: Any
+    n_stages: int
+    layers_per_stage: list[int]
+    indices: list[int]
+
+
+def _build_batch(tiny_module: Any, scenario: Scenario, seed: int) -> dict[str, Any]:
+    """The tiny batch of ``seed``, in the scenario's sample order."""
+    if scenario.variant == "text_only_first":
+        return dict(tiny_module.build_batch(seed, text_only_first=True))
+    return dict(tiny_module.build_batch(seed))
+
+
+def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module, tiny_module: Any) -> _Built:
+    from ..pipeline import (
+        build_schedule,
+        default_layer_split,
+        find_language_model,
+        make_pipeline_stages,
+        schedule_layout,
+        tied_parameters,
+    )
+
+    layout = schedule_layout(scenario.schedule)
+    n_stages = layout.n_stages(g.pp)
     _, lm = find_language_model(pristine)
     if scenario.layers is not None:
         layers_per_stage = list(scenario.layers)
     else:
         layers_per_stage = default_layer_split(len(lm.layers), n_stages)
-    indices = stage_indices_for_rank(rank, world, per_rank)
-
+    indices = layout.stage_indices(g.pp_rank, g.pp)
     model = copy.deepcopy(pristine)
-    reference = copy.deepcopy(pristine)
-
-    def build_batch(seed: int) -> dict[str, Any]:
-        if scenario.variant == "text_only_first":
-            return dict(tiny_module.build_batch(seed, text_only_first=True))
-        return dict(tiny_module.build_batch(seed))
-
-    first_batch = build_batch(job.seed)
-    B, S = first_batch["input_ids"].shape
-    static = (B // n, S) if scenario.shapes == "static" else None
-    stages = make_pipeline_stages(model, n_stages, indices, "cpu", layers_per_stage=layers_per_stage, static_microbatch=static)
+    if scenario.dtype == "bfloat16":
+        model.to(torch.bfloat16)
+    if scenario.checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        model.train()
+    tied = tied_parameters(model)
+    B, S = _build_batch(tiny_module, scenario, job.seed)["input_ids"].shape
+    static = (B // g.dp // job.n_microbatches, S) if scenario.shapes == "static" else None
+    stages = make_pipeline_stages(
+        model, n_stages, indices, "cpu", group=g.pp_group, layers_per_stage=layers_per_stage, static_microbatch=static
+    )
     del model  # this rank keeps only its stages' modules
     modules = [st.submod for st in stages]
-    if scenario.variant == "frozen_vision":  # every rank's reference too: it runs the whole model
-        is_language = modules[0].is_language_parameter
-        for name, param in [*reference.named_parameters(), *(p for m in modules for p in m.named_parameters())]:
-            if not is_language(name):
-                param.requires_grad_(False)
-    schedule = build_schedule(scenario.schedule, stages, n)
-
+    schedule = build_schedule(scenario.schedule, stages, job.n_microbatches)
     owned: dict[str, tuple[torch.nn.Parameter, bool]] = {}
     for module in modules:
         for name, param in module.named_parameters(remove_duplicate=False):
             owned[name] = (param, module.is_language_parameter(name))
     unique = list({id(p): p for p, _ in owned.values()}.values())
-    optimizer = torch.optim.SGD(unique, lr=job.lr)
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=job.lr)
+    reference = copy.deepcopy(pristine)
+    if scenario.variant == "frozen_vision":  # the reference too: it runs the whole model
+        is_language = modules[0].is_language_parameter
+        for name, param in [*reference.named_parameters(), *(p for m in modules for p in m.named_parameters())]:
+            if not is_language(name):
+                param.requires_grad_(False)
+    return _Built(
+        stages, modules, schedule, next((st for st in stages if st.is_first), None), tied, owned,
+        torch.optim.SGD(unique, lr=job.lr), reference, torch.optim.SGD(reference.parameters(), lr=job.lr),
+        n_stages, layers_per_stage, indices,
+    )
 
-    first = next((st for st in stages if st.is_first), None)
-    trace: list[tuple[int | None, int]] = []
-    current: dict[str, Any] = {}
-    handle = None
-    if first is not None:
+
+class _Probe:
+    """Hooks that watch one step: which chunk each first-stage forward takes (and which rows of the
+    global batch's media it covers), and how often the decoder and vision layers run."""
+
+    def __init__(self, built: _Built) -> None:
+        from ..chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES
+
+        self.trace: list[tuple[int | None, int]] = []
+        self.views: list[tuple[int, str, torch.Tensor]] = []
+        self.layer_calls = 0
+        self.vision_calls = 0
+        self.layers = 0
+        self.current: dict[str, Any] = {}
+        self.handles: list[Any] = []
+
         def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             cursor = module.__dict__.get(CURSOR_ATTRIBUTE)
-            trace.append((cursor, _microbatch_of(args[0], current["input_ids"], current["samples"])))
+            self.trace.append((cursor, _microbatch_of(args[0], self.current["input_ids"], self.current["samples"])))
+            for name, attribute in STAGED_ATTRIBUTES.items():
+                staged = module.__dict__.get(attribute)
+                if cursor is not None and staged is not None and cursor < len(staged) and staged[cursor].numel():
+                    self.views.append((cursor, name, staged[cursor]))
 
-        handle = first.submod.register_forward_pre_hook(record)
+        def count(attr: str) -> Any:
+            def hook(*_: Any) -> None:
+                setattr(self, attr, getattr(self, attr) + 1)
 
+            return hook
+
+        if built.first is not None:
+            self.handles.append(built.first.submod.register_forward_pre_hook(record))
+        for module in built.modules:
+            decoder = list(module.stage_language_model.layers)
+            self.layers += len(decoder)
+            ids = {id(layer) for layer in decoder}
+            for sub in module.modules():
+                if isinstance(sub, _checkpoint_layer_class()):
+                    child = next(iter(sub.children()), None)
+                    if child is not None:
+                        attr = "layer_calls" if id(sub) in ids else "vision_calls"
+                        self.handles.append(child.register_forward_pre_hook(count(attr)))
+
+    def reset(self, input_ids: torch.Tensor, samples: Any) -> None:
+        self.current.update(input_ids=input_ids, samples=samples)
+        self.trace.clear()
+        self.views.clear()
+        self.layer_calls = self.vision_calls = 0
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _checkpoint_layer_class() -> type:
+    """transformers' checkpointable layer class (decoder layers and vision blocks)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return GradientCheckpointingLayer
+
+
+def _media_rows(probe: _Probe, media_batch: dict[str, Any], global_split: Any, g: _Groups, n: int, where: str) -> list[list[Any]]:
+    """Locate every consumed media view in the GLOBAL batch's tensor and check that it covers exactly
+    the rows of this replica's microbatch (so no replica's media ever reach another)."""
+    rows = []
+    for chunk, name, view in probe.views:
+        whole = media_batch[global_split.sources[name]]
+        if view.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
+            raise AssertionError(f"{where}: staged {name} of chunk {chunk} is not a view of the batch's tensor")
+        stride = whole.stride(0) if whole.dim() else 1
+        start = (view.storage_offset() - whole.storage_offset()) // max(stride, 1)
+        expected = global_split.ranges[name][g.dp_rank * n + chunk]
+        if (start, start + view.shape[0]) != tuple(expected):
+            raise AssertionError(
+                f"{where}: replica {g.dp_rank} chunk {chunk} staged {name} rows {start}:{start + view.shape[0]} "
+                f"of the global batch; its own samples' rows are {expected[0]}:{expected[1]}"
+            )
+        rows.append([g.dp_rank, chunk, name, int(start), int(start + view.shape[0])])
+    return rows
+
+
+def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[str, Any], media_local: dict[str, Any],
+                   num_valid: int, probe: _Probe, adapter: Any, config: Any, n: int) -> tuple[list[torch.Tensor], float, Any]:
+    """One schedule step on this replica's share, then the tied, data-parallel and clipping steps."""
+    from ..pipeline import all_reduce_gradients, make_labels, sync_tied_gradients
+    from ..stage import stage_media
+
+    import torch.distributed as dist
+
+    ids, mask = local["input_ids"], local["attention_mask"]
+    labels = make_labels(ids, config, adapter, attention_mask=mask)
+    staged = _split(adapter, config, dict(media_local), n)
+    probe.reset(ids, staged.samples)
+    built.optimizer.zero_grad(set_to_none=True)
+    losses: list[torch.Tensor] = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    if built.first is not None:
+        staging = stage_media(built.first.submod if scenario.fault == "bare_module" else built.first, staged)
+    else:
+        staging = contextlib.nullcontext()
+    with staging:
+        built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
+    sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
+    if g.dp > 1:
+        all_reduce_gradients(built.modules, group=g.dp_group)
+    return losses, time.perf_counter() - t0, staged
+
+
+def _reference_step(built: _Built, tiny_module: Any, batch: dict[str, Any], targets: torch.Tensor) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    built.ref_optimizer.zero_grad(set_to_none=True)
+    inputs = dict(tiny_module.reference_inputs(batch))
+    inputs.setdefault("use_cache", False)
+    out = built.reference(**inputs, labels=targets)
+    out.loss.backward()
+    return out, time.perf_counter() - t0
+
+
+def _clip_both(built: _Built, g: _Groups) -> tuple[float, float]:
+    """Clip the reference to half its global norm with torch, the pipeline to the same with ppmedia."""
+    from ..pipeline import clip_grad_norm
+
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(built.reference.parameters(), float("inf")))
+    max_norm = 0.5 * ref_norm
+    torch.nn.utils.clip_grad_norm_(built.reference.parameters(), max_norm)
+    norm = clip_grad_norm(built.modules, max_norm, tied=built.tied, group=g.pp_group)
+    return float(norm), ref_norm
+
+
+def _compare(built: _Built) -> tuple[dict[bool, float], dict[bool, float], dict[bool, int]]:
+    """Max |grad diff|, max |reference grad| and parameter counts, per side (True: language model)."""
+    ref_params = dict(built.reference.named_parameters(remove_duplicate=False))
+    diffs = {True: 0.0, False: 0.0}
+    scale = {True: 0.0, False: 0.0}
+    counts = {True: 0, False: 0}
+    for name, (param, is_lm) in built.owned.items():
+        ref_grad = ref_params[name].grad
+        grad = None if param.grad is None else param.grad.float()
+        diffs[is_lm] = max(diffs[is_lm], _max_abs_diff(grad, ref_grad))
+        scale[is_lm] = max(scale[is_lm], _max_abs_diff(ref_grad, None))
+        counts[is_lm] += 1
+    return diffs, scale, counts
+
+
+def _check_calls(probe: _Probe, built: _Built, scenario: Scenario, step: int, n: int, where: str) -> tuple[int, int]:
+    """Stage 0 ran once per microbatch (plus the shape-inference forward) on its own chunk; returns
+    the decoder layers' calls and the expected number."""
+    inference = scenario.shapes == "inferred" and step == 0
+    expected_calls = n + inference
+    if built.first is not None:
+        if len(probe.trace) != expected_calls:
+            raise AssertionError(f"{where}: stage 0's forward ran {len(probe.trace)} times; expected {expected_calls}")
+        for cursor, microbatch in probe.trace:
+            if cursor != microbatch or microbatch < 0:
+                raise AssertionError(
+                    f"{where}: stage 0 consumed chunk {cursor} for the rows of microbatch {microbatch} (trace {probe.trace})"
+                )
+    if scenario.checkpointing and (inference or _splits_backward(built.schedule)):
+        # not a fixed count: torch's shape inference and its split backward (backward_input, then
+        # backward_weight per parameter group) each re-run checkpointed layers; reported, not checked
+        return expected_calls, -1
+    expected_layers = probe.layers * (n * (2 if scenario.checkpointing else 1) + inference)
+    return expected_calls, expected_layers
+
+
+def _splits_backward(schedule: Any) -> bool:
+    """Whether the schedule runs backward_input and backward_weight separately (zero-bubble ones)."""
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(
+        getattr(getattr(a, "computation_type", None), "value", None) == "I" for actions in order.values() for a in actions
+    )
+
+
+def _run_scenario(
+    family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any
+) -> dict[str, Any]:
+    from ..pipeline import count_valid_tokens, make_labels, shard_batch
+    from ..registry import get_adapter
+
+    n = job.n_microbatches
+    adapter, config = get_adapter(pristine), pristine.config
+    g = _groups(world, rank, scenario.dp)
+    built = _build(scenario, job, g, pristine, tiny_module)
+    probe = _Probe(built)
     step_results = []
     try:
         for step in range(job.steps):
-            batch = build_batch(job.seed + step)
+            where = f"{family} {scenario.name} step {step}"
+            batch = _build_batch(tiny_module, scenario, job.seed + step)
             ids, mask = batch["input_ids"], batch["attention_mask"]
-            labels = make_labels(ids, config, adapter, attention_mask=mask)
+            num_valid = count_valid_tokens(make_labels(ids, config, adapter, attention_mask=mask))
+            media_batch = _build_batch(tiny_module, scenario, job.seed + 1000 + step) if scenario.fault == "wrong_batch" else batch
+            counts = adapter.media_counts(batch, config)
+            local, media_local = (
+                (shard_batch(b, g.dp_rank, g.dp, **counts) for b in (batch, media_batch))
+                if g.dp > 1 else (dict(batch), dict(media_batch))
+            )
+            losses, wall_pipeline, _ = _pipeline_step(built, scenario, g, local, media_local, num_valid, probe, adapter, config, n)
             targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
-            num_valid = count_valid_tokens(labels)
-            media_batch = build_batch(job.seed + 1000 + step) if scenario.fault == "wrong_batch" else batch
-            staged = _split(adapter, config, dict(media_batch), n)
-            current.update(input_ids=ids, samples=staged.samples)
-            trace.clear()
-
-            optimizer.zero_grad(set_to_none=True)
-            losses: list[torch.Tensor] = []
-            dist.barrier()
-            t0 = time.perf_counter()
-            if first is not None:
-                target = first.submod if scenario.fault == "bare_module" else first
-                staging: contextlib.AbstractContextManager[Any] = stage_media(target, staged)
-            else:
-                staging = contextlib.nullcontext()
-            with staging:
-                schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
-            sync_tied_gradients(modules, tied)
-            wall_pipeline = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            ref_optimizer.zero_grad(set_to_none=True)
-            inputs = dict(tiny_module.reference_inputs(batch))
-            inputs.setdefault("use_cache", False)
-            out = reference(**inputs, labels=targets)
-            out.loss.backward()
-            wall_reference = time.perf_counter() - t0
-
-            diffs = {True: 0.0, False: 0.0}
-            scale = {True: 0.0, False: 0.0}
-            counts = {True: 0, False: 0}
-            for name, (param, is_lm) in owned.items():
-                ref_grad = ref_params[name].grad
-                diffs[is_lm] = max(diffs[is_lm], _max_abs_diff(param.grad, ref_grad))
-                scale[is_lm] = max(scale[is_lm], _max_abs_diff(ref_grad, None))
-                counts[is_lm] += 1
-
-            expected_calls = n + 1 if scenario.shapes == "inferred" and step == 0 else n
-            if first is not None:
-                calls = len(trace)
-                if calls != expected_calls:
-                    raise AssertionError(
-                        f"{family} {scenario.name} step {step}: stage 0's forward ran {calls} times; "
-                        f"expected {expected_calls}"
-                    )
-                for cursor, microbatch in trace:
-                    if cursor != microbatch or microbatch < 0:
-                        raise AssertionError(
-                            f"{family} {scenario.name} step {step}: stage 0 consumed chunk {cursor} for the rows "
-                            f"of microbatch {microbatch} (trace {trace})"
-                        )
+            out, wall_reference = _reference_step(built, tiny_module, batch, targets)
+            norms = _clip_both(built, g) if scenario.clip else (None, None)
+            diffs, scale, counts = _compare(built)
+            expected_calls, expected_layers = _check_calls(probe, built, scenario, step, n, where)
+            global_split = _split(adapter, config, dict(media_batch), g.dp * n)
             step_results.append(
                 {
                     "step": step,
-                    "loss_pipeline": float(sum(l.detach() for l in losses)) if losses else None,
+                    "loss_pipeline": float(sum(l.detach().float() for l in losses)) if losses else None,
                     "loss_reference": float(out.loss.detach()),
                     "grad_diff_vision": diffs[False],
                     "grad_diff_lm": diffs[True],
-                    "params_compared": len(owned),
+                    "params_compared": len(built.owned),
                     "vision_params_compared": counts[False],
                     "reference_grad_max_vision": scale[False],
                     "reference_grad_max_lm": scale[True],
                     "wall_pipeline_s": wall_pipeline,
                     "wall_reference_s": wall_reference,
-                    "first_stage_calls": len(trace) if first is not None else None,
+                    "first_stage_calls": len(probe.trace) if built.first is not None else None,
                     "expected_first_stage_calls": expected_calls,
-                    "chunk_trace": [c for c, _ in trace] if first is not None else None,
+                    "chunk_trace": [c for c, _ in probe.trace] if built.first is not None else None,
+                    "grad_norm_pipeline": norms[0],
+                    "grad_norm_reference": norms[1],
+                    "layer_calls": probe.layer_calls,
+                    "expected_layer_calls": expected_layers,
+                    "vision_layer_calls": probe.vision_calls,
+                    "media_rows": _media_rows(probe, media_batch, global_split, g, n, where),
                 }
             )
-            optimizer.step()
-            ref_optimizer.step()
+            built.optimizer.step()
+            built.ref_optimizer.step()
     finally:
-        if handle is not None:
-            handle.remove()
+        probe.remove()
     return {
         "family": family,
         "scenario": asdict(scenario),
-        "n_stages": n_stages,
-        "layers_per_stage": layers_per_stage,
-        "owned": sorted(owned),
-        "all_params": sorted(ref_params),
+        "n_stages": built.n_stages,
+        "layers_per_stage": built.layers_per_stage,
+        "stage_indices": built.indices,
+        "dp_rank": g.dp_rank,
+        "owned": sorted(built.owned),
+        "all_params": sorted(dict(built.reference.named_parameters(remove_duplicate=False))),
         "steps": step_results,
     }
 
@@ -632,7 +913,8 @@ def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]
     batch = module.build_batch(job.seed)
     from ..registry import get_adapter
 
-    infos = _microbatch_infos(get_adapter(pristine), pristine.config, dict(batch), job.n_microbatches)
+    dp = max((spec.get("dp", 1) for spec in job.scenarios), default=1)
+    infos = _microbatch_infos(get_adapter(pristine), pristine.config, dict(batch), job.n_microbatches, dp)
     results = [
         _run_scenario(family, Scenario(**spec), job, rank, world, pristine, module) for spec in job.scenarios
     ]
@@ -647,52 +929,66 @@ def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]
     }
 
 
+def _merge_step(k: int, rows: list[dict[str, Any]]) -> StepResult:
+    losses = [r["loss_pipeline"] for r in rows if r["loss_pipeline"] is not None]
+    calls = next((r for r in rows if r["first_stage_calls"] is not None), rows[0])
+    return StepResult(
+        step=k,
+        loss_pipeline=sum(losses) if losses else float("nan"),  # one last stage per replica
+        loss_reference=rows[0]["loss_reference"],
+        grad_diff_vision=max(r["grad_diff_vision"] for r in rows),
+        grad_diff_lm=max(r["grad_diff_lm"] for r in rows),
+        params_compared=sum(r["params_compared"] for r in rows),
+        vision_params_compared=sum(r["vision_params_compared"] for r in rows),
+        reference_grad_max_vision=max(r["reference_grad_max_vision"] for r in rows),
+        reference_grad_max_lm=max(r["reference_grad_max_lm"] for r in rows),
+        wall_pipeline_s=max(r["wall_pipeline_s"] for r in rows),
+        wall_reference_s=max(r["wall_reference_s"] for r in rows),
+        first_stage_calls=calls["first_stage_calls"] if calls["first_stage_calls"] is not None else -1,
+        expected_first_stage_calls=calls["expected_first_stage_calls"],
+        chunk_trace=list(calls["chunk_trace"] or []),
+        grad_norm_pipeline=rows[0]["grad_norm_pipeline"],
+        grad_norm_reference=rows[0]["grad_norm_reference"],
+        layer_calls=sum(r["layer_calls"] for r in rows),
+        expected_layer_calls=(
+            -1 if any(r["expected_layer_calls"] < 0 for r in rows) else sum(r["expected_layer_calls"] for r in rows)
+        ),
+        vision_layer_calls=sum(r["vision_layer_calls"] for r in rows),
+        media_rows=[row for r in rows for row in r["media_rows"]],
+    )
+
+
+def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
+    s0 = views[0]
+    owned = set().union(*(v["owned"] for v in views))
+    steps = [_merge_step(k, [v["steps"][k] for v in views]) for k in range(len(s0["steps"]))]
+    sc = s0["scenario"]
+    return ScenarioResult(
+        family=family,
+        schedule=sc["schedule"],
+        shapes=sc["shapes"],
+        fault=sc["fault"],
+        n_stages=s0["n_stages"],
+        layers_per_stage=list(s0["layers_per_stage"]),
+        steps=steps,
+        missing_params=sorted(set(s0["all_params"]) - owned),
+        dp=sc["dp"],
+        checkpointing=sc["checkpointing"],
+        dtype=sc["dtype"],
+        clip=sc["clip"],
+        layers=None if sc.get("layers") is None else list(sc["layers"]),
+        variant=sc.get("variant"),
+        stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0],
+    )
+
+
 def _merge(per_rank: list[list[dict[str, Any]]], world: int, tolerance: float, launcher: str, wall: float) -> ParityReport:
     families = []
     for f_index, base in enumerate(per_rank[0]):
-        scenarios = []
-        for s_index, s0 in enumerate(base["scenarios"]):
-            views = [per_rank[r][f_index]["scenarios"][s_index] for r in range(world)]
-            owned = set().union(*(v["owned"] for v in views))
-            missing = sorted(set(s0["all_params"]) - owned)
-            steps = []
-            for k in range(len(s0["steps"])):
-                rows = [v["steps"][k] for v in views]
-                loss = next((r["loss_pipeline"] for r in rows if r["loss_pipeline"] is not None), float("nan"))
-                calls = next((r for r in rows if r["first_stage_calls"] is not None), rows[0])
-                steps.append(
-                    StepResult(
-                        step=k,
-                        loss_pipeline=loss,
-                        loss_reference=rows[0]["loss_reference"],
-                        grad_diff_vision=max(r["grad_diff_vision"] for r in rows),
-                        grad_diff_lm=max(r["grad_diff_lm"] for r in rows),
-                        params_compared=sum(r["params_compared"] for r in rows),
-                        vision_params_compared=sum(r["vision_params_compared"] for r in rows),
-                        reference_grad_max_vision=max(r["reference_grad_max_vision"] for r in rows),
-                        reference_grad_max_lm=max(r["reference_grad_max_lm"] for r in rows),
-                        wall_pipeline_s=max(r["wall_pipeline_s"] for r in rows),
-                        wall_reference_s=max(r["wall_reference_s"] for r in rows),
-                        first_stage_calls=calls["first_stage_calls"] if calls["first_stage_calls"] is not None else -1,
-                        expected_first_stage_calls=calls["expected_first_stage_calls"],
-                        chunk_trace=list(calls["chunk_trace"] or []),
-                    )
-                )
-            sc = s0["scenario"]
-            scenarios.append(
-                ScenarioResult(
-                    family=base["family"],
-                    schedule=sc["schedule"],
-                    shapes=sc["shapes"],
-                    fault=sc["fault"],
-                    n_stages=s0["n_stages"],
-                    layers_per_stage=list(s0["layers_per_stage"]),
-                    steps=steps,
-                    missing_params=missing,
-                    layers=None if sc.get("layers") is None else list(sc["layers"]),
-                    variant=sc.get("variant"),
-                )
-            )
+        scenarios = [
+            _merge_scenario(base["family"], [per_rank[r][f_index]["scenarios"][s_index] for r in range(world)])
+            for s_index in range(len(base["scenarios"]))
+        ]
         families.append(
             FamilyReport(
                 family=base["family"],
@@ -720,17 +1016,25 @@ def run_worker(
 
     ``job`` holds ``families``, ``scenarios`` (dicts of :class:`Scenario` fields), ``steps``,
     ``n_microbatches``, ``seed`` and ``lr``. ``init_method`` is ``tcp://127.0.0.1:PORT`` or ``env://``.
+
+    With ``env://`` (torchrun) the process group is created on the first call and kept for later
+    calls in the same process (``ppmedia demo`` runs one family per call): re-creating it would
+    meet the previous incarnation's keys in torchrun's agent store, which breaks the ``dp``/``pp``
+    sub-groups. The launcher's process ends with :func:`exit_worker`. A spawned worker destroys its
+    group before returning.
     """
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     spec = _Job(**job)
     start = time.perf_counter()
-    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=60)}
-    if init_method == "env://":
-        dist.init_process_group("gloo", init_method="env://", **kwargs)
-    else:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, **kwargs)
+    keep = init_method == "env://"
+    if not (keep and dist.is_initialized()):
+        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=60)}
+        if keep:
+            dist.init_process_group("gloo", init_method="env://", **kwargs)
+        else:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, **kwargs)
     try:
         mine = [_run_family(family, spec, dist.get_rank(), dist.get_world_size()) for family in spec.families]
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -738,7 +1042,9 @@ def run_worker(
         return _merge(gathered, dist.get_world_size(), tolerance, launcher, time.perf_counter() - start)
     finally:
         gc.collect()
-        dist.destroy_process_group()
+        if not keep:
+            _GROUP_CACHE.clear()  # the sub-groups die with the process group
+            dist.destroy_process_group()
 
 
 def _spawn_entry(rank: int, world_size: int, init_method: str, job: dict[str, Any], tolerance: float, out_dir: str) -> None:
@@ -796,7 +1102,7 @@ def launched_by_torchrun() -> bool:
 
 
 def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: int, world_size: int, steps: int) -> None:
-    from ..pipeline import SCHEDULES
+    from ..pipeline import schedule_layout
     from . import tiny_models as tiny
 
     for family in families:
@@ -812,15 +1118,17 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             f"schedules need equal microbatches: use 1, 2, 4 or 8"
         )
     for sc in scenarios:
-        if sc.schedule == "interleaved" and n_microbatches % world_size:
+        if world_size % sc.dp:
+            raise ValueError(f"{sc.name}: dp {sc.dp} does not divide the {world_size} processes")
+        rows = batch_size // sc.dp if batch_size % sc.dp == 0 else 0
+        if rows == 0 or rows % n_microbatches:
             raise ValueError(
-                f"{sc.name}: Interleaved1F1B needs n_microbatches ({n_microbatches}) to be a multiple of the "
-                f"{world_size} ranks"
+                f"{sc.name}: {sc.dp} replicas of the {batch_size}-sample batch cannot each run {n_microbatches} "
+                f"equal microbatches"
             )
-        if sc.layers is not None and len(sc.layers) != world_size * SCHEDULES[sc.schedule]:
-            raise ValueError(
-                f"{sc.name}: {len(sc.layers)} layer counts for {world_size * SCHEDULES[sc.schedule]} stages"
-            )
+        n_stages = schedule_layout(sc.schedule).n_stages(world_size // sc.dp)
+        if sc.layers is not None and len(sc.layers) != n_stages:
+            raise ValueError(f"{sc.name}: {len(sc.layers)} layer counts for {n_stages} stages")
         if sc.variant == "text_only_first":
             for family in families:
                 if "text_only_first" not in inspect.signature(tiny.load(family).build_batch).parameters:
@@ -868,7 +1176,9 @@ def run_parity(
 
     if launched_by_torchrun():
         try:
-            return run_worker(int(os.environ["RANK"]), world_size, "env://", job, tolerance, launcher="torchrun")
+            nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))  # torchrun's agents (nodes)
+            launcher = f"torchrun, {nodes} nodes" if nodes > 1 else "torchrun"
+            return run_worker(int(os.environ["RANK"]), world_size, "env://", job, tolerance, launcher=launcher)
         except Exception as exc:
             raise ParityError(f"parity worker failed on rank {os.environ['RANK']}: {_root_cause(exc)}") from exc
 
@@ -900,7 +1210,7 @@ def run_parity(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ppmedia.testing.parity [FAMILY ...] [--scenario S ...] [--steps N] [--microbatches N]``.
+    """``python -m ppmedia.testing.parity [FAMILY ...] [--scenario S ...] [--steps N] [--microbatches N] [--world-size N]``.
 
     Works as a plain command (spawns the workers) and under ``torchrun --nproc-per-node 2``.
     Prints the report (rank 0 only under torchrun); exit status 0 when every scenario passed.
@@ -911,10 +1221,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m ppmedia.testing.parity", description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
-    parser.add_argument("--scenario", action="append", help="schedule[/shapes] (repeatable; default: gpipe and 1f1b, both shapes)")
+    parser.add_argument(
+        "--scenario", action="append",
+        help="schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
+    )
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     args = parser.parse_args(argv)
     report = run_parity(
         args.families,
@@ -922,6 +1237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=args.steps,
         n_microbatches=args.microbatches,
         seed=args.seed,
+        world_size=args.world_size,
     )
     if not launched_by_torchrun() or os.environ.get("RANK") == "0":
         print(report.format())
