@@ -194,7 +194,8 @@ def test_console_script_bad_arguments_no_traceback():
     result = subprocess.run([str(EXE), "demo", "--schedule", "zigzag"], capture_output=True, text=True)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == (
-        "ppmedia: error: argument --schedule: invalid choice: 'zigzag' (choose from 'gpipe', '1f1b', 'interleaved') "
+        "ppmedia: error: argument --schedule: invalid choice: 'zigzag' (choose from 'gpipe', '1f1b', 'interleaved', "
+        "'DualPipeV', 'Interleaved1F1B', 'InterleavedZeroBubble', 'LoopedBFS', 'ZBVZeroBubble') "
         "(see 'ppmedia demo --help')\n"
     )
 

@@ -249,7 +249,7 @@ def test_shard_batch_gives_each_replica_its_samples_and_only_their_media(family)
     with pytest.raises(ValueError, match="dp_rank 2; expected 0 <= dp_rank < dp_size"):
         shard_batch(batch, 2, 2, images_per_sample=images, videos_per_sample=videos)
     bad = dict(batch, extra=torch.zeros(3, 5))
-    with pytest.raises(ValueError, match=r"extra has shape \[3, 5\]; expected \[8, \.\.\.\]"):
+    with pytest.raises(ValueError, match=r"extra: shape \[3, 5\]; expected \[8, \.\.\.\]"):
         shard_batch(bad, 0, 2, images_per_sample=images, videos_per_sample=videos)
 
 
