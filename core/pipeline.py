@@ -406,9 +406,10 @@ def _stage_tree(
     everything else (the vision side) only on the first stage.
     """
     start, stop = layer_range
-    num_layers = len(lm.layers)
+    layers: Any = lm.layers
+    num_layers = len(layers)
     lm_shell = _shallow(lm, keep_members=True)
-    lm_shell._modules["layers"] = _KeptLayers({i: lm.layers[i] for i in range(start, stop)})
+    lm_shell._modules["layers"] = _KeptLayers({i: layers[i] for i in range(start, stop)})
     if not first:
         del lm_shell._modules[embed_name]
     if norm_name is not None and not last:

@@ -630,7 +630,7 @@ def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module,
     if scenario.dtype == "bfloat16":
         model.to(torch.bfloat16)
     if scenario.checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable")
         enable()
         model.train()
     tied = tied_parameters(model)
@@ -713,7 +713,7 @@ class _Probe:
             handle.remove()
 
 
-def _checkpoint_layer_class() -> type:
+def _checkpoint_layer_class() -> type[torch.nn.Module]:
     """transformers' checkpointable layer class (decoder layers and vision blocks)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -756,10 +756,9 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     losses: list[torch.Tensor] = []
     dist.barrier()
     t0 = time.perf_counter()
+    staging: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if built.first is not None:
         staging = stage_media(built.first.submod if scenario.fault == "bare_module" else built.first, staged)
-    else:
-        staging = contextlib.nullcontext()
     with staging:
         built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
     sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
@@ -852,9 +851,9 @@ def _run_scenario(
             ids, mask = batch["input_ids"], batch["attention_mask"]
             num_valid = count_valid_tokens(make_labels(ids, config, adapter, attention_mask=mask))
             media_batch = _build_batch(tiny_module, scenario, job.seed + 1000 + step) if scenario.fault == "wrong_batch" else batch
-            counts = adapter.media_counts(batch, config)
+            media_counts = adapter.media_counts(batch, config)
             local, media_local = (
-                (shard_batch(b, g.dp_rank, g.dp, **counts) for b in (batch, media_batch))
+                (shard_batch(b, g.dp_rank, g.dp, **media_counts) for b in (batch, media_batch))
                 if g.dp > 1 else (dict(batch), dict(media_batch))
             )
             losses, wall_pipeline, _ = _pipeline_step(built, scenario, g, local, media_local, num_valid, probe, adapter, config, n)
