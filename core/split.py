@@ -81,6 +81,9 @@ class StagedMedia:
         images, videos: per microbatch, its number of images and videos.
         image_rows, video_rows, crop_rows: per microbatch, its rows of ``pixel_values``,
             ``pixel_values_videos`` and ``patch_pixel_values``.
+        permutation: with ``split_media(..., balance=...)``, the reordering applied to the batch:
+            position ``i`` holds original sample ``permutation[i]`` (see :mod:`ppmedia.balance`);
+            ``None`` when not balanced.
     """
 
     n_microbatches: int
@@ -94,6 +97,7 @@ class StagedMedia:
     image_rows: tuple[int, ...]
     video_rows: tuple[int, ...]
     crop_rows: tuple[int, ...]
+    permutation: tuple[int, ...] | None = None
     chunks: dict[str, list[Tensor]] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -258,6 +262,7 @@ def split_media(
     images_per_sample: Tensor | Sequence[int] | None = None,
     videos_per_sample: Tensor | Sequence[int] | None = None,
     batch_size: int | None = None,
+    balance: Any = False,
 ) -> StagedMedia:
     """Pop the media out of ``batch`` and split them per microbatch exactly as the schedule splits rows.
 
@@ -285,6 +290,11 @@ def split_media(
         images_per_sample: ``[B]`` image counts, e.g. from an adapter's ``media_per_sample``.
         videos_per_sample: ``[B]`` video counts.
         batch_size: ``B``; by default ``batch["input_ids"].shape[0]``.
+        balance: reorder the samples so every microbatch gets a similar vision load
+            (:func:`ppmedia.balance.balanced_split`): ``True`` (cost linear in patches), a cost function
+            ``patches -> cost`` such as ``functools.partial(adapter.image_costs, config=config)``, or
+            ``[B]`` per-sample costs. The ``[B, ...]`` tensors left in ``batch`` are reordered in place
+            and the result's ``permutation`` says how; the media are copied once, in the new order.
 
     Returns:
         A :class:`StagedMedia` of views. All integer metadata needed (counts, grids, ``num_patches``) is
@@ -301,6 +311,11 @@ def split_media(
         raise ValueError(f"n_microbatches: got {n_microbatches}; expected an int >= 1")
     if type(batch) is not dict and not isinstance(batch, MutableMapping):  # dict first: the ABC check is slow
         raise TypeError(f"batch: got {type(batch).__name__}; expected a mutable mapping of str to tensors")
+    if balance is not False and balance is not None:
+        from .balance import balanced_split
+
+        return balanced_split(batch, n_microbatches, balance, images_per_sample=images_per_sample,
+                              videos_per_sample=videos_per_sample, batch_size=batch_size)
 
     media: dict[str, Tensor] = {}
     for key in _MEDIA_KEY_SET.intersection(batch):

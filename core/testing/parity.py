@@ -88,11 +88,14 @@ class Scenario:
         shapes: ``inferred`` (the schedule infers shapes on the first step) or ``static``
             (``input_args``/``output_args`` on every stage).
         fault: ``None``, or one of :data:`FAULTS` to break the run on purpose.
+        balance: reorder the samples for an even vision load (``split_media(balance=...)`` with the
+            adapter's ``image_costs``); the reference still runs the original order.
     """
 
     schedule: str
     shapes: str = "inferred"
     fault: str | None = None
+    balance: bool = False
 
     def __post_init__(self) -> None:
         from ..pipeline import SCHEDULES
@@ -106,8 +109,8 @@ class Scenario:
 
     @property
     def name(self) -> str:
-        """``schedule/shapes`` (plus ``/fault``)."""
-        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []))
+        """``schedule/shapes`` (plus ``/fault``, ``/balanced``)."""
+        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []) + (["balanced"] if self.balance else []))
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -126,9 +129,11 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
             out.append(spec)
             continue
         parts = str(spec).replace(":", "/").split("/")
+        balance = "balanced" in parts[1:]
+        parts = [parts[0]] + [p for p in parts[1:] if p != "balanced"]
         if not 1 <= len(parts) <= 3:
-            raise ValueError(f"scenario {spec!r}: expected schedule[/shapes[/fault]]")
-        out.append(Scenario(*parts))
+            raise ValueError(f"scenario {spec!r}: expected schedule[/shapes[/fault]][/balanced]")
+        out.append(Scenario(*parts, balance=balance))
     return out
 
 
@@ -216,10 +221,11 @@ class ScenarioResult:
     layers_per_stage: list[int]
     steps: list[StepResult]
     missing_params: list[str] = field(default_factory=list)
+    balance: bool = False
 
     @property
     def name(self) -> str:
-        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []))
+        return "/".join([self.schedule, self.shapes] + ([self.fault] if self.fault else []) + (["balanced"] if self.balance else []))
 
     @property
     def max_loss_diff(self) -> float:
@@ -354,6 +360,18 @@ def _split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> Any:
     return split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
 
 
+def _balanced_split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> tuple[dict[str, Any], Any]:
+    """The batch reordered by ``split_media(balance=adapter's image_costs)``, and its split."""
+    import functools
+
+    from ..split import split_media
+
+    work = dict(batch)
+    images, videos = adapter.media_per_sample(work["input_ids"], config)
+    cost = functools.partial(adapter.image_costs, config=config)
+    return work, split_media(work, n, images_per_sample=images, videos_per_sample=videos, balance=cost)
+
+
 def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> list[MicrobatchInfo]:
     ids = batch["input_ids"]
     staged = _split(adapter, config, dict(batch), n)
@@ -485,12 +503,13 @@ def _run_scenario(
     try:
         for step in range(job.steps):
             batch = tiny_module.build_batch(job.seed + step)
-            ids, mask = batch["input_ids"], batch["attention_mask"]
+            work, balanced = _balanced_split(adapter, config, batch, n) if scenario.balance else (batch, None)
+            ids, mask = work["input_ids"], work["attention_mask"]
             labels = make_labels(ids, config, adapter, attention_mask=mask)
-            targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
+            targets = make_labels(batch["input_ids"], config, adapter, attention_mask=batch["attention_mask"], shift=False)
             num_valid = count_valid_tokens(labels)
             media_batch = tiny_module.build_batch(job.seed + 1000 + step) if scenario.fault == "wrong_batch" else batch
-            staged = _split(adapter, config, dict(media_batch), n)
+            staged = balanced or _split(adapter, config, dict(media_batch), n)
             current.update(input_ids=ids, samples=staged.samples)
             trace.clear()
 
@@ -638,6 +657,7 @@ def _merge(per_rank: list[list[dict[str, Any]]], world: int, tolerance: float, l
                     layers_per_stage=list(s0["layers_per_stage"]),
                     steps=steps,
                     missing_params=missing,
+                    balance=sc.get("balance", False),
                 )
             )
         families.append(
