@@ -1,0 +1,335 @@
+"""Balancing benchmark: real 2-process pipelines on a skewed batch, balanced vs as-is, A/B alternated.
+
+Model: the tiny Qwen2.5-VL with a heavier vision tower (depth 4, hidden 64), so that the vision
+encoder dominates the first stage. Batch: 8 samples, ``S = 80``; the skewed batch has all 8 images
+(8x8 patches each, 16 tokens) in samples 0-1 (the first quarter), the even batch one image per
+sample. 2 stages (gloo on 127.0.0.1, one thread per process), 4 microbatches.
+
+Per schedule (1F1B, GPipe) the arms alternate step by step, their order flipped every pair
+(ABBA...): ``skewed`` (the batch as it is), ``balanced`` (``split_media(balance=adapter cost)``,
+heaviest microbatch first), and for 1F1B ``balanced_heavy_last``. The even batch runs 1F1B as-is vs
+balanced. Every step records each stage's ``forward_one_chunk`` / ``backward_one_chunk`` times; the
+simulator (:mod:`ppmedia.simulate`) replays each arm from its own median per-operation costs, and
+the planner predicts the balanced step from the skewed run's calibration and the balanced loads alone.
+
+Quietness: rank 0 reads ``/proc/stat`` around the measured window and subtracts the CPU time of the
+two workers (``getrusage``): the rest is what other processes used. More than ``--max-foreign`` cores
+(default 0.25), or a 1-minute load average above 0.5 before the start, marks the run unquiet.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+N_MICROBATCHES = 4
+SEQ_LEN = 80
+GRID = (1, 8, 8)  # 64 patches, 16 tokens
+
+
+def build_config() -> Any:
+    from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
+
+    config = tiny.build_config()
+    vision = config.vision_config
+    vision.depth, vision.hidden_size, vision.intermediate_size, vision.num_heads = 4, 64, 256, 4
+    vision.fullatt_block_indexes = [1, 3]
+    return config
+
+
+def build_batch(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``skewed``: 4 images in each of samples 0 and 1; ``even``: one image per sample."""
+    from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
+
+    gen = torch.Generator().manual_seed(seed)
+    images = {0: 4, 1: 4} if kind == "skewed" else {s: 1 for s in range(8)}
+    tokens = GRID[0] * GRID[1] * GRID[2] // 4
+    ids = torch.full((8, SEQ_LEN), tiny.PAD_TOKEN_ID, dtype=torch.long)
+    for s in range(8):
+        row = [tiny.BOS_TOKEN_ID]
+        for _ in range(images.get(s, 0)):
+            row += [tiny.VISION_START_TOKEN_ID] + [tiny.IMAGE_TOKEN_ID] * tokens + [tiny.VISION_END_TOKEN_ID]
+        row += torch.randint(10, 128, (SEQ_LEN - 1 - len(row),), generator=gen).tolist() + [tiny.EOS_TOKEN_ID]
+        ids[s] = torch.tensor(row)
+    n_images = sum(images.values())
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(n_images * GRID[0] * GRID[1] * GRID[2], tiny.PATCH_DIM, generator=gen),
+        "image_grid_thw": torch.tensor([GRID] * n_images, dtype=torch.long),
+    }
+
+
+def _cpu_busy() -> float:
+    """Seconds of CPU time used by everything on the machine so far (``/proc/stat``)."""
+    with open("/proc/stat") as fh:
+        fields = [float(v) for v in fh.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class _OpTimer:
+    """Wraps a ``PipelineStage``'s ``forward_one_chunk`` / ``backward_one_chunk`` to time each call."""
+
+    def __init__(self, stage: Any) -> None:
+        self.forward: dict[int, float] = {}
+        self.backward: dict[int, float] = {}
+        for name, store in (("forward_one_chunk", self.forward), ("backward_one_chunk", self.backward)):
+            original = getattr(stage, name)
+
+            def timed(mb: int, *args: Any, _original: Any = original, _store: dict = store, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _original(mb, *args, **kwargs)
+                finally:
+                    _store[mb] = time.perf_counter() - t0
+
+            setattr(stage, name, timed)
+
+    def take(self) -> tuple[list[float], list[float]]:
+        out = ([self.forward.get(m, 0.0) for m in range(N_MICROBATCHES)],
+               [self.backward.get(m, 0.0) for m in range(N_MICROBATCHES)])
+        self.forward.clear()
+        self.backward.clear()
+        return out
+
+
+def _prepare(kind: str, arm: str, adapter: Any, config: Any) -> dict[str, Any]:
+    """The batch of ``kind`` split for ``arm``, with labels and per-microbatch vision loads."""
+    from ppmedia import split_media
+    from ppmedia.balance import balanced_split, microbatch_loads, sample_costs
+    from ppmedia.pipeline import count_valid_tokens, make_labels
+
+    batch = build_batch(kind)
+    cost = functools.partial(adapter.image_costs, config=config)
+    images, videos = adapter.media_per_sample(batch["input_ids"], config)
+    per_sample = split_media(dict(batch), 8, images_per_sample=images, videos_per_sample=videos)
+    costs = sample_costs(per_sample, per_sample.tensors, cost) / 1e6  # MFLOP
+    order = "heavy_last" if arm == "balanced_heavy_last" else "heavy_first"
+    if arm == "skewed":
+        permutation = list(range(8))
+        staged = split_media(batch, N_MICROBATCHES, images_per_sample=images, videos_per_sample=videos)
+    else:
+        staged = balanced_split(batch, N_MICROBATCHES, cost, images_per_sample=images, videos_per_sample=videos,
+                                order=order)
+        permutation = list(staged.permutation)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    labels = make_labels(ids, config, adapter, attention_mask=mask)
+    return {"ids": ids, "mask": mask, "labels": labels, "num_valid": count_valid_tokens(labels), "staged": staged,
+            "loads": microbatch_loads(costs, N_MICROBATCHES, permutation), "permutation": permutation}
+
+
+def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from ppmedia import get_adapter, stage_media
+    from ppmedia.pipeline import build_schedule, make_pipeline_stages
+    from ppmedia.testing.parity import exit_worker
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        config = build_config()
+        model = Qwen2_5_VLForConditionalGeneration(config).float()
+        adapter = get_adapter(config)
+        results: dict[str, Any] = {"arms": {}}
+        for plan in job["plans"]:
+            stages = make_pipeline_stages(model, 2, [rank], "cpu", static_microbatch=(8 // N_MICROBATCHES, SEQ_LEN))
+            stage = stages[0]
+            schedule = build_schedule(plan["schedule"], stages, N_MICROBATCHES)
+            timer = _OpTimer(stage)
+            arms = {arm: _prepare(plan["batch"], arm, adapter, config) for arm in plan["arms"]}
+
+            def step(arm: str) -> tuple[float, list[float], list[float]]:
+                data = arms[arm]
+                dist.barrier()
+                t0 = time.perf_counter()
+                losses: list[torch.Tensor] = []
+                if stage.is_first:
+                    with stage_media(stage, data["staged"]):
+                        schedule.step(data["ids"], data["mask"], target=data["labels"], losses=losses,
+                                      loss_kwargs={"num_valid_tokens": data["num_valid"]})
+                else:
+                    schedule.step(data["ids"], data["mask"], target=data["labels"], losses=losses,
+                                  loss_kwargs={"num_valid_tokens": data["num_valid"]})
+                wall = time.perf_counter() - t0
+                for p in stage.submod.parameters():
+                    p.grad = None
+                fwd, bwd = timer.take()
+                return wall, fwd, bwd
+
+            for _ in range(job["warmup"]):
+                for arm in plan["arms"]:
+                    step(arm)
+            dist.barrier()
+            busy0, own0, t_start = _cpu_busy(), _own_cpu(), time.perf_counter()
+            records: dict[str, list[Any]] = {arm: [] for arm in plan["arms"]}
+            for rep in range(job["pairs"]):
+                order = plan["arms"] if rep % 2 == 0 else list(reversed(plan["arms"]))
+                for arm in order:
+                    records[arm].append(step(arm))
+            window = time.perf_counter() - t_start
+            own = torch.tensor([_own_cpu() - own0])
+            dist.all_reduce(own)
+            busy = _cpu_busy() - busy0
+            gathered: list[Any] = [None, None]
+            dist.all_gather_object(gathered, records)
+            if rank == 0:
+                for arm in plan["arms"]:
+                    walls = [max(gathered[r][arm][i][0] for r in range(2)) for i in range(job["pairs"])]
+                    results["arms"][f"{plan['name']}/{arm}"] = {
+                        "walls": walls,
+                        "forward": [[gathered[r][arm][i][1] for i in range(job["pairs"])] for r in range(2)],
+                        "backward": [[gathered[r][arm][i][2] for i in range(job["pairs"])] for r in range(2)],
+                        "loads": arms[arm]["loads"],
+                        "permutation": arms[arm]["permutation"],
+                    }
+                results.setdefault("windows", []).append(
+                    {"plan": plan["name"], "seconds": window, "foreign_cores": max(0.0, busy - float(own)) / window}
+                )
+        if rank == 0:
+            with open(os.path.join(out_dir, "balance.json"), "w") as fh:
+                json.dump(results, fh)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    exit_worker(0)
+
+
+PLANS = [
+    {"name": "1f1b", "schedule": "1f1b", "batch": "skewed", "arms": ["skewed", "balanced", "balanced_heavy_last"]},
+    {"name": "gpipe", "schedule": "gpipe", "batch": "skewed", "arms": ["skewed", "balanced"]},
+    {"name": "1f1b-even", "schedule": "1f1b", "batch": "even", "arms": ["skewed", "balanced"]},
+]
+
+
+def run(pairs: int = 16, warmup: int = 2) -> dict[str, Any]:
+    """Spawn the two workers, run every plan, return the raw results plus the loadavg before."""
+    import torch.multiprocessing as mp
+    from ppmedia.testing.parity import _free_port
+
+    load_before = os.getloadavg()[0]
+    job = {"plans": PLANS, "pairs": pairs, "warmup": warmup}
+    with tempfile.TemporaryDirectory(prefix="ppmedia-balance-") as out_dir:
+        mp.spawn(_worker, args=(f"tcp://127.0.0.1:{_free_port()}", job, out_dir), nprocs=2, join=True)
+        with open(os.path.join(out_dir, "balance.json")) as fh:
+            results = json.load(fh)
+    results["loadavg_before"] = load_before
+    results["pairs"] = pairs
+    return results
+
+
+def _median_matrix(per_rank: list[list[list[float]]]) -> list[list[float]]:
+    """``[stage][microbatch]`` medians over the steps (rank r runs stage r)."""
+    return [[statistics.median(step[m] for step in rank) for m in range(N_MICROBATCHES)] for rank in per_rank]
+
+
+def analyse(results: dict[str, Any], max_foreign: float = 0.25) -> dict[str, Any]:
+    """Ratios (median of per-pair ratios), simulator predictions, quietness verdict."""
+    from ppmedia.simulate import fit_calibration, predict, simulate
+
+    arms = results["arms"]
+    out: dict[str, Any] = {"comparisons": [], "arms": {}}
+    for name, arm in arms.items():
+        fwd, bwd = _median_matrix(arm["forward"]), _median_matrix(arm["backward"])
+        schedule = name.split("/")[0].replace("-even", "")
+        sim = simulate(schedule, fwd, bwd)
+        walls = arm["walls"]
+        out["arms"][name] = {
+            "median_s": statistics.median(walls), "spread": (max(walls) - min(walls)) / statistics.median(walls),
+            "forward_ms": [[round(v * 1e3, 1) for v in row] for row in fwd],
+            "backward_ms": [[round(v * 1e3, 1) for v in row] for row in bwd],
+            "simulated_s": sim.step_time, "bubble": sim.bubble, "loads": arm["loads"],
+        }
+    for plan, base, other in (("1f1b", "skewed", "balanced"), ("1f1b", "skewed", "balanced_heavy_last"),
+                              ("gpipe", "skewed", "balanced"), ("1f1b-even", "skewed", "balanced")):
+        a, b = arms[f"{plan}/{base}"], arms[f"{plan}/{other}"]
+        ratios = [y / x for x, y in zip(a["walls"], b["walls"])]
+        sa, sb = out["arms"][f"{plan}/{base}"], out["arms"][f"{plan}/{other}"]
+        schedule = plan.replace("-even", "")
+        calibration = fit_calibration(_median_matrix(a["forward"]), _median_matrix(a["backward"]), a["loads"],
+                                      step_time=sa["median_s"], schedule=schedule)
+        planned = predict(schedule, b["loads"], calibration).step_time / predict(schedule, a["loads"], calibration).step_time
+        out["comparisons"].append({
+            "plan": plan, "arm": other, "ratio": statistics.median(ratios), "pairs": len(ratios),
+            "simulated_ratio": sb["simulated_s"] / sa["simulated_s"], "planned_ratio": planned,
+        })
+    foreign = max(w["foreign_cores"] for w in results["windows"])
+    reasons = []
+    if results["loadavg_before"] > 0.5:
+        reasons.append(f"1-min load average {results['loadavg_before']:.2f} before the start")
+    if foreign > max_foreign:
+        reasons.append(f"other processes used {foreign:.2f} cores during the runs")
+    out["foreign_cores"] = foreign
+    out["unquiet"] = reasons
+    return out
+
+
+def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = False) -> str:
+    """The tables and the final ``balance: ...`` line."""
+    lines = [f"6. balancing: 2-process pipelines on a skewed batch (B=8, n={N_MICROBATCHES}, 2 stages, "
+             f"{results['pairs']} alternated repetitions per arm; median step ms)"]
+    header = ("run", "median ms", "spread", "stage-0 fwd ms per mb", "stage-0 bwd ms per mb", "vision MFLOP per mb",
+              "simulated ms", "bubble")
+    rows = []
+    for name, arm in analysis["arms"].items():
+        rows.append((name, f"{arm['median_s'] * 1e3:.1f}", f"{arm['spread']:.2f}",
+                     " ".join(f"{v:.0f}" for v in arm["forward_ms"][0]),
+                     " ".join(f"{v:.0f}" for v in arm["backward_ms"][0]),
+                     " ".join(f"{v:.1f}" for v in arm["loads"]), f"{arm['simulated_s'] * 1e3:.1f}", f"{arm['bubble']:.2f}"))
+    from ppmedia.tables import format_table
+
+    lines.append(format_table(header, rows))
+    lines.append("")
+    rows = [(c["plan"], f"{c['arm']}/skewed", f"{c['ratio']:.3f}", c["pairs"], f"{c['simulated_ratio']:.3f}",
+             f"{c['simulated_ratio'] - c['ratio']:+.3f}", f"{c['planned_ratio']:.3f}") for c in analysis["comparisons"]]
+    lines.append(format_table(("schedule", "ratio", "measured", "pairs", "simulated", "sim - measured",
+                               "planner (skewed calibration)"), rows))
+    lines.append(f"other processes' CPU during the runs: {analysis['foreign_cores']:.2f} cores; "
+                 f"load average before: {results['loadavg_before']:.2f}")
+    main = analysis["comparisons"][0]
+    if analysis["unquiet"] and not force:
+        lines.append("balance: balanced/skewed step time = n/a (machine unquiet: " + "; ".join(analysis["unquiet"])
+                     + "; rerun on a quiet machine, or --force)")
+    else:
+        flag = f" [unquiet: {'; '.join(analysis['unquiet'])}]" if analysis["unquiet"] else ""
+        lines.append(f"balance: balanced/skewed step time = {main['ratio']:.2f} (median of {main['pairs']} pairs){flag}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python tests/bench/balance_bench.py [--pairs N] [--force] [--out FILE]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="ppmedia balancing benchmark")
+    parser.add_argument("--pairs", type=int, default=16)
+    parser.add_argument("--force", action="store_true", help="print the ratio even on an unquiet machine")
+    parser.add_argument("--out", help="write the raw results and analysis as JSON")
+    args = parser.parse_args(argv)
+    results = run(args.pairs)
+    analysis = analyse(results)
+    print(report(results, analysis, args.force))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"raw": results, "analysis": analysis}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
