@@ -1,4 +1,4 @@
-"""The ``ppmedia`` command line: ``demo``, ``adapters``, ``inspect``.
+"""The ``ppmedia`` command line: ``demo``, ``adapters``, ``inspect``, ``plan``.
 
 Bad arguments and bad files end with a one-line ``ppmedia: error: ...`` and a non-zero exit status,
 never a traceback.
@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--model-type", help="model type of the adapter to count placeholders with")
     inspect.add_argument("--config", help="model config.json (default: config.json beside FILE, if any)")
     inspect.set_defaults(func=cmd_inspect)
+
+    from .plan import add_parser as add_plan_parser  # ppmedia plan (core/plan.py)
+
+    add_plan_parser(sub)
     return parser
 
 
