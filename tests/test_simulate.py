@@ -65,3 +65,27 @@ def test_bad_costs_are_refused():
         simulate("1f1b", [[1, 1], [1, 1]], [[1, 1]])
     with pytest.raises(ValueError, match="finite"):
         simulate("gpipe", [[1, -1]])
+
+
+def test_plan_command_prints_loads_and_both_predictions(capsys, tmp_path):
+    import json
+    import pathlib
+
+    from ppmedia.cli import main
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "fixtures/qwen2_5_vl/inputs.safetensors"
+    assert main(["plan", str(path), "--microbatches", "4", "--stages", "2", "--schedule", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2_5_vl encoder cost" in out and "1f1b" in out and "gpipe" in out and "uncalibrated" in out
+    row = next(line for line in out.splitlines() if line.startswith("1f1b"))
+    ratio = float(row.split()[-1])
+    assert ratio < 1.0  # the fixture batch has a text-only microbatch: balancing shortens the 1F1B step
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({"text_forward": [10.0, 30.0], "vision_per_unit": 5.0,
+                                       "backward_ratio": [2.0, 2.0], "latency": 0.5}))
+    assert main(["plan", str(path), "--microbatches", "4", "--stages", "2", "--calibration", str(calibration)]) == 0
+    assert "step (ms)" in capsys.readouterr().out
+    assert main(["plan", str(path), "--microbatches", "4", "--stages", "3", "--calibration", str(calibration)]) == 1
+    assert "calibrated for 2 stages" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path / "missing.pt"), "--microbatches", "4", "--stages", "2"]) == 1
+    assert capsys.readouterr().err.count("\n") == 1

@@ -245,6 +245,16 @@ def _run_balance(args: argparse.Namespace, targets: list[dict[str, Any]] | None)
     text = balance_bench.report(raw, analysis, args.force)
     body, _, last = text.rpartition("\n")
     print(body)
+    study = balance_bench.random_batches_study(60 if args.quick else 300)
+    analysis["random_batches"] = study
+    print()
+    print(_table(
+        "6b. simulated balanced/plain step time on random batches (1F1B; 60% text-only samples, 1-3 images of "
+        "256-4096 patches, Qwen2.5-VL-7B encoder cost; bucketed = image samples first)",
+        ["stages", "microbatches", "samples/mb", "random median", "random p10", "bucketed median", "bucketed p10"],
+        [[r["stages"], r["microbatches"], r["per_microbatch"], f"{r['random_median']:.3f}", f"{r['random_p10']:.3f}",
+          f"{r['bucketed_median']:.3f}", f"{r['bucketed_p10']:.3f}"] for r in study],
+    ))
     for c in analysis["comparisons"]:
         limit = 0.90 if (c["plan"], c["arm"]) == ("1f1b", "balanced") else (1.01 if c["arm"] == "balanced" else None)
         if limit is not None and targets is not None:
