@@ -1,8 +1,9 @@
 """Balancing benchmark: real 2-process pipelines on a skewed batch, balanced vs as-is, A/B alternated.
 
-Model: the tiny Qwen2.5-VL with a heavier vision tower (depth 4, hidden 64) and a text model of 4
-decoder layers (hidden 128), split 1 + 3 over the 2 stages, so that the first stage (vision + 1 layer)
-and the second (3 layers + head) do similar work per step. Batch: 8 samples, ``S = 80``; the skewed batch has all 8 images
+Model: the tiny Qwen2.5-VL with a heavier vision tower (depth 4, hidden 128, full attention in 2 of
+the 4 layers) and a text model of 3 decoder layers (hidden 256), split 1 + 2 over the 2 stages, so that
+the first stage (vision + 1 layer) and the second (2 layers + head) do similar work per step: a
+partition a user would choose. Batch: 8 samples, ``S = 80``; the skewed batch has all 8 images
 (8x8 patches each, 16 tokens) in samples 0-1 (the first quarter), the even batch one image per
 sample. 2 stages (gloo on 127.0.0.1, one thread per process), 4 microbatches.
 
@@ -35,7 +36,7 @@ import torch
 N_MICROBATCHES = 4
 #: decoder layers per stage: the first stage also runs the vision encoder, so it gets fewer (a
 #: partition a user would choose to even out the stages' total work).
-LM_LAYERS = (1, 3)
+LM_LAYERS = (1, 2)
 SEQ_LEN = 80
 GRID = (1, 8, 8)  # 64 patches, 16 tokens
 
@@ -46,15 +47,15 @@ def build_config() -> Any:
     from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
 
     text = {
-        "vocab_size": 128, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": sum(LM_LAYERS),
+        "vocab_size": 128, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": sum(LM_LAYERS),
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 12, 12]},
         "pad_token_id": tiny.PAD_TOKEN_ID, "bos_token_id": tiny.BOS_TOKEN_ID, "eos_token_id": tiny.EOS_TOKEN_ID,
     }
     vision = {
-        "depth": 4, "hidden_size": 64, "intermediate_size": 256, "num_heads": 4, "in_channels": 3,
+        "depth": 4, "hidden_size": 128, "intermediate_size": 512, "num_heads": 4, "in_channels": 3,
         "patch_size": tiny.PATCH_SIZE, "temporal_patch_size": tiny.TEMPORAL_PATCH_SIZE, "spatial_merge_size": tiny.MERGE,
-        "window_size": 16, "out_hidden_size": 128, "fullatt_block_indexes": [1, 3],
+        "window_size": 16, "out_hidden_size": 256, "fullatt_block_indexes": [1, 3],
     }
     return Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=tiny.IMAGE_TOKEN_ID, video_token_id=tiny.VIDEO_TOKEN_ID,
