@@ -246,7 +246,17 @@ def sample_costs(per_sample: Any, pixel_tensors: dict[str, Tensor], image_cost: 
     videos their rows per video; Step3 crops one sequence per crop. No host read (shapes and the split's
     host counts only).
     """
-    cost = image_cost or (lambda p: np.asarray(p, dtype=np.float64))
+    def cost(patches: np.ndarray) -> np.ndarray:
+        if image_cost is None:
+            return patches.astype(np.float64)
+        values = np.asarray(image_cost(patches), dtype=np.float64)
+        if values.shape != patches.shape:
+            raise ValueError(
+                f"balance: the cost function returned shape {list(values.shape)} for {patches.size} "
+                f"sequences; expected [{patches.size}] (one cost per image, video or crop)"
+            )
+        return values
+
     B = per_sample.n_microbatches
     total = np.zeros(B, dtype=np.float64)
 
@@ -348,6 +358,13 @@ def balanced_split(
     """
     from .split import MEDIA_KEYS, StagedMedia, microbatch_bounds, split_media
 
+    if isinstance(balance, (str, bytes)) or not (
+        balance is True or callable(balance) or isinstance(balance, (Sequence, np.ndarray, Tensor))
+    ):
+        raise TypeError(
+            f"balance: got {type(balance).__name__}; expected True, a cost function patches -> costs, "
+            f"or [B] per-sample costs"
+        )
     kwargs = dict(images_per_sample=images_per_sample, videos_per_sample=videos_per_sample, batch_size=batch_size)
     B = _batch_size(batch, batch_size)
     if B is None or B <= 1 or n_microbatches == 1:
@@ -355,8 +372,9 @@ def balanced_split(
         staged.permutation = tuple(range(staged.batch_size))
         return staged
     row_keys = _row_keys(batch, frozenset(MEDIA_KEYS), B)
+    work = dict(batch)  # the batch itself changes only once everything below has succeeded
     try:
-        per_sample = split_media(batch, B, **kwargs)
+        per_sample = split_media(work, B, **kwargs)
     except ValueError:
         split_media(dict(batch), n_microbatches, **kwargs)  # the same error, worded for n microbatches
         raise
@@ -386,6 +404,8 @@ def balanced_split(
         ranges["num_patches"] = tuple(
             (a, b) if images[k] or crop_rows[k] else (a, a) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))
         )
+    for key in set(batch).difference(work):  # the media keys the split popped
+        del batch[key]
     if permutation != list(range(B)):
         index = torch.as_tensor(permutation, dtype=torch.int64)
         for key in row_keys:

@@ -213,3 +213,20 @@ def test_balanced_pipelines_equal_the_unbalanced_run_for_every_family():
             for a, b in zip(plain.steps, balanced.steps):
                 assert abs(a.loss_pipeline - b.loss_pipeline) <= 1e-5
                 assert b.reference_grad_max_vision > 1e-4 and b.params_compared == a.params_compared
+
+
+@pytest.mark.parametrize(
+    "balance,error,match",
+    [
+        ("yes", TypeError, "balance: got str"),
+        (lambda p: p[:1], ValueError, r"the cost function returned shape \[1\] for 2 sequences"),
+        (lambda p: p * float("nan"), ValueError, "expected a finite cost"),
+    ],
+)
+def test_bad_balance_arguments_leave_the_batch_untouched(balance, error, match):
+    batch = {"input_ids": torch.arange(4)[:, None], "pixel_values": torch.randn(8, 6),
+             "image_grid_thw": torch.tensor([[1, 2, 2], [1, 1, 4]])}
+    before = dict(batch)
+    with pytest.raises(error, match=match):
+        split_media(batch, 2, images_per_sample=[1, 1, 0, 0], balance=balance)
+    assert batch.keys() == before.keys() and all(batch[k] is before[k] for k in batch)
