@@ -14,9 +14,10 @@ balanced. Every step records each stage's ``forward_one_chunk`` / ``backward_one
 simulator (:mod:`ppmedia.simulate`) replays each arm from its own median per-operation costs, and
 the planner predicts the balanced step from the skewed run's calibration and the balanced loads alone.
 
-Quietness: rank 0 reads ``/proc/stat`` around the measured window and subtracts the CPU time of the
-two workers (``getrusage``): the rest is what other processes used. More than ``--max-foreign`` cores
-(default 0.25), or a 1-minute load average above 0.5 before the start, marks the run unquiet.
+Quietness: rank 0 reads ``/proc/stat`` around each measured window and subtracts the CPU time of the
+two workers (``getrusage``): the rest is what other processes used. The parent does the same over one
+idle second before spawning. More than 0.25 cores used by others in either marks the run unquiet (the
+load average is printed for information only: the sections of ``make bench`` before this one raise it).
 """
 
 from __future__ import annotations
@@ -242,12 +243,16 @@ def run(pairs: int = 16, warmup: int = 2) -> dict[str, Any]:
     from ppmedia.testing.parity import _free_port
 
     load_before = os.getloadavg()[0]
+    busy0, t0 = _cpu_busy(), time.perf_counter()
+    time.sleep(1.0)  # this process idles: whatever runs now is someone else's
+    foreign_before = (_cpu_busy() - busy0) / (time.perf_counter() - t0)
     job = {"plans": PLANS, "pairs": pairs, "warmup": warmup}
     with tempfile.TemporaryDirectory(prefix="ppmedia-balance-") as out_dir:
         mp.spawn(_worker, args=(f"tcp://127.0.0.1:{_free_port()}", job, out_dir), nprocs=2, join=True)
         with open(os.path.join(out_dir, "balance.json")) as fh:
             results = json.load(fh)
     results["loadavg_before"] = load_before
+    results["foreign_cores_before"] = foreign_before
     results["pairs"] = pairs
     return results
 
@@ -298,8 +303,8 @@ def analyse(results: dict[str, Any], max_foreign: float = 0.25) -> dict[str, Any
                                   "backward_ratio": calibration.backward_ratio, "latency": calibration.latency * 1e3}
     foreign = max(w["foreign_cores"] for w in results["windows"])
     reasons = []
-    if results["loadavg_before"] > 0.5:
-        reasons.append(f"1-min load average {results['loadavg_before']:.2f} before the start")
+    if results["foreign_cores_before"] > max_foreign:
+        reasons.append(f"other processes used {results['foreign_cores_before']:.2f} cores just before the start")
     if foreign > max_foreign:
         reasons.append(f"other processes used {foreign:.2f} cores during the runs")
     out["foreign_cores"] = foreign
@@ -330,8 +335,8 @@ def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = Fals
                                "planner (skewed calibration)", "fitted latency ms"), rows))
     lines.append("simulated: each arm's own median per-operation times, send latency fitted on the skewed arm; "
                  "planner: the skewed arm's calibration and the balanced vision loads only")
-    lines.append(f"other processes' CPU during the runs: {analysis['foreign_cores']:.2f} cores; "
-                 f"load average before: {results['loadavg_before']:.2f}")
+    lines.append(f"other processes' CPU: {results['foreign_cores_before']:.2f} cores in the second before, "
+                 f"{analysis['foreign_cores']:.2f} during the runs; 1-min load average before: {results['loadavg_before']:.2f}")
     main = analysis["comparisons"][0]
     if analysis["unquiet"] and not force:
         lines.append("balance: balanced/skewed step time = n/a (machine unquiet: " + "; ".join(analysis["unquiet"])
