@@ -237,6 +237,28 @@ PLANS = [
 ]
 
 
+def split_overhead(repeats: int = 200) -> dict[str, float]:
+    """Median microseconds of ``split_media`` on the skewed batch, plain vs balanced (alternated, one
+    thread): what balancing adds to the producer per batch (the costs, the assignment, the copies)."""
+    from ppmedia import get_adapter, split_media
+
+    torch.set_num_threads(1)
+    config = build_config()
+    adapter = get_adapter(config)
+    cost = functools.partial(adapter.image_costs, config=config)
+    source = build_batch("skewed")
+    images, videos = adapter.media_per_sample(source["input_ids"], config)
+    times: dict[str, list[float]] = {"plain": [], "balanced": []}
+    for _ in range(repeats):
+        for arm in times:
+            batch = dict(source)
+            t0 = time.perf_counter()
+            split_media(batch, N_MICROBATCHES, images_per_sample=images, videos_per_sample=videos,
+                        balance=cost if arm == "balanced" else False)
+            times[arm].append(time.perf_counter() - t0)
+    return {arm: statistics.median(v) * 1e6 for arm, v in times.items()}
+
+
 def run(pairs: int = 16, warmup: int = 2) -> dict[str, Any]:
     """Spawn the two workers, run every plan, return the raw results plus the loadavg before."""
     import torch.multiprocessing as mp
@@ -252,6 +274,7 @@ def run(pairs: int = 16, warmup: int = 2) -> dict[str, Any]:
         with open(os.path.join(out_dir, "balance.json")) as fh:
             results = json.load(fh)
     results["loadavg_before"] = load_before
+    results["split_us"] = split_overhead()
     results["foreign_cores_before"] = foreign_before
     results["pairs"] = pairs
     return results
@@ -337,6 +360,9 @@ def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = Fals
                  "planner: the skewed arm's calibration and the balanced vision loads only")
     lines.append(f"other processes' CPU: {results['foreign_cores_before']:.2f} cores in the second before, "
                  f"{analysis['foreign_cores']:.2f} during the runs; 1-min load average before: {results['loadavg_before']:.2f}")
+    split = results["split_us"]
+    lines.append(f"producer cost per batch (split_media, median): plain {split['plain']:.0f} us, balanced "
+                 f"{split['balanced']:.0f} us (costs, assignment, one copy of each media tensor and the text rows)")
     main = analysis["comparisons"][0]
     if analysis["unquiet"] and not force:
         lines.append("balance: balanced/skewed step time = n/a (machine unquiet: " + "; ".join(analysis["unquiet"])
