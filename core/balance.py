@@ -19,6 +19,7 @@ layers over a window only).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from typing import Any, Callable, MutableMapping, Sequence, Union
@@ -354,7 +355,9 @@ def balanced_split(
     chunks are views of these reordered tensors) and every ``[B, ...]`` tensor and length-``B`` list
     left in ``batch`` (in place), and returns the :class:`~ppmedia.StagedMedia` of the reordered batch
     with ``permutation`` set. A ``[B]`` cost sequence skips the cost model. No tensor is copied when the
-    permutation is the identity.
+    permutation is the identity. Image-major layouts count ``H * W / patch_size^2`` patches per image:
+    ``patch_size`` defaults to the vision patch size of the ``config`` of a
+    ``functools.partial(adapter.image_costs, config=config)`` cost, else to pixels.
     """
     from .split import MEDIA_KEYS, StagedMedia, microbatch_bounds, split_media
 
@@ -378,6 +381,9 @@ def balanced_split(
     except ValueError:
         split_media(dict(batch), n_microbatches, **kwargs)  # the same error, worded for n microbatches
         raise
+    if patch_size is None and isinstance(balance, functools.partial):  # partial(adapter.image_costs, config=...)
+        config = balance.keywords.get("config")
+        patch_size = _vision_value(config, "patch_size") if config is not None else None
     if callable(balance) or balance is True:
         costs = sample_costs(per_sample, per_sample.tensors, None if balance is True else balance, patch_size)
     else:
