@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Union
 
 import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["Count", "HostCount", "VlmAdapter", "WireTensor", "config_value", "inner_model"]
 
@@ -227,6 +230,22 @@ class VlmAdapter(abc.ABC):
                     f"{name}: the microbatch has {placeholders} placeholder tokens but its media "
                     f"give {features} feature rows"
                 )
+
+    def image_costs(self, patches: "np.ndarray", config: Any) -> "np.ndarray":
+        """Relative vision-encoder cost of sequences of ``patches`` patches each (an image, a video or
+        a crop: one attention sequence each), for ``split_media(..., balance=...)``.
+
+        Args:
+            patches: int64 ``[sequences]`` host array. config: the model's config.
+
+        Returns:
+            float ``[sequences]``. The default is :func:`ppmedia.balance.encoder_flops` (linear layers
+            per patch plus attention over the sequence, windowed layers over their window); override
+            it for an encoder whose cost grows differently.
+        """
+        from ..balance import encoder_flops
+
+        return encoder_flops(patches, config)
 
     def position_ids(
         self,

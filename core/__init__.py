@@ -8,6 +8,7 @@ splits the rows (:func:`split_media`), stages them on the first stage for one st
 chunk and merge the features into the text embeddings.
 """
 
+from .balance import balance_microbatches, restore_order
 from .chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES, VlmMediaChunk, next_vlm_media_chunk
 from .hostreads import HostReadCounter
 from .collate import PipelineBatch, collate_for_pipeline
@@ -26,6 +27,7 @@ __all__ = [
     "STAGED_ATTRIBUTES",
     "StagedMedia",
     "VlmMediaChunk",
+    "balance_microbatches",
     "collate_for_pipeline",
     "get_adapter",
     "hookimpl",
@@ -33,6 +35,7 @@ __all__ = [
     "microbatch_bounds",
     "next_vlm_media_chunk",
     "register_adapter",
+    "restore_order",
     "split_media",
     "stage_media",
 ]

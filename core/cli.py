@@ -1,4 +1,4 @@
-"""The ``ppmedia`` command line: ``demo``, ``adapters``, ``inspect``.
+"""The ``ppmedia`` command line: ``demo``, ``adapters``, ``inspect``, ``plan``.
 
 Subcommands are the entries of :data:`COMMANDS`: a name, a help line, a function adding its
 arguments to its parser and a function running it. Adding a subcommand is adding an entry (its two
@@ -19,7 +19,7 @@ import sys
 import warnings
 from typing import Iterator, Sequence
 
-from . import cli_inspect
+from . import cli_inspect, plan
 from .cli_base import CliError, Command, UsageError, cli_terms, one_line, positive_int
 from .tables import format_table
 
@@ -105,6 +105,8 @@ COMMANDS: list[Command] = [
             add_demo_arguments, run_demo),
     Command("adapters", "list registered adapters (plugins included)", add_adapters_arguments, run_adapters),
     Command("inspect", "show how a saved batch would be split and staged", cli_inspect.add_arguments, cli_inspect.run),
+    Command("plan", "per-microbatch vision load and predicted step time, with and without balancing",
+            plan.add_arguments, plan.run),
 ]
 
 

@@ -380,12 +380,18 @@ def _report(path: pathlib.Path, batch: dict[str, Any], n: int, model: _Model) ->
     ]
 
 
-def run(args: argparse.Namespace) -> int:
-    """``ppmedia inspect``: check the arguments, load the batch and its model config, print the split."""
+def load_inputs(args: argparse.Namespace) -> tuple[pathlib.Path, dict[str, Any], _Model]:
+    """``FILE``, ``--model-type`` and ``--config`` of ``inspect`` / ``plan``: the arguments checked first
+    (:class:`UsageError`), then the batch and its model config loaded (:class:`CliError`)."""
     config_path = _check_config_argument(args)
     adapter = _check_model_type_argument(args)
     path = pathlib.Path(args.file)
     batch = load_batch(path)
-    model = _model(args, path, config_path, adapter)
+    return path, batch, _model(args, path, config_path, adapter)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``ppmedia inspect``: check the arguments, load the batch and its model config, print the split."""
+    path, batch, model = load_inputs(args)
     print("\n".join(_report(path, batch, args.microbatches, model)))
     return 0

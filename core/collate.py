@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -53,7 +54,9 @@ class collate_for_pipeline:
         adapter: optional :class:`~ppmedia.adapters.base.VlmAdapter`; with ``config``, its
             ``media_per_sample(input_ids, config)`` supplies the per-sample image and video counts.
         config: the model config passed to the adapter.
-        split_kwargs: any other keyword arguments of :func:`ppmedia.split_media`.
+        split_kwargs: any other keyword arguments of :func:`ppmedia.split_media`. ``balance=True``
+            with an adapter balances by the adapter's ``image_costs`` (its encoder cost model); the
+            ``text`` tensors come reordered and ``media.permutation`` maps them back.
 
     Example::
 
@@ -93,5 +96,7 @@ class collate_for_pipeline:
             images, videos = self.adapter.media_per_sample(batch["input_ids"], self.config)
             kwargs.setdefault("images_per_sample", images)
             kwargs.setdefault("videos_per_sample", videos)
+            if kwargs.get("balance") is True:  # the family's encoder cost model
+                kwargs["balance"] = functools.partial(self.adapter.image_costs, config=self.config)
         media = split_media(batch, self.n_microbatches, **kwargs)
         return PipelineBatch(batch, media)

@@ -90,6 +90,9 @@ class StagedMedia:
         images, videos: per microbatch, its number of images and videos.
         image_rows, video_rows, crop_rows: per microbatch, its rows of ``pixel_values``,
             ``pixel_values_videos`` and ``patch_pixel_values``.
+        permutation: with ``split_media(..., balance=...)``, the reordering applied to the batch:
+            position ``i`` holds original sample ``permutation[i]`` (see :mod:`ppmedia.balance`);
+            ``None`` when not balanced.
     """
 
     n_microbatches: int
@@ -103,6 +106,7 @@ class StagedMedia:
     image_rows: tuple[int, ...]
     video_rows: tuple[int, ...]
     crop_rows: tuple[int, ...]
+    permutation: tuple[int, ...] | None = None
     chunks: dict[str, list[Tensor]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -186,6 +190,7 @@ def split_media(
     images_per_sample: CountsArgument = None,
     videos_per_sample: CountsArgument = None,
     batch_size: int | None = None,
+    balance: Any = False,
 ) -> StagedMedia:
     """Pop the media out of ``batch`` and split them per microbatch exactly as the schedule splits rows.
 
@@ -221,6 +226,11 @@ def split_media(
         images_per_sample: ``[B]`` image counts, e.g. from an adapter's ``media_per_sample``.
         videos_per_sample: ``[B]`` video counts.
         batch_size: ``B``; by default ``batch["input_ids"].shape[0]``.
+        balance: reorder the samples so every microbatch gets a similar vision load
+            (:func:`ppmedia.balance.balanced_split`): ``True`` (cost linear in patches), a cost function
+            ``patches -> cost`` such as ``functools.partial(adapter.image_costs, config=config)``, or
+            ``[B]`` per-sample costs. The ``[B, ...]`` tensors left in ``batch`` are reordered in place
+            and the result's ``permutation`` says how; the media are copied once, in the new order.
 
     Returns:
         A :class:`StagedMedia` of views. The integer metadata needed (counts, grids, ``num_patches``,
@@ -234,6 +244,11 @@ def split_media(
             the key, the shape or value seen, what was expected and, where one is to blame, the row,
             sample and microbatch.
     """
+    if balance is not False and balance is not None:
+        from .balance import balanced_split
+
+        return balanced_split(batch, n_microbatches, balance, images_per_sample=images_per_sample,
+                              videos_per_sample=videos_per_sample, batch_size=batch_size)
     media = _media_of(batch)
     B = _batch_size(batch, media, batch_size)
     ctx = Context(B, microbatch_bounds(B, _microbatches(n_microbatches, B)))

@@ -125,6 +125,8 @@ class Scenario:
             text-only samples first (the tiny module's ``build_batch(seed, text_only_first=True)``), so
             the schedule infers shapes from a microbatch without media; ``frozen_vision`` freezes every
             parameter outside the language model (``requires_grad=False``) on both sides.
+        balance: reorder the samples for an even vision load (``split_media(balance=...)`` with the
+            adapter's ``image_costs``); the reference still runs the original order.
     """
 
     schedule: str
@@ -136,6 +138,7 @@ class Scenario:
     clip: bool = False
     layers: tuple[int, ...] | None = None
     variant: str | None = None
+    balance: bool = False
 
     def __post_init__(self) -> None:
         from ..pipeline import schedule_layout
@@ -172,7 +175,7 @@ def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
         parts.append("layers=" + "+".join(str(n) for n in sc.layers))
     if sc.variant is not None:
         parts.append(sc.variant)
-    return "/".join(parts)
+    return "/".join(parts + ["balanced"] * sc.balance)
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -184,7 +187,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -212,10 +215,12 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                     raise ValueError(f"scenario {spec!r}: layers=A+B... takes integers") from None
             elif token in VARIANTS:
                 kwargs["variant"] = token
+            elif token == "balanced":
+                kwargs["balance"] = True
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant]"
+                    f"schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -329,6 +334,7 @@ class ScenarioResult:
     stage_indices: list[list[int]] = field(default_factory=list)
     layers: list[int] | None = None  # the scenario's explicit layers_per_stage, if any
     variant: str | None = None
+    balance: bool = False
 
     @property
     def name(self) -> str:
@@ -479,6 +485,17 @@ _table = format_table
 def _split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> Any:
     from ..split import split_media
     return split_media(batch, n, **adapter.media_counts(batch, config))
+
+
+def _balanced_split(adapter: Any, config: Any, local: dict[str, Any], n: int) -> Any:
+    """``split_media(local, n, balance=adapter's image_costs)``: pops the media from ``local`` and
+    reorders its ``[B, ...]`` entries (new tensors; the caller's batch keeps its order)."""
+    import functools
+
+    from ..split import split_media
+
+    cost = functools.partial(adapter.image_costs, config=config)
+    return split_media(local, n, **adapter.media_counts(local, config), balance=cost)
 
 
 def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int, dp: int = 1) -> list[MicrobatchInfo]:
@@ -748,9 +765,9 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
 
     import torch.distributed as dist
 
-    ids, mask = local["input_ids"], local["attention_mask"]
+    staged = _balanced_split(adapter, config, local, n) if scenario.balance else _split(adapter, config, dict(media_local), n)
+    ids, mask = local["input_ids"], local["attention_mask"]  # reordered in place by a balanced split
     labels = make_labels(ids, config, adapter, attention_mask=mask)
-    staged = _split(adapter, config, dict(media_local), n)
     probe.reset(ids, staged.samples)
     built.optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
@@ -884,7 +901,8 @@ def _run_scenario(
                     "layer_calls": probe.layer_calls,
                     "expected_layer_calls": expected_layers,
                     "vision_layer_calls": probe.vision_calls,
-                    "media_rows": _media_rows(probe, media_batch, global_split, g, n, where),
+                    # a balanced split copies the media in the new order: nothing to locate in the batch
+                    "media_rows": [] if scenario.balance else _media_rows(probe, media_batch, global_split, g, n, where),
                 }
             )
             built.optimizer.step()
@@ -977,6 +995,7 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         clip=sc["clip"],
         layers=None if sc.get("layers") is None else list(sc["layers"]),
         variant=sc.get("variant"),
+        balance=sc.get("balance", False),
         stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0],
     )
 
@@ -1132,6 +1151,8 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             for family in families:
                 if "text_only_first" not in inspect.signature(tiny.load(family).build_batch).parameters:
                     raise ValueError(f"{sc.name}: the tiny {family} batch has no text_only_first order")
+        if sc.balance and (sc.dp != 1 or sc.fault is not None):
+            raise ValueError(f"{sc.name}: balancing is run with one replica and no fault")
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")
 

@@ -14,7 +14,9 @@ Measures, in one process with ``torch.set_num_threads(1)``:
    the consumer Automodel inlines (the anchor);
 4. ``adapter.merge`` against the model's own ``get_image_features`` + ``masked_scatter``, per family;
 5. the whole first stage (embedding + media merge) with and without ppmedia's staging, per family
-   (see ``model_bench.py``).
+   (see ``model_bench.py``);
+6. media-aware balancing: real 2-process 1F1B and GPipe pipelines on a skewed batch, balanced vs as-is,
+   and the simulator's prediction (see ``balance_bench.py``; alone: ``--balance``).
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -44,6 +46,7 @@ import transformers  # noqa: E402
 import ppmedia  # noqa: E402
 from ppmedia.testing.tiny_models import FAMILIES  # noqa: E402
 
+import balance_bench  # noqa: E402
 import model_bench  # noqa: E402
 import staging_bench  # noqa: E402
 from reference import load_reference  # noqa: E402
@@ -102,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench-results.json", help="JSON results path")
     parser.add_argument("--quick", action="store_true", help="a tenth of the repetitions (smoke run)")
     parser.add_argument("--no-install", action="store_true", help="do not pip-install the Automodel reference")
+    parser.add_argument("--balance", action="store_true", help="run only the balancing benchmark (section 6)")
+    parser.add_argument("--force", action="store_true", help="balancing: print the ratio even on an unquiet machine")
     args = parser.parse_args(argv)
+    if args.balance:
+        return _run_balance(args, None)
 
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -191,8 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     ))
     print()
 
-    # -- targets ----------------------------------------------------------------------------------
+    # -- 6: balancing ------------------------------------------------------------------------------
     targets = []
+    balance = _run_balance(args, targets)
+    print()
+
+    # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
         measured = by_config[(batch_size, n)].get("automodel_over_ppmedia")
@@ -225,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     elapsed = time.perf_counter() - started
     results = {
+        "balance": balance,
         "environment": env,
         "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
         "elapsed_s": round(elapsed, 1),
@@ -238,6 +250,40 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {args.out} ({elapsed:.0f} s)")
     return 0
+
+
+def _run_balance(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 6; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    pairs = 6 if args.quick else 16
+    raw = balance_bench.run(pairs)
+    analysis = balance_bench.analyse(raw)
+    text = balance_bench.report(raw, analysis, args.force)
+    body, _, last = text.rpartition("\n")
+    print(body)
+    study = balance_bench.random_batches_study(60 if args.quick else 300)
+    analysis["random_batches"] = study
+    print()
+    print(_table(
+        "6b. simulated balanced/plain step time on random batches (1F1B; 60% text-only samples, 1-3 images of "
+        "256-4096 patches, Qwen2.5-VL-7B encoder cost; bucketed = image samples first)",
+        ["stages", "microbatches", "samples/mb", "random median", "random p10", "bucketed median", "bucketed p10"],
+        [[r["stages"], r["microbatches"], r["per_microbatch"], f"{r['random_median']:.3f}", f"{r['random_p10']:.3f}",
+          f"{r['bucketed_median']:.3f}", f"{r['bucketed_p10']:.3f}"] for r in study],
+    ))
+    for c in analysis["comparisons"]:
+        limit = 0.90 if (c["plan"], c["arm"]) == ("1f1b", "balanced") else (1.01 if c["arm"] == "balanced" else None)
+        if limit is not None and targets is not None:
+            targets.append({"target": f"balancing {c['plan']}: balanced/skewed <= {limit}",
+                            "measured": None if analysis["unquiet"] else round(c["ratio"], 3),
+                            "met": None if analysis["unquiet"] else c["ratio"] <= limit})
+    result = {"raw": raw, "analysis": analysis}
+    if targets is None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"balance": result}, indent=1) + "\n")
+        print(last)
+        return 0
+    print(last)
+    return result
 
 
 if __name__ == "__main__":
