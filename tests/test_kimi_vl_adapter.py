@@ -107,7 +107,9 @@ def test_placeholder_masks_and_feature_counts(adapter, model, batch):
     assert masks["image"].sum(-1).tolist() == TOKENS_PER_SAMPLE
     assert not bool(masks["video"].any())
     chunk = VlmMediaChunk(batch["pixel_values"], batch["image_grid_hws"], None, None)
-    counts = adapter.feature_counts(chunk, model.config)
+    _, host = adapter.check_counts(batch["input_ids"], chunk, model.config)
+    assert host.values["image_grid"].tolist() == batch["image_grid_hws"].reshape(-1).tolist()
+    counts = adapter.feature_counts(chunk, model.config, host)
     assert counts == {"image": sum(TOKENS_PER_SAMPLE), "video": 0}
     assert isinstance(counts["image"], int)
 
@@ -181,9 +183,13 @@ def test_video_media_refused(adapter, model, batch):
 
 
 def test_odd_patch_rows_refused(adapter, model, batch):
+    ids = batch["input_ids"][0:2]
     chunk = VlmMediaChunk(batch["pixel_values"][:6], batch["image_grid_hws"][:1], None, None)
-    with pytest.raises(ValueError, match="6 patch rows"):
-        adapter.feature_counts(chunk, model.config)
+    with pytest.raises(ValueError, match=r"covers 16 patches but pixel_values \[6, 3, 4, 4\] has 6 patch rows"):
+        adapter.merge(model, ids, text_embeds(model, ids), chunk)
+    odd = torch.tensor([[2, 3]], dtype=batch["image_grid_hws"].dtype)  # 6 patches: not whole 2 x 2 blocks
+    with pytest.raises(ValueError, match=r"row 0 gives 6 patches, not a multiple of the merge-kernel area 4"):
+        adapter.merge(model, ids, text_embeds(model, ids), VlmMediaChunk(batch["pixel_values"][:6], odd, None, None))
 
 
 class _RemoteKimiVL(torch.nn.Module):

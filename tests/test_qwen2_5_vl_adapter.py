@@ -125,10 +125,14 @@ def test_placeholder_masks_and_feature_counts(adapter, model, batch):
     whole = VlmMediaChunk(
         batch["pixel_values"], batch["image_grid_thw"], batch["pixel_values_videos"], batch["video_grid_thw"]
     )
+    with HostReadCounter() as reads:  # per-sample placeholders and both grids: one read
+        _, host = adapter.check_counts(batch["input_ids"], whole, model.config)
+    assert reads.total == 1, reads.counts
+    assert host.values["image_grid"].tolist() == batch["image_grid_thw"].reshape(-1).tolist()
     with HostReadCounter() as reads:
-        counts = adapter.feature_counts(whole, model.config)
+        counts = adapter.feature_counts(whole, model.config, host)
         images_only = dataclasses.replace(whole, pixel_values_videos=None, video_grid=None)
-        only_images = adapter.feature_counts(images_only, model.config)
+        only_images = adapter.feature_counts(images_only, model.config, host)
     assert reads.total == 0, reads.counts
     assert counts == {"image": IMAGE_TOKENS, "video": VIDEO_TOKENS}
     assert only_images == {"image": IMAGE_TOKENS, "video": 0}
@@ -252,7 +256,7 @@ def test_grid_not_covering_rows_raises_before_the_tower(adapter, model, batch, e
     # Rows still give 11 features (so the count check passes) but the grid lost an image.
     bad = dataclasses.replace(chunk, image_grid=chunk.image_grid[:-1])
     ids = batch["input_ids"][0:2]
-    with pytest.raises(ValueError, match=r"grid covers 40 patches.*44 patch rows"):
+    with pytest.raises(ValueError, match=r"grid \[2, 3\] covers 40 patches.*44 patch rows"):
         adapter.merge(model, ids, model.get_input_embeddings()(ids), bad)
     assert encoder_calls == []
 
