@@ -5,7 +5,7 @@ Private to ``ppmedia.adapters``; the public adapter protocol is in :mod:`ppmedia
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, cast
 
 import numpy as np
 import torch
@@ -137,8 +137,9 @@ def images_from_runs(
     reader = HostReader()
     slots = (reader.add(runs), reader.add(lengths), reader.add(tokens_per_image))
     reader.read()
-    per_sample, lengths_host = reader.values[slots[0]].tolist(), reader.values[slots[1]].tolist()
-    tokens = to_tokens(reader.values[slots[2]])
+    values = cast("list[np.ndarray]", reader.values)  # flat int64 arrays, one per add()
+    per_sample, lengths_host = values[slots[0]].tolist(), values[slots[1]].tolist()
+    tokens = to_tokens(values[slots[2]])
     counts = _match_runs(per_sample, lengths_host, tokens, token=token, metadata=metadata)
     return torch.tensor(counts, dtype=torch.int64).to(mask.device)
 

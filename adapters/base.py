@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, cast
 
 import numpy as np
 import torch
@@ -21,9 +21,12 @@ from ..hostreads import HostReader
 __all__ = ["HostValues", "VlmAdapter", "config_get", "config_value", "inner_model", "read_host"]
 
 
-def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> torch.nn.Module:
+def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> Any:
     """The module that holds ``attribute``: ``model.model`` (a ``...ForConditionalGeneration``), or
     ``model`` itself (the inner ``...Model``, or a remote-code model with the same members).
+
+    Typed ``Any``: what the caller uses on it are the family's own members (``visual``,
+    ``get_image_features``), which ``nn.Module`` does not declare.
 
     Raises ``TypeError`` naming ``expected`` when neither has it.
     """
@@ -82,11 +85,12 @@ def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Host
             raise TypeError(f"{name}: dtype {tensor.dtype}, shape {list(tensor.shape)}; expected an integer dtype")
         slots[name] = reader.add(tensor)
     reader.read()
+    values = cast("list[np.ndarray]", reader.values)  # flat int64 arrays, one per add()
     placeholders = {}
     if names:
-        per_sample = reader.values[sums].reshape(len(names), -1)
+        per_sample = values[sums].reshape(len(names), -1)
         placeholders = {name: per_sample[i] for i, name in enumerate(names)}
-    return HostValues(placeholders, {name: reader.values[slot] for name, slot in slots.items()})
+    return HostValues(placeholders, {name: values[slot] for name, slot in slots.items()})
 
 
 _MISSING = object()

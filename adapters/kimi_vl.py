@@ -180,8 +180,9 @@ class KimiVLAdapter(VlmAdapter):
             out = inner.get_image_features(pixels, image_grid_thw=grid_thw(grid, "image grid"), return_dict=True)
             features = out.pooler_output
         elif hasattr(model, "_extract_image_features") and hasattr(model, "vision_tower"):
+            remote: Any = model  # remote-code members nn.Module does not declare
             hws = grid[:, 1:] if grid.shape[-1] == 3 else grid
-            features = model._extract_image_features(as_tower_dtype(pixels, model.vision_tower), hws)
+            features = remote._extract_image_features(as_tower_dtype(pixels, remote.vision_tower), hws)
         else:
             raise TypeError(
                 f"{type(model).__name__} has neither model.model.get_image_features with "
@@ -190,4 +191,6 @@ class KimiVLAdapter(VlmAdapter):
             )
         if isinstance(features, Tensor):
             return {"image": features.reshape(-1, features.shape[-1])}
-        return {"image": torch.cat([f.reshape(-1, f.shape[-1]) for f in features], dim=0)}
+        if any(f.dim() != 2 for f in features):  # remote code may keep a kernel axis: [n_i, k, H]
+            features = [f.reshape(-1, f.shape[-1]) for f in features]
+        return {"image": torch.cat(features, dim=0)}

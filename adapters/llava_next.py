@@ -28,18 +28,21 @@ Images written back to back (``<image><image>`` in a raw prompt) give one run of
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 from torch import Tensor
-from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
+from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape as _untyped_grid_shape
 
 from ..chunk import VlmMediaChunk
 from ._helpers import count_runs, images_from_runs, refuse_videos, shape
 from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = ["LlavaNextAdapter", "image_tokens"]
+
+#: transformers' ``get_anyres_image_grid_shape(image_size, grid_pinpoints, patch_size) -> (grid_h, grid_w)``
+_grid_shape: Callable[[tuple[int, int], list[list[int]], int], tuple[int, int]] = _untyped_grid_shape
 
 #: (crop side in pixels, feature rows per crop side, pinpoints, rows of the base crop)
 _Geometry = tuple[int, int, tuple[tuple[int, int], ...], int]
@@ -68,7 +71,7 @@ def image_tokens(height: int, width: int, config: Any) -> int:
 def _crops_and_tokens(height: int, width: int, geometry: _Geometry) -> tuple[int, int]:
     # (crops, tokens) of one image; cached: a dataset has few distinct sizes, merge runs every step
     crop, side, pinpoints, base = geometry
-    grid_h, grid_w = get_anyres_image_grid_shape((height, width), [list(p) for p in pinpoints], crop)
+    grid_h, grid_w = _grid_shape((height, width), [list(p) for p in pinpoints], crop)
     rows, cols = grid_h * side, grid_w * side
     if width / height > cols / rows:
         rows -= 2 * ((rows - int(round(height * (cols / width), 7))) // 2)
@@ -89,7 +92,8 @@ def _per_image(sizes: list[list[int]], geometry: _Geometry, key: str) -> list[tu
 
 def _sizes(host: HostValues) -> list[list[int]]:
     """``image_sizes`` as read by merge's one host read: ``[[h, w], ...]``."""
-    return host.values["image_sizes"].reshape(-1, 2).tolist()  # type: ignore[no-any-return]
+    sizes: list[list[int]] = host.values["image_sizes"].reshape(-1, 2).tolist()
+    return sizes
 
 
 class LlavaNextAdapter(VlmAdapter):

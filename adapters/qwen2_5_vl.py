@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import Tensor
@@ -185,22 +185,22 @@ class Qwen2_5_VLAdapter(VlmAdapter):
                 kwargs["image_grid_thw"] = grid_thw(chunk.image_grid, "image grid")
             if chunk.video_grid is not None:
                 kwargs["video_grid_thw"] = grid_thw(chunk.video_grid, "video grid")
-            if chunk.second_per_grid_ts is not None and _takes(type(inner), "second_per_grid_ts"):
+            if chunk.second_per_grid_ts is not None and _takes(type(inner).get_rope_index, "second_per_grid_ts"):
                 kwargs["second_per_grid_ts"] = chunk.second_per_grid_ts
-        if _takes(type(inner), "mm_token_type_ids"):
+        if _takes(type(inner).get_rope_index, "mm_token_type_ids"):
             # transformers 5.x groups tokens by this type (text 0, image 1, video 2); without it the
             # model's own forward would silently use 1-D positions.
             kwargs["mm_token_type_ids"] = (input_ids == image_id).to(torch.int32) + 2 * (
                 input_ids == video_id
             ).to(torch.int32)
-        positions, _deltas = inner.get_rope_index(input_ids, **kwargs)
+        positions: Tensor = inner.get_rope_index(input_ids, **kwargs)[0]
         return positions
 
 
 @functools.lru_cache(maxsize=64)
-def _takes(cls: type, parameter: str) -> bool:
-    """Whether ``cls.get_rope_index`` takes ``parameter`` (cached per class: ``inspect`` is slow)."""
+def _takes(get_rope_index: Callable[..., Any], parameter: str) -> bool:
+    """Whether the class's ``get_rope_index`` takes ``parameter`` (cached: ``inspect`` is slow)."""
     try:
-        return parameter in inspect.signature(cls.get_rope_index).parameters  # type: ignore[attr-defined]
+        return parameter in inspect.signature(get_rope_index).parameters
     except (TypeError, ValueError):
         return True
