@@ -57,6 +57,9 @@ def test_microbatches_match_golden_and_live(family, n):
     batch = dict(inputs)
     input_ids = batch["input_ids"]
     images, videos = adapter.media_per_sample(input_ids, model.config)
+    # the batch's media (sizes, grids) split runs the same way here: no images back to back
+    with_media = adapter.media_per_sample(input_ids, model.config, media=batch)
+    assert images.tolist() == with_media[0].tolist() and videos.tolist() == with_media[1].tolist()
     staged = ppmedia.split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
     first_stage = torch.nn.Module()
     rows = torch.tensor_split(torch.arange(input_ids.shape[0]), n)

@@ -172,6 +172,27 @@ def test_merge_and_positions_match_full_batch(adapter, model, batch, reference, 
         assert torch.equal(positions, full_positions[:, s0:s1])
 
 
+def test_positions_follow_the_chunks_video_timing(adapter, model, batch):
+    """A chunk's second_per_grid_ts [videos] reaches get_rope_index: positions equal the full batch's
+    with the same timing, per microbatch, and differ from the default timing."""
+    ref = tiny.reference_inputs(batch)
+    seconds = torch.tensor([3.0, 0.5, 2.0])[: batch["video_grid_thw"].shape[0]]
+    timed, _ = model.model.get_rope_index(
+        ref["input_ids"], ref["mm_token_type_ids"], image_grid_thw=ref["image_grid_thw"],
+        video_grid_thw=ref["video_grid_thw"], second_per_grid_ts=seconds, attention_mask=ref["attention_mask"],
+    )
+    video_at = [0, *torch.cumsum(torch.tensor(VIDEOS_PER_SAMPLE), 0).tolist()]
+    differs = False
+    for (s0, s1), chunk in zip(_bounds(8, 4), _chunks(adapter, model, batch, 4)):
+        ids, mask = batch["input_ids"][s0:s1], batch["attention_mask"][s0:s1]
+        if chunk is not None and chunk.video_grid is not None:
+            chunk = dataclasses.replace(chunk, second_per_grid_ts=seconds[video_at[s0] : video_at[s1]])
+            default = adapter.position_ids(model, ids, dataclasses.replace(chunk, second_per_grid_ts=None), attention_mask=mask)
+            differs |= not torch.equal(default, timed[:, s0:s1])
+        assert torch.equal(adapter.position_ids(model, ids, chunk, attention_mask=mask), timed[:, s0:s1])
+    assert differs
+
+
 def test_split_media_gives_the_hand_sliced_chunks(adapter, model, batch):
     if getattr(ppmedia, "split_media", None) is None:
         pytest.skip("ppmedia.split_media not available")
