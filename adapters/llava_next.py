@@ -36,7 +36,7 @@ from torch import Tensor
 from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape as _untyped_grid_shape
 
 from ..chunk import VlmMediaChunk
-from ._helpers import count_runs, images_from_runs, refuse_videos, shape
+from ._helpers import as_tower_dtype, count_runs, images_from_runs, refuse_videos, shape
 from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = ["LlavaNextAdapter", "image_tokens"]
@@ -206,11 +206,13 @@ class LlavaNextAdapter(VlmAdapter):
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The model's own ``get_image_features``: vision tower, projector, unpad and newline packing.
 
-        The sizes come from ``host`` as a list of ``[h, w]``, which the model accepts everywhere it
-        uses ``image_sizes`` and which spares it a host read per image.
+        Pixels are cast to the vision tower's dtype (no copy when they match). The sizes come from
+        ``host`` as a list of ``[h, w]``, which the model accepts everywhere it uses ``image_sizes``
+        and which spares it a host read per image.
         """
         if chunk.pixel_values is None:
             return {}
         inner = inner_model(model, "get_image_features", "a LlavaNextForConditionalGeneration or LlavaNextModel")
-        out = inner.get_image_features(chunk.pixel_values, _sizes(host), return_dict=True)
+        pixels = as_tower_dtype(chunk.pixel_values, getattr(inner, "vision_tower", None))
+        out = inner.get_image_features(pixels, _sizes(host), return_dict=True)
         return {"image": torch.cat(out.pooler_output, dim=0)}

@@ -203,3 +203,26 @@ def test_every_builtin_takes_the_base_signatures():
             ours, base = inspect.signature(getattr(cls, method)), inspect.signature(getattr(VlmAdapter, method))
             assert list(ours.parameters) == list(base.parameters), (cls.__name__, method)
         assert inspect.signature(cls.media_per_sample).parameters["media"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_next", "step3", "kimi_vl"])
+def test_pixels_are_cast_to_the_towers_dtype(family):
+    """float32 pixels into a float64 model: every built-in casts them to the vision tower's dtype."""
+    import ppmedia
+    from ppmedia.testing.tiny_models import capture_merged_embeds, load
+
+    tiny = load(family)
+    model, batch = tiny.build_model(seed=0), tiny.build_batch(seed=0)
+    reference = capture_merged_embeds(model, **tiny.reference_inputs(dict(batch)))  # float32
+    model = model.to(torch.float64)
+    adapter = ppmedia.get_adapter(model)
+    images, videos = adapter.media_per_sample(batch["input_ids"], model.config)
+    staged = ppmedia.split_media(dict(batch), 2, images_per_sample=images, videos_per_sample=videos)
+    for k, (s0, s1) in enumerate(staged.samples):
+        chunk = staged.chunk(k)
+        assert chunk.pixel_values.dtype == torch.float32
+        ids = batch["input_ids"][s0:s1]
+        with torch.no_grad():
+            merged = adapter.merge(model, ids, model.get_input_embeddings()(ids), chunk)
+        assert merged.dtype == torch.float64
+        torch.testing.assert_close(merged, reference[s0:s1].double(), atol=1e-5, rtol=0)
