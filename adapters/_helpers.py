@@ -47,18 +47,14 @@ def grid_thw(grid: Tensor, what: str) -> Tensor:
     return torch.nn.functional.pad(grid, (1, 0), value=1)
 
 
-def grid_products(values: np.ndarray, columns: int) -> list[int]:
+def grid_products(flat: Sequence[int], columns: int) -> list[int]:
     """Patches per grid row, from a grid read to the host flattened (``columns`` 2 or 3).
 
     Python integers, so no product wraps around, however large the entries.
     """
-    out = []
-    for row in values.reshape(-1, columns).tolist():
-        product = 1
-        for v in row:
-            product *= v
-        out.append(product)
-    return out
+    if columns == 2:
+        return [h * w for h, w in zip(flat[0::2], flat[1::2])]
+    return [t * h * w for t, h, w in zip(flat[0::3], flat[1::3], flat[2::3])]
 
 
 def tower_dtype(tower: object) -> torch.dtype | None:
@@ -114,7 +110,7 @@ def run_lengths(mask: Tensor, max_runs: int) -> tuple[Tensor, Tensor]:
 def images_from_runs(
     mask: Tensor,
     tokens_per_image: Tensor,
-    to_tokens: Callable[[np.ndarray], Sequence[int]],
+    to_tokens: Callable[[list[int]], Sequence[int]],
     *,
     token: str,
     metadata: str,
@@ -123,7 +119,8 @@ def images_from_runs(
     count, for prompts where images written back to back form one run.
 
     ``tokens_per_image`` is the batch's per-image metadata (e.g. ``image_sizes`` ``[images, 2]``);
-    ``to_tokens`` turns its values, read to the host (flat int64), into a token count per image. The
+    ``to_tokens`` turns its values, read to the host (flattened row by row, Python ints), into a token
+    count per image. The
     runs and the metadata are read together, once. Each run is matched, in batch order, with the
     next images whose token counts add up to its length.
 
@@ -139,7 +136,7 @@ def images_from_runs(
     reader.read()
     values = cast("list[np.ndarray]", reader.values)  # flat int64 arrays, one per add()
     per_sample, lengths_host = values[slots[0]].tolist(), values[slots[1]].tolist()
-    tokens = to_tokens(values[slots[2]])
+    tokens = to_tokens(values[slots[2]].tolist())
     counts = _match_runs(per_sample, lengths_host, tokens, token=token, metadata=metadata)
     return torch.tensor(counts, dtype=torch.int64).to(mask.device)
 

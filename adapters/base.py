@@ -43,23 +43,29 @@ class HostValues:
     """What :meth:`VlmAdapter.check_counts` read to the host, in one read, for one microbatch.
 
     Handed to :meth:`VlmAdapter.feature_counts` and :meth:`VlmAdapter.encode`, so nothing there reads
-    tensor data again.
+    tensor data again. Plain Python ints: the arithmetic on them is a few numbers per microbatch.
 
     Attributes:
-        placeholders: ``{modality: [b] int64}``, each sample's placeholder tokens, one entry per mask
-            of :meth:`VlmAdapter.placeholder_masks`.
-        values: ``{name: [n] int64}``, each tensor the adapter asked for in
-            :meth:`VlmAdapter.host_inputs`, flattened row by row: an ``[images, 2]`` grid gives
-            ``2 * images`` numbers (``values[name].reshape(-1, 2)`` gives the rows back).
+        placeholders: ``{modality: [b]}``, each sample's placeholder tokens, one entry per mask of
+            :meth:`VlmAdapter.placeholder_masks`.
+        totals: ``{modality: int}``, the microbatch's placeholder tokens (the sums of ``placeholders``).
+        values: ``{name: [n]}``, each tensor the adapter asked for in :meth:`VlmAdapter.host_inputs`,
+            flattened row by row: an ``[images, 2]`` grid gives ``2 * images`` numbers
+            (:meth:`rows` gives the rows back).
     """
 
-    placeholders: Mapping[str, np.ndarray]
-    values: Mapping[str, np.ndarray]
+    placeholders: Mapping[str, list[int]]
+    totals: Mapping[str, int]
+    values: Mapping[str, list[int]]
 
     def total(self, modality: str) -> int:
         """Placeholder tokens of ``modality`` in the microbatch (0 when the adapter has no such mask)."""
-        per_sample = self.placeholders.get(modality)
-        return 0 if per_sample is None else int(per_sample.sum())
+        return self.totals.get(modality, 0)
+
+    def rows(self, name: str, width: int) -> list[list[int]]:
+        """``values[name]`` as rows of ``width`` numbers: the ``[n, width]`` tensor it was read from."""
+        flat = self.values[name]
+        return [flat[i : i + width] for i in range(0, len(flat), width)]
 
 
 def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> HostValues:
@@ -76,21 +82,21 @@ def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Host
     reader = HostReader()
     names = list(masks)
     if len(names) == 1:
-        sums = reader.add(masks[names[0]].sum(dim=-1))
+        reader.add(masks[names[0]].sum(dim=-1))
     elif names:
-        sums = reader.add(torch.stack([masks[name] for name in names]).sum(dim=-1))
-    slots = {}
+        reader.add(torch.stack([masks[name] for name in names]).sum(dim=-1))
     for name, tensor in inputs.items():
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
             raise TypeError(f"{name}: dtype {tensor.dtype}, shape {list(tensor.shape)}; expected an integer dtype")
-        slots[name] = reader.add(tensor)
+        reader.add(tensor)
     reader.read()
-    values = cast("list[np.ndarray]", reader.values)  # flat int64 arrays, one per add()
-    placeholders = {}
+    read = [array.tolist() for array in cast("list[np.ndarray]", reader.values)]  # one flat int64 array per add()
+    placeholders: dict[str, list[int]] = {}
     if names:
-        per_sample = values[sums].reshape(len(names), -1)
-        placeholders = {name: per_sample[i] for i, name in enumerate(names)}
-    return HostValues(placeholders, {name: values[slot] for name, slot in slots.items()})
+        per_sample, b = read[0], len(read[0]) // len(names)
+        placeholders = {name: per_sample[i * b : (i + 1) * b] for i, name in enumerate(names)}
+    values = dict(zip(inputs, read[1:] if names else read))
+    return HostValues(placeholders, {name: sum(counts) for name, counts in placeholders.items()}, values)
 
 
 _MISSING = object()
@@ -226,11 +232,11 @@ class VlmAdapter(abc.ABC):
         masks = self.placeholder_masks(input_ids, config)
         host = read_host(masks, {} if chunk is None else self.host_inputs(chunk, config))
         features = {} if chunk is None else self.feature_counts(chunk, config, host)
-        for modality in (*masks, *(m for m in features if m not in masks)):
-            placeholders, rows = host.total(modality), features.get(modality, 0)
+        for modality in (*masks, *features):
+            placeholders, rows = host.totals.get(modality, 0), features.get(modality, 0)
             if placeholders != rows:
                 per_sample = host.placeholders.get(modality)
-                where = "" if per_sample is None else f" (per sample: {per_sample.tolist()})"
+                where = "" if per_sample is None else f" (per sample: {per_sample})"
                 raise ValueError(
                     f"{modality}: the microbatch has {placeholders} placeholder tokens{where} but its media "
                     f"give {rows} feature rows" + (" (no media: a text-only chunk)" if chunk is None else "")

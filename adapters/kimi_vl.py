@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -105,7 +104,7 @@ class KimiVLAdapter(VlmAdapter):
                 raise ValueError(f"{key}: shape {shape(grid)}; expected [images, 2] (h, w) or [images, 3] (t, h, w)")
             area, columns = self._merge_area(config), grid.shape[1]
 
-            def tokens(flat: np.ndarray) -> list[int]:
+            def tokens(flat: list[int]) -> list[int]:
                 return [n // area for n in grid_products(flat, columns)]
 
             images = images_from_runs(is_image, grid, tokens, token="input_ids", metadata=key)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping
 
-import numpy as np
 import torch
 from torch import Tensor
 from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape as _untyped_grid_shape
@@ -92,8 +91,7 @@ def _per_image(sizes: list[list[int]], geometry: _Geometry, key: str) -> list[tu
 
 def _sizes(host: HostValues) -> list[list[int]]:
     """``image_sizes`` as read by merge's one host read: ``[[h, w], ...]``."""
-    sizes: list[list[int]] = host.values["image_sizes"].reshape(-1, 2).tolist()
-    return sizes
+    return host.rows("image_sizes", 2)
 
 
 class LlavaNextAdapter(VlmAdapter):
@@ -138,8 +136,9 @@ class LlavaNextAdapter(VlmAdapter):
                 raise ValueError(f"image_sizes: shape {shape(sizes)}; expected [images, 2]")
             geometry = _geometry(config)
 
-            def tokens(flat: np.ndarray) -> list[int]:
-                return [t for _, t in _per_image(flat.reshape(-1, 2).tolist(), geometry, "image_sizes")]
+            def tokens(flat: list[int]) -> list[int]:
+                pairs = [[h, w] for h, w in zip(flat[0::2], flat[1::2])]
+                return [t for _, t in _per_image(pairs, geometry, "image_sizes")]
 
             images = images_from_runs(is_image, sizes, tokens, token="input_ids", metadata="image_sizes")
         return images, torch.zeros_like(images)

@@ -134,7 +134,7 @@ class Step3Adapter(VlmAdapter):
         total = images * per_global + patches * per_crop
         if total != host.total("image"):
             return {"image": total}  # check_counts reports the totals
-        placeholders = host.placeholders["image"].tolist()
+        placeholders = host.placeholders["image"]
         crops = _crops_per_sample(chunk, host, len(placeholders))
         has_image = [n > 0 for n in placeholders]
         if sum(has_image) != images:
@@ -163,7 +163,7 @@ class Step3Adapter(VlmAdapter):
         views = chunk.pixel_values
         if views is None:
             return {}
-        placeholders = host.placeholders["image"].tolist()
+        placeholders = host.placeholders["image"]
         crops = _crops_per_sample(chunk, host, len(placeholders))
         per_image = [c for c, n in zip(crops, placeholders) if n > 0]
         inner = inner_model(model, "get_image_features", "a Step3p7ForConditionalGeneration or its inner model")
@@ -186,9 +186,9 @@ def _crops_per_sample(chunk: VlmMediaChunk, host: HostValues, batch: int) -> lis
     values = host.values.get("num_patches")
     if values is None:
         return [0] * batch
-    if values.shape[0] != batch:
+    if len(values) != batch:
         raise ValueError(
             f"num_patches: shape {shape(chunk.num_patches)} but the microbatch has {batch} samples; "
             f"expected [{batch}]"
         )
-    return values.tolist()  # type: ignore[no-any-return]
+    return values

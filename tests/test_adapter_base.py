@@ -10,7 +10,6 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -69,8 +68,8 @@ def test_merge_reads_once_and_hands_the_values_on():
     assert reads.total == 1
     first, second = adapter.seen
     assert first is second  # the same HostValues reach feature_counts and encode
-    assert first.placeholders["image"].tolist() == [3, 3] and first.total("image") == 6
-    assert first.values["grid"].tolist() == [5, 6, 7, 8]
+    assert first.placeholders["image"] == [3, 3] and first.total("image") == 6
+    assert first.values["grid"] == [5, 6, 7, 8]
     assert merged[ids == IMG][:, 0].tolist() == [0, 1, 2, 3, 4, 5]
     assert merged[ids != IMG].abs().sum() == 0
 
@@ -94,9 +93,10 @@ def test_read_host_one_read_and_integer_dtypes_only():
     with HostReadCounter() as reads:
         host = read_host(masks, inputs)
     assert reads.total == 1
-    assert host.placeholders["image"].tolist() == [1, 2] and host.placeholders["video"].tolist() == [1, 0]
-    assert host.values["a"].tolist() == [1, 2, 3, 4] and host.values["b"].tolist() == [2**40]
-    assert host.total("video") == 1 and host.total("audio") == 0
+    assert host.placeholders["image"] == [1, 2] and host.placeholders["video"] == [1, 0]
+    assert host.values["a"] == [1, 2, 3, 4] and host.values["b"] == [2**40]
+    assert host.total("video") == 1 and host.total("audio") == 0 and host.totals == {"image": 3, "video": 1}
+    assert host.rows("a", 2) == [[1, 2], [3, 4]]
     for dtype in (torch.float32, torch.bool):
         with pytest.raises(TypeError, match=rf"grid: dtype {dtype}, shape \[2\]; expected an integer dtype"):
             read_host(masks, {"grid": torch.ones(2, dtype=dtype)})
@@ -151,7 +151,7 @@ def test_images_from_runs_pairs_runs_with_images():
     def run(tokens: list[int]) -> list[int]:
         meta = torch.tensor(tokens)
         with HostReadCounter() as reads:
-            out = _helpers.images_from_runs(mask, meta, lambda v: v.tolist(), token="ids", metadata="sizes")
+            out = _helpers.images_from_runs(mask, meta, lambda v: v, token="ids", metadata="sizes")
         assert reads.total == 1
         return out.tolist()
 
@@ -174,8 +174,8 @@ def test_grid_thw_and_products():
     assert _helpers.grid_thw(thw, "g") is thw
     with pytest.raises(ValueError, match=r"video grid: shape \[3\]; expected \[n, 3\]"):
         _helpers.grid_thw(torch.tensor([1, 2, 3]), "video grid")
-    big = np.array([2**40, 2**40, 2, 3], dtype=np.int64)
-    assert _helpers.grid_products(big, 2) == [2**80, 6]  # exact: no int64 wrap-around
+    assert _helpers.grid_products([2**40, 2**40, 2, 3], 2) == [2**80, 6]  # exact: no int64 wrap-around
+    assert _helpers.grid_products([2, 3, 4], 3) == [24] and _helpers.grid_products([], 3) == []
 
 
 def test_refuse_videos_and_tower_dtype():

@@ -149,7 +149,7 @@ def test_placeholder_masks_and_feature_counts(adapter, model, batch):
     assert not bool(masks["video"].any())
     chunk = VlmMediaChunk(batch["pixel_values"], batch["image_grid_hws"], None, None)
     _, host = adapter.check_counts(batch["input_ids"], chunk, model.config)
-    assert host.values["image_grid"].tolist() == batch["image_grid_hws"].reshape(-1).tolist()
+    assert host.values["image_grid"] == batch["image_grid_hws"].reshape(-1).tolist()
     counts = adapter.feature_counts(chunk, model.config, host)
     assert counts == {"image": sum(TOKENS_PER_SAMPLE), "video": 0}
     assert isinstance(counts["image"], int)

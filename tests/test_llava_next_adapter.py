@@ -209,8 +209,8 @@ def test_merge_matches_model_per_microbatch(model, batch, reference, adapter, fi
             with HostReadCounter() as reads:
                 masks, host = adapter.check_counts(ids, chunk, model.config)
             assert reads.total == 1
-            assert host.values["image_sizes"].tolist() == chunk.image_grid.reshape(-1).tolist()
-            assert host.placeholders["image"].tolist() == TOKENS_PER_SAMPLE[b0:b1]
+            assert host.values["image_sizes"] == chunk.image_grid.reshape(-1).tolist()
+            assert host.placeholders["image"] == TOKENS_PER_SAMPLE[b0:b1]
             with HostReadCounter() as reads:
                 counts = adapter.feature_counts(chunk, model.config, host)
             assert reads.total == 0

@@ -128,7 +128,7 @@ def test_placeholder_masks_and_feature_counts(adapter, model, batch):
     with HostReadCounter() as reads:  # per-sample placeholders and both grids: one read
         _, host = adapter.check_counts(batch["input_ids"], whole, model.config)
     assert reads.total == 1, reads.counts
-    assert host.values["image_grid"].tolist() == batch["image_grid_thw"].reshape(-1).tolist()
+    assert host.values["image_grid"] == batch["image_grid_thw"].reshape(-1).tolist()
     with HostReadCounter() as reads:
         counts = adapter.feature_counts(whole, model.config, host)
         images_only = dataclasses.replace(whole, pixel_values_videos=None, video_grid=None)

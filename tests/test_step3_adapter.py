@@ -177,7 +177,7 @@ def test_feature_counts_from_shapes(adapter, model, batch):
     with HostReadCounter() as reads:
         _, host = adapter.check_counts(ids, chunk, model.config)
     assert reads.total == 1  # per-sample placeholders and num_patches together
-    assert host.values["num_patches"].tolist() == CROPS_PER_SAMPLE
+    assert host.values["num_patches"] == CROPS_PER_SAMPLE
     with HostReadCounter() as reads:
         counts = adapter.feature_counts(chunk, model.config, host)
     assert reads.total == 0
@@ -310,7 +310,7 @@ def test_encode_takes_per_image_crops_from_the_host_read(adapter, model, batch, 
     order = [1, 4, 2]  # no-crop image, text-only sample, 4-crop image: per image [0, 4]
     ids, mixed = _gathered(batch, order)
     _, host = adapter.check_counts(ids, mixed, model.config)
-    assert host.placeholders["image"].tolist()[1] == 0 and host.values["num_patches"].tolist() == [0, 0, 4]
+    assert host.placeholders["image"][1] == 0 and host.values["num_patches"] == [0, 0, 4]
     with torch.no_grad(), HostReadCounter() as reads:
         feats = adapter.encode(model, mixed, host)["image"]
     with torch.no_grad(), HostReadCounter() as model_reads:  # the vision model's own reads
