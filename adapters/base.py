@@ -3,6 +3,16 @@
 An adapter knows one family's media layout. Given a :class:`~ppmedia.VlmMediaChunk` taken by
 :func:`~ppmedia.next_vlm_media_chunk`, it runs the model's own vision encoder on exactly that
 microbatch's media and scatters the features into that microbatch's placeholder positions.
+
+:meth:`VlmAdapter.merge` is the same for every family::
+
+    masks = placeholder_masks(input_ids, config)            # {modality: [b, S] bool}
+    host  = read_host(masks, host_inputs(chunk, config))    # the one host read (HostReader)
+    feature_counts(chunk, config, host) == host.totals      # else ValueError, before the encoder
+    scatter(inputs_embeds, masks, encode(model, chunk, host))
+
+A family supplies the four abstract methods (and :meth:`VlmAdapter.host_inputs` when it needs chunk
+metadata on the host); :mod:`ppmedia.adapters._helpers` holds what the built-ins share.
 """
 
 from __future__ import annotations

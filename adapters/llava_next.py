@@ -127,7 +127,7 @@ class LlavaNextAdapter(VlmAdapter):
                 images that do not pair up; the message names the sample and the way out
                 (``n_images_per_sample`` in the batch).
         """
-        is_image = input_ids == config_value(config, "image_token_id", "image_token_index")
+        is_image = input_ids == config_value(config, "image_token_index", "image_token_id")
         sizes = None if media is None else media.get("image_sizes")
         if sizes is None:
             images = count_runs(is_image)
@@ -144,7 +144,8 @@ class LlavaNextAdapter(VlmAdapter):
         return images, torch.zeros_like(images)
 
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
-        return {"image": input_ids == config_value(config, "image_token_id", "image_token_index")}
+        # image_token_index first: the field LlavaNextConfig stores (image_token_id is its alias)
+        return {"image": input_ids == config_value(config, "image_token_index", "image_token_id")}
 
     # -- media side -------------------------------------------------------------------------
     def host_inputs(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor]:
