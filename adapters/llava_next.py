@@ -48,11 +48,17 @@ _Geometry = tuple[int, int, tuple[tuple[int, int], ...], int]
 
 
 def _geometry(config: Any) -> _Geometry:
-    crop = int(config_value(config, "vision_config.image_size"))
-    side = crop // int(config_value(config, "vision_config.patch_size"))
-    pinpoints = tuple((int(h), int(w)) for h, w in config_value(config, "image_grid_pinpoints"))
+    vision = config_get(config, "vision_config")
+    crop, patch = config_get(vision, "image_size"), config_get(vision, "patch_size")
+    pinpoints = config_get(config, "image_grid_pinpoints")
+    if crop is None or patch is None or pinpoints is None:
+        raise AttributeError(
+            f"{type(config).__name__} lacks vision_config.image_size, vision_config.patch_size or "
+            "image_grid_pinpoints (LLaVA-NeXT's anyres geometry)"
+        )
+    side = int(crop) // int(patch)
     full = config_get(config, "vision_feature_select_strategy") == "full"
-    return crop, side, pinpoints, side * side + (1 if full else 0)
+    return int(crop), side, tuple((h, w) for h, w in pinpoints), side * side + (1 if full else 0)
 
 
 def image_tokens(height: int, width: int, config: Any) -> int:
