@@ -5,9 +5,8 @@ Private to ``ppmedia.adapters``; the public adapter protocol is in :mod:`ppmedia
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -58,9 +57,20 @@ def grid_products(flat: Sequence[int], columns: int) -> list[int]:
 
 
 def tower_dtype(tower: object) -> torch.dtype | None:
-    """The dtype of a vision tower's first parameter when it is a floating-point one, else ``None``."""
+    """The dtype of a vision tower's first parameter when it is a floating-point one, else ``None``.
+
+    Follows first children down to the first module holding parameters (the patch embedding, in
+    every tower here), which costs a few dict lookups per call where ``parameters()`` walks
+    generators; falls back to ``parameters()`` when that chain holds none.
+    """
     if not isinstance(tower, torch.nn.Module):
         return None
+    module: torch.nn.Module | None = tower
+    while module is not None:
+        for param in module._parameters.values():
+            if param is not None:
+                return param.dtype if param.dtype.is_floating_point else None
+        module = next(iter(module._modules.values()), None)
     for param in tower.parameters():
         return param.dtype if param.dtype.is_floating_point else None
     return None
@@ -134,7 +144,7 @@ def images_from_runs(
     reader = HostReader()
     slots = (reader.add(runs), reader.add(lengths), reader.add(tokens_per_image))
     reader.read()
-    values = cast("list[np.ndarray]", reader.values)  # flat int64 arrays, one per add()
+    values: list[Any] = reader.values  # flat int64 numpy arrays, one per add()
     per_sample, lengths_host = values[slots[0]].tolist(), values[slots[1]].tolist()
     tokens = to_tokens(values[slots[2]].tolist())
     counts = _match_runs(per_sample, lengths_host, tokens, token=token, metadata=metadata)

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, cast
+from typing import Any, ClassVar, Mapping
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -100,13 +99,17 @@ def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Host
             raise TypeError(f"{name}: dtype {tensor.dtype}, shape {list(tensor.shape)}; expected an integer dtype")
         reader.add(tensor)
     reader.read()
-    read = [array.tolist() for array in cast("list[np.ndarray]", reader.values)]  # one flat int64 array per add()
+    arrays: list[Any] = reader.values  # one flat int64 numpy array per add()
     placeholders: dict[str, list[int]] = {}
+    totals: dict[str, int] = {}
     if names:
-        per_sample, b = read[0], len(read[0]) // len(names)
-        placeholders = {name: per_sample[i * b : (i + 1) * b] for i, name in enumerate(names)}
-    values = dict(zip(inputs, read[1:] if names else read))
-    return HostValues(placeholders, {name: sum(counts) for name, counts in placeholders.items()}, values)
+        per_sample = arrays[0].tolist()
+        b = len(per_sample) // len(names)
+        for i, name in enumerate(names):
+            placeholders[name] = per_sample[i * b : (i + 1) * b]
+            totals[name] = sum(placeholders[name])
+    values = {name: array.tolist() for name, array in zip(inputs, arrays[1:] if names else arrays)}
+    return HostValues(placeholders, totals, values)
 
 
 _MISSING = object()

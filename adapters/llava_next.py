@@ -58,7 +58,7 @@ def _geometry(config: Any) -> _Geometry:
         )
     side = int(crop) // int(patch)
     full = config_get(config, "vision_feature_select_strategy") == "full"
-    return int(crop), side, tuple((h, w) for h, w in pinpoints), side * side + (1 if full else 0)
+    return int(crop), side, tuple(map(tuple, pinpoints)), side * side + (1 if full else 0)
 
 
 def image_tokens(height: int, width: int, config: Any) -> int:
@@ -197,7 +197,7 @@ class LlavaNextAdapter(VlmAdapter):
         if pixels is None:
             return {"image": 0}
         per_image = _per_image(_sizes(host), _geometry(config), "image sizes (image_grid)")
-        crops = [c for c, _ in per_image]
+        crops, tokens = [c for c, _ in per_image], [t for _, t in per_image]
         if pixels.dim() == 5 and pixels.shape[1] < max(crops, default=0):
             raise ValueError(
                 f"llava_next padded crops {shape(pixels)} cannot hold {len(crops)} images of {crops} crops"
@@ -207,7 +207,7 @@ class LlavaNextAdapter(VlmAdapter):
                 f"llava_next flat crops: pixel_values has {pixels.shape[0]} crops but the image "
                 f"sizes imply {sum(crops)} ({crops} per image)"
             )
-        return {"image": sum(t for _, t in per_image)}
+        return {"image": sum(tokens)}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The model's own ``get_image_features``: vision tower, projector, unpad and newline packing.

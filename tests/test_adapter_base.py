@@ -190,6 +190,9 @@ def test_refuse_videos_and_tower_dtype():
     assert _helpers.as_tower_dtype(same, tower) is same
     assert _helpers.as_tower_dtype(pixels, torch.nn.ReLU()) is pixels  # no parameters
     assert _helpers.tower_dtype(None) is None
+    # the first-children chain ends in a module without parameters: the full walk finds the Linear
+    assert _helpers.tower_dtype(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2).double())) == torch.float64
+    assert _helpers.tower_dtype(torch.nn.Embedding(3, 2).to(torch.bfloat16)) == torch.bfloat16
 
 
 def test_every_builtin_takes_the_base_signatures():
