@@ -3,28 +3,42 @@
 An adapter knows one family's media layout. Given a :class:`~ppmedia.VlmMediaChunk` taken by
 :func:`~ppmedia.next_vlm_media_chunk`, it runs the model's own vision encoder on exactly that
 microbatch's media and scatters the features into that microbatch's placeholder positions.
+
+:meth:`VlmAdapter.merge` is the same for every family::
+
+    masks = placeholder_masks(input_ids, config)            # {modality: [b, S] bool}
+    host  = read_host(masks, host_inputs(chunk, config))    # the one host read (HostReader)
+    feature_counts(chunk, config, host) == host.totals      # else ValueError, before the encoder
+    scatter(inputs_embeds, masks, encode(model, chunk, host))
+
+A family supplies the four abstract methods (and :meth:`VlmAdapter.host_inputs` when it needs chunk
+metadata on the host); :mod:`ppmedia.adapters._helpers` holds what the built-ins share.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Union
 
 import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
+from ..hostreads import HostReader
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["Count", "HostCount", "VlmAdapter", "WireTensor", "config_value", "inner_model"]
+__all__ = ["HostValues", "VlmAdapter", "WireTensor", "config_get", "config_value", "inner_model", "read_host"]
 
 
 def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> Any:
     """The module that holds ``attribute``: ``model.model`` (a ``...ForConditionalGeneration``), or
     ``model`` itself (the inner ``...Model``, or a remote-code model with the same members).
+
+    Typed ``Any``: what the caller uses on it are the family's own members (``visual``,
+    ``get_image_features``), which ``nn.Module`` does not declare.
 
     Raises ``TypeError`` naming ``expected`` when neither has it.
     """
@@ -37,16 +51,33 @@ def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> Any:
 
 
 @dataclass(frozen=True)
-class HostCount:
-    """A feature count that needs tensor data: ``count(tensor.reshape(-1).tolist())``.
+class HostValues:
+    """What :meth:`VlmAdapter.check_counts` read to the host, in one read, for one microbatch.
 
-    :meth:`VlmAdapter.merge` reads ``tensor`` in the same host read as the placeholder counts, then
-    calls ``count`` on the host. For counts whose arithmetic is cheaper on the host than as many small
-    device ops (LLaVA-NeXT's per-image token counts from ``image_sizes``).
+    Handed to :meth:`VlmAdapter.feature_counts` and :meth:`VlmAdapter.encode`, so nothing there reads
+    tensor data again. Plain Python ints: the arithmetic on them is a few numbers per microbatch.
+
+    Attributes:
+        placeholders: ``{modality: [b]}``, each sample's placeholder tokens, one entry per mask of
+            :meth:`VlmAdapter.placeholder_masks`.
+        totals: ``{modality: int}``, the microbatch's placeholder tokens (the sums of ``placeholders``).
+        values: ``{name: [n]}``, each tensor the adapter asked for in :meth:`VlmAdapter.host_inputs`,
+            flattened row by row: an ``[images, 2]`` grid gives ``2 * images`` numbers
+            (:meth:`rows` gives the rows back).
     """
 
-    tensor: Tensor
-    count: Callable[[list[int]], int]
+    placeholders: Mapping[str, list[int]]
+    totals: Mapping[str, int]
+    values: Mapping[str, list[int]]
+
+    def total(self, modality: str) -> int:
+        """Placeholder tokens of ``modality`` in the microbatch (0 when the adapter has no such mask)."""
+        return self.totals.get(modality, 0)
+
+    def rows(self, name: str, width: int) -> list[list[int]]:
+        """``values[name]`` as rows of ``width`` numbers: the ``[n, width]`` tensor it was read from."""
+        flat = self.values[name]
+        return [flat[i : i + width] for i in range(0, len(flat), width)]
 
 
 @dataclass(frozen=True)
@@ -69,19 +100,68 @@ class WireTensor:
     floating: bool = False
 
 
-#: what :meth:`VlmAdapter.feature_counts` may return per modality.
-Count = Union[int, Tensor, HostCount]
+def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> HostValues:
+    """Read every mask's per-sample sum and every tensor of ``inputs`` to the host, in one read
+    (:class:`ppmedia.hostreads.HostReader`; one per device when they live on several).
+
+    Args:
+        masks: ``{modality: [b, S] bool}``, all of one shape.
+        inputs: ``{name: integer tensor of any shape}``.
+
+    Raises:
+        TypeError: a tensor of ``inputs`` is not of an integer dtype (named in the message).
+    """
+    reader = HostReader()
+    names = list(masks)
+    if len(names) == 1:
+        reader.add(masks[names[0]].sum(dim=-1))
+    elif names:
+        reader.add(torch.stack([masks[name] for name in names]).sum(dim=-1))
+    for name, tensor in inputs.items():
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise TypeError(f"{name}: dtype {tensor.dtype}, shape {list(tensor.shape)}; expected an integer dtype")
+        reader.add(tensor)
+    reader.read()
+    arrays: list[Any] = reader.values  # one flat int64 numpy array per add()
+    placeholders: dict[str, list[int]] = {}
+    totals: dict[str, int] = {}
+    if names:
+        per_sample = arrays[0].tolist()
+        b = len(per_sample) // len(names)
+        for i, name in enumerate(names):
+            placeholders[name] = per_sample[i * b : (i + 1) * b]
+            totals[name] = sum(placeholders[name])
+    values = {name: array.tolist() for name, array in zip(inputs, arrays[1:] if names else arrays)}
+    return HostValues(placeholders, totals, values)
+
+
+_MISSING = object()
+
+
+def config_get(obj: Any, name: str) -> Any:
+    """``getattr(obj, name, None)``, reading the instance ``__dict__`` first.
+
+    transformers' configs route every attribute read through two Python ``__getattribute__``
+    overrides (aliases, per-layer checks; about 2 us a read); merge reads a few config fields per
+    microbatch. A plain field set on the instance is found in its ``__dict__`` with the same value;
+    anything else (aliases of ``attribute_map``, properties, class attributes) takes ``getattr``.
+    """
+    try:
+        found = object.__getattribute__(obj, "__dict__").get(name, _MISSING)
+    except AttributeError:  # no instance __dict__ (slots)
+        found = _MISSING
+    return getattr(obj, name, None) if found is _MISSING else found
 
 
 def config_value(config: Any, *names: str) -> Any:
-    """Return the first of ``names`` set on ``config`` (a dotted name walks sub-configs).
+    """Return the first of ``names`` set (not ``None``) on ``config``; a dotted name walks sub-configs.
 
     Raises ``AttributeError`` naming every name tried when none is set.
     """
     for name in names:
         value: Any = config
         for part in name.split("."):
-            value = getattr(value, part, None)
+            value = config_get(value, part)
             if value is None:
                 break
         if value is not None:
@@ -96,6 +176,11 @@ class VlmAdapter(abc.ABC):
         name: short family name, e.g. ``"qwen2_5_vl"``.
         model_types: the ``config.model_type`` strings this adapter serves (first is canonical).
         layout: the media layout it reads from a chunk, in words (shown by ``ppmedia adapters``).
+
+    A subclass implements :meth:`media_per_sample`, :meth:`placeholder_masks`,
+    :meth:`feature_counts` and :meth:`encode`; it may override :meth:`host_inputs` (integer metadata
+    it needs on the host) and :meth:`position_ids`. :meth:`merge` is the same for every family:
+    masks, one host read (:meth:`check_counts`), encoder, scatter.
     """
 
     name: ClassVar[str]
@@ -104,16 +189,26 @@ class VlmAdapter(abc.ABC):
 
     # -- token side -------------------------------------------------------------------------
     @abc.abstractmethod
-    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
-        """Count each sample's images and videos from its placeholder tokens.
+    def media_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Count each sample's images and videos from its placeholder tokens, for :func:`ppmedia.split_media`.
 
         Args:
             input_ids: ``[B, S]`` token ids.
             config: the model's config.
+            media: optional, the batch's media tensors (e.g. the batch itself, before
+                ``split_media``). A family whose tokens cannot always separate images uses them: two
+                LLaVA-NeXT images written back to back form one run of placeholder tokens, which
+                their ``image_sizes`` split. Families that need nothing from it ignore it.
 
         Returns:
             ``(images, videos)``, two ``[B]`` int64 tensors on ``input_ids.device``; pass them to
             :func:`ppmedia.split_media` as ``images_per_sample`` / ``videos_per_sample``.
+
+        Raises:
+            ValueError: the tokens (and ``media``) cannot be mapped to images; the message says why and
+                names the way out (``n_images_per_sample`` ``[B]`` in the batch).
         """
 
     def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Tensor]:
@@ -125,7 +220,7 @@ class VlmAdapter(abc.ABC):
         Adapters whose tokens alone cannot count some medium read the batch's metadata here (Qwen3-VL
         videos: ``video_grid_thw``).
         """
-        images, videos = self.media_per_sample(batch["input_ids"], config)
+        images, videos = self.media_per_sample(batch["input_ids"], config, media=batch)
         counts = {"images_per_sample": images, "videos_per_sample": videos}
         for key, arg in (("n_images_per_sample", "images_per_sample"), ("n_videos_per_sample", "videos_per_sample")):
             if batch.get(key) is not None:
@@ -137,25 +232,69 @@ class VlmAdapter(abc.ABC):
         """``{modality: [B, S] bool}``: where each modality's features go (``"image"``, ``"video"``)."""
 
     # -- media side -------------------------------------------------------------------------
-    @abc.abstractmethod
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> Mapping[str, Count]:
-        """``{modality: number of feature rows}`` the chunk will produce, from its metadata.
+    def host_inputs(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor]:
+        """``{name: integer tensor}``: the chunk's metadata the adapter needs on the host (grids,
+        image sizes, per-sample counts). :meth:`check_counts` reads them in the same single read as the
+        placeholder counts and hands them to :meth:`feature_counts` and :meth:`encode` as
+        ``host.values[name]``. Check shapes here (no host read); the default asks for nothing.
+        """
+        return {}
 
-        An ``int`` when it follows from shapes alone; else a 0-dim tensor computed on the chunk's
-        device, or a :class:`HostCount` (metadata to read, and the host arithmetic on it). No host read
-        here: :meth:`merge` reads them together with the placeholder counts.
+    @abc.abstractmethod
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
+        """``{modality: feature rows}`` the chunk will give, from its shapes and ``host``.
+
+        Runs on the host, after the one read and before the encoder. Raise ``ValueError`` here for
+        anything the encoder would otherwise fail on deep inside (metadata that does not cover the
+        pixels) or checks finer than the per-modality totals (Step3 checks every sample).
         """
 
     @abc.abstractmethod
-    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """Run the model's own vision encoder on ``chunk``.
+
+        Args:
+            model: the ``...ForConditionalGeneration`` model (or one with the same module paths).
+            chunk: the microbatch's media.
+            host: what :meth:`check_counts` read for this chunk (placeholders and :meth:`host_inputs`).
 
         Returns:
             ``{modality: [tokens, hidden]}`` features in placeholder order, already projected to the
-            language model's width.
+            language model's width; only the modalities the chunk has.
         """
 
     # -- first stage ------------------------------------------------------------------------
+    def check_counts(
+        self, input_ids: Tensor, chunk: VlmMediaChunk | None, config: Any
+    ) -> tuple[dict[str, Tensor], HostValues]:
+        """The checks :meth:`merge` runs before the encoder, with its one host read.
+
+        Args:
+            input_ids: ``[b, S]`` the microbatch's token ids.
+            chunk: its media, or ``None`` for a text-only microbatch.
+            config: the model's config.
+
+        Returns:
+            ``(masks, host)``: :meth:`placeholder_masks` and the :class:`HostValues` read.
+
+        Raises:
+            ValueError: a modality's feature count differs from its placeholder count (both numbers in
+                the message), e.g. placeholders in a microbatch without media.
+        """
+        masks = self.placeholder_masks(input_ids, config)
+        host = read_host(masks, {} if chunk is None else self.host_inputs(chunk, config))
+        features = {} if chunk is None else self.feature_counts(chunk, config, host)
+        for modality in (*masks, *features):
+            placeholders, rows = host.totals.get(modality, 0), features.get(modality, 0)
+            if placeholders != rows:
+                per_sample = host.placeholders.get(modality)
+                where = "" if per_sample is None else f" (per sample: {per_sample})"
+                raise ValueError(
+                    f"{modality}: the microbatch has {placeholders} placeholder tokens{where} but its media "
+                    f"give {rows} feature rows" + (" (no media: a text-only chunk)" if chunk is None else "")
+                )
+        return masks, host
+
     def merge(
         self,
         model: torch.nn.Module,
@@ -164,6 +303,8 @@ class VlmAdapter(abc.ABC):
         chunk: VlmMediaChunk | None,
     ) -> Tensor:
         """Scatter the chunk's features into ``inputs_embeds`` at the placeholder positions.
+
+        :meth:`check_counts` (one host read) first, then :meth:`encode`, then :meth:`scatter`.
 
         Args:
             model: the ``...ForConditionalGeneration`` model (or one with the same module paths).
@@ -175,17 +316,13 @@ class VlmAdapter(abc.ABC):
             ``[b, S, hidden]``: ``inputs_embeds`` itself when ``chunk`` is ``None``, else a new tensor.
 
         Raises:
-            ValueError: before the encoder runs, when a modality's feature count differs from its
-                placeholder count (both numbers in the message); or when placeholders are present
-                but the chunk has no media for them.
+            ValueError: before the encoder runs, when the chunk does not fit its placeholders (see
+                :meth:`check_counts` and :meth:`feature_counts`).
         """
-        config = model.config
-        masks = self.placeholder_masks(input_ids, config)
-        expected = {} if chunk is None else self.feature_counts(chunk, config)
-        self._check_counts(masks, expected)
+        masks, host = self.check_counts(input_ids, chunk, model.config)
         if chunk is None:
             return inputs_embeds
-        return self.scatter(inputs_embeds, masks, self.encode(model, chunk))
+        return self.scatter(inputs_embeds, masks, self.encode(model, chunk, host))
 
     @staticmethod
     def scatter(inputs_embeds: Tensor, masks: Mapping[str, Tensor], features: Mapping[str, Tensor]) -> Tensor:
@@ -194,42 +331,6 @@ class VlmAdapter(abc.ABC):
             mask = masks[modality].unsqueeze(-1).expand_as(inputs_embeds)
             inputs_embeds = inputs_embeds.masked_scatter(mask, feats.to(inputs_embeds.dtype))
         return inputs_embeds
-
-    @staticmethod
-    def _check_counts(masks: Mapping[str, Tensor], expected: Mapping[str, "Count"]) -> None:
-        # One host read for every count of the microbatch: the placeholder sums, and whatever feature
-        # count needs tensor data (a 0-dim tensor, or a HostCount's metadata), are read together.
-        names = sorted(set(masks) | set(expected))
-        with_mask = [masks[name] for name in names if name in masks]
-        pending: list[Tensor] = []
-        if with_mask:  # one sum over all masks: [modalities, b, S] -> [modalities]
-            pending.append(with_mask[0].sum().reshape(1) if len(with_mask) == 1 else torch.stack(with_mask).sum((1, 2)))
-        slots: dict[tuple[str, str], slice] = {}
-        offset = len(with_mask)
-        for i, name in enumerate(n for n in names if n in masks):
-            slots[(name, "placeholders")] = slice(i, i + 1)
-        for name in names:
-            value = expected.get(name, 0)
-            tensor = value.tensor if isinstance(value, HostCount) else value
-            if isinstance(tensor, Tensor):
-                pending.append(tensor.reshape(-1).to(torch.int64))
-                slots[(name, "features")] = slice(offset, offset + tensor.numel())
-                offset += tensor.numel()
-        values = (torch.cat(pending) if len(pending) > 1 else pending[0]).tolist() if pending else []
-        for name in names:
-            placeholders = values[slots[(name, "placeholders")]][0] if (name, "placeholders") in slots else 0
-            value = expected.get(name, 0)
-            if isinstance(value, HostCount):
-                features = int(value.count(values[slots[(name, "features")]]))
-            elif isinstance(value, Tensor):
-                features = values[slots[(name, "features")]][0]
-            else:
-                features = int(value)
-            if placeholders != features:
-                raise ValueError(
-                    f"{name}: the microbatch has {placeholders} placeholder tokens but its media "
-                    f"give {features} feature rows"
-                )
 
     def image_costs(self, patches: "np.ndarray", config: Any) -> "np.ndarray":
         """Relative vision-encoder cost of sequences of ``patches`` patches each (an image, a video or

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from .base import VlmAdapter, WireTensor, config_value, inner_model
+from ._helpers import as_tower_dtype, refuse_videos, shape
+from .base import HostValues, VlmAdapter, WireTensor, config_value, inner_model
 
 __all__ = ["Gemma3Adapter"]
 
@@ -65,7 +66,9 @@ class Gemma3Adapter(VlmAdapter):
     )
 
     # -- token side -------------------------------------------------------------------------
-    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
+    def media_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Rows per sample = image tokens / ``mm_tokens_per_image`` (images and crops together).
 
         A sample whose image tokens are not a multiple of ``mm_tokens_per_image`` counts one row more
@@ -85,7 +88,7 @@ class Gemma3Adapter(VlmAdapter):
         return (input_ids == _image_token_id(config)).to(torch.int64)
 
     # -- media side -------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, int]:
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
         """``{"image": rows * mm_tokens_per_image}``, from shapes only.
 
         Raises:
@@ -93,8 +96,7 @@ class Gemma3Adapter(VlmAdapter):
                 ``[rows, C, H, W]`` at the vision tower's channels and size.
             TypeError: ``pixel_values`` is not floating point.
         """
-        if chunk.pixel_values_videos is not None or chunk.video_grid is not None:
-            raise ValueError("gemma3 takes no video input, but the chunk carries videos")
+        refuse_videos(chunk, "gemma3")
         if chunk.image_grid is not None:
             raise ValueError(
                 f"gemma3 takes no per-image grid, but the chunk carries image_grid of shape "
@@ -114,12 +116,13 @@ class Gemma3Adapter(VlmAdapter):
             raise TypeError(f"gemma3 pixel_values: dtype {pixels.dtype}; expected a floating dtype")
         return {"image": pixels.shape[0] * _tokens_per_image(config)}
 
-    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The model's own ``get_image_features``: ``{"image": [rows * mm_tokens_per_image, text_hidden]}``."""
         if chunk.pixel_values is None:
             return {}
         inner = inner_model(model, "get_image_features", "a Gemma3ForConditionalGeneration or Gemma3Model")
-        features = inner.get_image_features(pixel_values=chunk.pixel_values, return_dict=True).pooler_output
+        pixels = as_tower_dtype(chunk.pixel_values, inner.vision_tower)
+        features = inner.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
         return {"image": features.reshape(-1, features.shape[-1])}
 
     # -- every stage ------------------------------------------------------------------------

@@ -18,15 +18,18 @@ placeholder tokens without features fail the count check.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from .base import VlmAdapter, config_value
+from ._helpers import as_tower_dtype, count_runs, grid_products, grid_thw, images_from_runs, refuse_videos, shape
+from .base import HostValues, VlmAdapter, config_get, config_value
 
 __all__ = ["KimiVLAdapter"]
+
+_GRID_KEYS = ("image_grid_hws", "image_grid_thw")
 
 
 class KimiVLAdapter(VlmAdapter):
@@ -58,7 +61,7 @@ class KimiVLAdapter(VlmAdapter):
 
     @staticmethod
     def _video_token_id(config: Any) -> int | None:
-        value = getattr(config, "video_token_id", None)
+        value = config_get(config, "video_token_id")
         return None if value is None else int(value)
 
     @staticmethod
@@ -73,13 +76,38 @@ class KimiVLAdapter(VlmAdapter):
         return int(kh) * int(kw)
 
     # -- token side ------------------------------------------------------------------------
-    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
-        """Images per sample: the runs of image placeholder tokens (each image is one run, framed by
-        its media start/end tokens). Videos are always zero. Computed on ``input_ids.device``."""
+    def media_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Images per sample: the runs of image placeholder tokens (the processor frames each image
+        with media start/end tokens, so each image is one run). Videos are always zero.
+
+        Without ``media`` (or without a grid in it): device ops only, no host read. With the batch's
+        grid (``media=batch`` holding ``image_grid_hws`` ``[images, 2]`` or ``image_grid_thw``
+        ``[images, 3]``), runs are split by the images' token counts (``h * w / merge area``), so
+        images written back to back are told apart too; one host read.
+
+        Raises:
+            ValueError: (with a grid) runs and images that do not pair up; the message names the
+                sample and the way out (``n_images_per_sample`` in the batch).
+        """
         is_image = input_ids == self._image_token_id(config)
-        before = torch.zeros_like(is_image[..., :1])
-        previous = torch.cat([before, is_image[..., :-1]], dim=-1)
-        images = (is_image & ~previous).sum(dim=-1, dtype=torch.int64)
+        grid, key = None, ""
+        for key in _GRID_KEYS:
+            grid = None if media is None else media.get(key)
+            if grid is not None:
+                break
+        if grid is None:
+            images = count_runs(is_image)
+        else:
+            if grid.dim() != 2 or grid.shape[1] not in (2, 3):
+                raise ValueError(f"{key}: shape {shape(grid)}; expected [images, 2] (h, w) or [images, 3] (t, h, w)")
+            area, columns = self._merge_area(config), grid.shape[1]
+
+            def tokens(flat: list[int]) -> list[int]:
+                return [n // area for n in grid_products(flat, columns)]
+
+            images = images_from_runs(is_image, grid, tokens, token="input_ids", metadata=key)
         return images, torch.zeros_like(images)
 
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
@@ -91,82 +119,77 @@ class KimiVLAdapter(VlmAdapter):
         return masks
 
     # -- media side ------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor | int]:
-        """Image tokens = patch rows // merge-kernel area (shapes only). Video is always 0.
+    def host_inputs(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor]:
+        """``{"image_grid": [images, 2 or 3]}`` when the chunk has images.
 
         Raises:
-            ValueError: the chunk carries video media; it has pixels but no grid (or a grid that is
-                not ``[images, 2]`` / ``[images, 3]``); or its patch rows are not a whole number of
-                merge blocks.
+            ValueError: the chunk carries video media; it has pixels but no grid (or a grid but no
+                pixels, or a grid that is not ``[images, 2]`` / ``[images, 3]``).
         """
-        if chunk.pixel_values_videos is not None or chunk.video_grid is not None:
+        refuse_videos(chunk, "the Kimi-VL adapter")
+        pixels, grid = chunk.pixel_values, chunk.image_grid
+        if pixels is None and grid is None:
+            return {}
+        if pixels is None or grid is None:
             raise ValueError(
-                "the Kimi-VL adapter handles images only; the chunk carries video media "
-                f"(pixel_values_videos {_shape(chunk.pixel_values_videos)}, video_grid "
-                f"{_shape(chunk.video_grid)})"
-            )
-        counts: dict[str, Tensor | int] = {"image": 0}
-        if self._video_token_id(config) is not None:
-            counts["video"] = 0
-        pixels = chunk.pixel_values
-        if pixels is None:
-            return counts
-        grid = chunk.image_grid
-        if grid is None:
-            raise ValueError(
-                f"pixel_values {_shape(pixels)} came without an image grid; Kimi-VL needs image_grid_hws "
-                "[images, 2] or image_grid_thw [images, 3]"
+                f"Kimi-VL chunk has pixel_values {shape(pixels)} and image grid {shape(grid)}; expected "
+                "both: patches [patches, C, P, P] with image_grid_hws [images, 2] or image_grid_thw [images, 3]"
             )
         if grid.dim() != 2 or grid.shape[-1] not in (2, 3):
-            raise ValueError(f"image grid must be [images, 2] or [images, 3], got {_shape(grid)}")
+            raise ValueError(f"image grid must be [images, 2] or [images, 3], got {shape(grid)}")
+        return {"image_grid": grid}
+
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
+        """Image tokens = patches // merge-kernel area, after checking the grid covers exactly the
+        patches and each image is a whole number of merge blocks. Video is always 0.
+
+        Raises:
+            ValueError: the grid covers another number of patches than ``pixel_values`` has rows, or an
+                image whose patches are not a multiple of the merge-kernel area (row named).
+        """
+        counts = {"image": 0}
+        if self._video_token_id(config) is not None:
+            counts["video"] = 0
+        pixels, grid = chunk.pixel_values, chunk.image_grid
+        if pixels is None or grid is None:
+            return counts
         area = self._merge_area(config)
-        rows = pixels.shape[0]
-        if rows % area:
+        patches = grid_products(host.values["image_grid"], grid.shape[1])
+        if sum(patches) != pixels.shape[0]:
             raise ValueError(
-                f"pixel_values has {rows} patch rows, not a multiple of the merge-kernel area {area}"
+                f"image grid {shape(grid)} covers {sum(patches)} patches but pixel_values {shape(pixels)} "
+                f"has {pixels.shape[0]} patch rows"
             )
-        counts["image"] = rows // area
+        for row, n in enumerate(patches):
+            if n % area:
+                raise ValueError(
+                    f"image grid: row {row} gives {n} patches, not a multiple of the merge-kernel area {area}"
+                )
+        counts["image"] = pixels.shape[0] // area
         return counts
 
-    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """MoonViT + projector on the chunk's images: ``{"image": [tokens, text_hidden]}``."""
         pixels, grid = chunk.pixel_values, chunk.image_grid
-        if pixels is None:
+        if pixels is None or grid is None:
             return {}
-        if grid is None:
-            raise ValueError(f"pixel_values {_shape(pixels)} came without an image grid")
         inner = getattr(model, "model", None)
         if inner is not None and hasattr(inner, "get_image_features") and hasattr(inner, "vision_tower"):
-            tower = inner.vision_tower
-            if grid.shape[-1] == 2:
-                grid = torch.nn.functional.pad(grid, (1, 0), value=1)  # t = 1 column
-            pixels = _as_tower_dtype(pixels, tower)
-            out = inner.get_image_features(pixels, image_grid_thw=grid, return_dict=True)
+            pixels = as_tower_dtype(pixels, inner.vision_tower)
+            out = inner.get_image_features(pixels, image_grid_thw=grid_thw(grid, "image grid"), return_dict=True)
             features = out.pooler_output
         elif hasattr(model, "_extract_image_features") and hasattr(model, "vision_tower"):
-            if grid.shape[-1] == 3:
-                grid = grid[:, 1:]
-            features = model._extract_image_features(_as_tower_dtype(pixels, model.vision_tower), grid)  # type: ignore[operator,arg-type]
+            remote: Any = model  # remote-code members nn.Module does not declare
+            hws = grid[:, 1:] if grid.shape[-1] == 3 else grid
+            features = remote._extract_image_features(as_tower_dtype(pixels, remote.vision_tower), hws)
         else:
             raise TypeError(
                 f"{type(model).__name__} has neither model.model.get_image_features with "
                 "model.model.vision_tower (transformers Kimi-K2.5) nor model._extract_image_features "
                 "with model.vision_tower (remote-code Kimi-VL)"
             )
-        if isinstance(features, (list, tuple)):
-            features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features], dim=0)
-        else:
-            features = features.reshape(-1, features.shape[-1])
-        return {"image": features}
-
-
-def _as_tower_dtype(pixels: Tensor, tower: torch.nn.Module) -> Tensor:
-    # The patch-embedding convolution needs pixels in the tower's dtype; a no-op when they match.
-    param = next(tower.parameters(), None)
-    if param is None or not param.dtype.is_floating_point:
-        return pixels
-    return pixels.to(param.dtype)
-
-
-def _shape(tensor: Tensor | None) -> str:
-    return "None" if tensor is None else str(list(tensor.shape))
+        if isinstance(features, Tensor):
+            return {"image": features.reshape(-1, features.shape[-1])}
+        if any(f.dim() != 2 for f in features):  # remote code may keep a kernel axis: [n_i, k, H]
+            features = [f.reshape(-1, f.shape[-1]) for f in features]
+        return {"image": torch.cat(features, dim=0)}

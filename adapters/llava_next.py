@@ -17,32 +17,48 @@ ending in one ``image_newline`` row.
 
 Crops per image in the flat layout: nothing in the chunk says where one image's crops end; they are
 derived from ``image_sizes`` (``1 + grid_h * grid_w``), which is what the model's own
-``get_image_features`` does with 4-D ``pixel_values``. :meth:`LlavaNextAdapter.encode` checks that they
-add up to the number of crop rows before running the vision tower.
+``get_image_features`` does with 4-D ``pixel_values``. :meth:`LlavaNextAdapter.feature_counts` checks
+that they add up to the number of crop rows before the vision tower runs.
+
+Images written back to back (``<image><image>`` in a raw prompt) give one run of placeholder tokens.
+:meth:`LlavaNextAdapter.media_per_sample` splits such runs when given the batch's ``image_sizes``
+(``media=batch``): an image's token count depends only on its size.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
-from transformers.image_processing_utils import select_best_resolution
-from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
+from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape as _untyped_grid_shape
 
 from ..chunk import VlmMediaChunk
-from .base import Count, HostCount, VlmAdapter, config_value, inner_model
+from ._helpers import as_tower_dtype, count_runs, images_from_runs, refuse_videos, shape
+from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = ["LlavaNextAdapter", "image_tokens"]
 
+#: transformers' ``get_anyres_image_grid_shape(image_size, grid_pinpoints, patch_size) -> (grid_h, grid_w)``
+_grid_shape: Callable[[tuple[int, int], list[list[int]], int], tuple[int, int]] = _untyped_grid_shape
 
-def _geometry(config: Any) -> tuple[int, int, list[tuple[int, int]], bool]:
-    crop = int(config_value(config, "vision_config.image_size"))
-    patch = int(config_value(config, "vision_config.patch_size"))
-    pinpoints = [(int(h), int(w)) for h, w in config_value(config, "image_grid_pinpoints")]
-    strategy = getattr(config, "vision_feature_select_strategy", "default")
-    return crop, crop // patch, pinpoints, strategy == "full"
+#: (crop side in pixels, feature rows per crop side, pinpoints, rows of the base crop)
+_Geometry = tuple[int, int, tuple[tuple[int, int], ...], int]
+
+
+def _geometry(config: Any) -> _Geometry:
+    vision = config_get(config, "vision_config")
+    crop, patch = config_get(vision, "image_size"), config_get(vision, "patch_size")
+    pinpoints = config_get(config, "image_grid_pinpoints")
+    if crop is None or patch is None or pinpoints is None:
+        raise AttributeError(
+            f"{type(config).__name__} lacks vision_config.image_size, vision_config.patch_size or "
+            "image_grid_pinpoints (LLaVA-NeXT's anyres geometry)"
+        )
+    side = int(crop) // int(patch)
+    full = config_get(config, "vision_feature_select_strategy") == "full"
+    return int(crop), side, tuple(map(tuple, pinpoints)), side * side + (1 if full else 0)
 
 
 def image_tokens(height: int, width: int, config: Any) -> int:
@@ -53,38 +69,35 @@ def image_tokens(height: int, width: int, config: Any) -> int:
     it against ``unpad_image`` itself): base crop + unpadded grid rows of ``cols + 1`` (one newline
     each).
     """
-    return _image_tokens(height, width, *_host_geometry(config))
+    return _crops_and_tokens(int(height), int(width), _geometry(config))[1]
 
 
-def _host_geometry(config: Any) -> tuple[int, int, list[list[int]], int]:
-    crop, side, pinpoints, full = _geometry(config)
-    return crop, side, [list(p) for p in pinpoints], side * side + (1 if full else 0)
-
-
-def _image_tokens(height: int, width: int, crop: int, side: int, pinpoints: list[list[int]], base: int) -> int:
-    grid_h, grid_w = get_anyres_image_grid_shape((height, width), pinpoints, crop)
+@functools.lru_cache(maxsize=1 << 16)
+def _crops_and_tokens(height: int, width: int, geometry: _Geometry) -> tuple[int, int]:
+    # (crops, tokens) of one image; cached: a dataset has few distinct sizes, merge runs every step
+    crop, side, pinpoints, base = geometry
+    grid_h, grid_w = _grid_shape((height, width), [list(p) for p in pinpoints], crop)
     rows, cols = grid_h * side, grid_w * side
     if width / height > cols / rows:
         rows -= 2 * ((rows - int(round(height * (cols / width), 7))) // 2)
     else:
         cols -= 2 * ((cols - int(round(width * (rows / height), 7))) // 2)
-    return base + rows * (cols + 1)
+    return 1 + grid_h * grid_w, base + rows * (cols + 1)
 
 
-def _tokens_of_sizes(flat_sizes: list[int], config: Any) -> int:
-    # HostCount callback: image_sizes read as [h0, w0, h1, w1, ...]
-    geometry = _host_geometry(config)
-    return sum(_image_tokens(h, w, *geometry) for h, w in zip(flat_sizes[0::2], flat_sizes[1::2]))
+def _per_image(sizes: list[list[int]], geometry: _Geometry, key: str) -> list[tuple[int, int]]:
+    """``(crops, tokens)`` of each ``[h, w]``; ``ValueError`` naming ``key`` and the row for a size < 1."""
+    out = []
+    for row, (height, width) in enumerate(sizes):
+        if height < 1 or width < 1:
+            raise ValueError(f"{key}: row {row} is [{height}, {width}]; expected a height and width >= 1")
+        out.append(_crops_and_tokens(height, width, geometry))
+    return out
 
 
-def _crops_per_image(sizes: list[list[int]], config: Any) -> list[int]:
-    # host side, from sizes already read: the model's own select_best_resolution
-    crop, _, pinpoints, _ = _geometry(config)
-    counts = []
-    for size in sizes:
-        best_h, best_w = select_best_resolution(size, [list(p) for p in pinpoints])
-        counts.append(1 + (best_h // crop) * (best_w // crop))
-    return counts
+def _sizes(host: HostValues) -> list[list[int]]:
+    """``image_sizes`` as read by merge's one host read: ``[[h, w], ...]``."""
+    return host.rows("image_sizes", 2)
 
 
 class LlavaNextAdapter(VlmAdapter):
@@ -104,85 +117,108 @@ class LlavaNextAdapter(VlmAdapter):
     )
 
     # -- token side -------------------------------------------------------------------------
-    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
-        """Images per sample = runs of consecutive image tokens (an image is one contiguous run).
+    def media_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Images per sample from the runs of image tokens; no videos in this family (zeros).
 
-        Two images with no token between them would count as one; the processor always separates
-        them. No videos in this family: the second tensor is zeros.
+        Without ``media`` (or without ``image_sizes`` in it) every run is one image: device ops only,
+        no host read. Images written back to back (``<image><image>`` in a raw prompt) form one run,
+        which then counts as one image. With ``media["image_sizes"]`` ``[images, 2]`` (pass the batch:
+        ``media=batch``) the runs are split by the images' token counts, which follow from their sizes
+        alone: one host read of the run lengths and the sizes.
+
+        Raises:
+            ValueError: (with ``image_sizes``) a run that is no sum of whole images, or runs and
+                images that do not pair up; the message names the sample and the way out
+                (``n_images_per_sample`` in the batch).
         """
-        is_image = input_ids == config_value(config, "image_token_id", "image_token_index")
-        starts = is_image.clone()
-        starts[:, 1:] &= ~is_image[:, :-1]
-        images = starts.sum(dim=1, dtype=torch.int64)
+        is_image = input_ids == config_value(config, "image_token_index", "image_token_id")
+        sizes = None if media is None else media.get("image_sizes")
+        if sizes is None:
+            images = count_runs(is_image)
+        else:
+            if sizes.dim() != 2 or sizes.shape[-1] != 2:
+                raise ValueError(f"image_sizes: shape {shape(sizes)}; expected [images, 2]")
+            geometry = _geometry(config)
+
+            def tokens(flat: list[int]) -> list[int]:
+                pairs = [[h, w] for h, w in zip(flat[0::2], flat[1::2])]
+                return [t for _, t in _per_image(pairs, geometry, "image_sizes")]
+
+            images = images_from_runs(is_image, sizes, tokens, token="input_ids", metadata="image_sizes")
         return images, torch.zeros_like(images)
 
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
-        return {"image": input_ids == config_value(config, "image_token_id", "image_token_index")}
+        # image_token_index first: the field LlavaNextConfig stores (image_token_id is its alias)
+        return {"image": input_ids == config_value(config, "image_token_index", "image_token_id")}
 
     # -- media side -------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Count]:
-        """``{"image": HostCount(image_sizes, ...)}``: the tokens depend on ``image_sizes`` only; merge
-        reads them with the placeholder counts and counts on the host (:func:`image_tokens`).
+    def host_inputs(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor]:
+        """``{"image_sizes": chunk.image_grid}``, after checking the chunk's shapes.
 
         Raises:
-            ValueError: the chunk carries videos, pixels without ``image_sizes``, or a padded-crops
-                ``pixel_values`` whose image count differs from ``image_sizes`` (shapes only).
+            ValueError: the chunk carries videos, pixels without ``image_sizes`` (or sizes without
+                pixels), sizes that are not ``[images, 2]``, or padded crops whose image count differs
+                from the sizes'.
         """
-        if chunk.pixel_values_videos is not None or chunk.video_grid is not None:
-            raise ValueError("llava_next takes no video input, but the chunk carries videos")
+        refuse_videos(chunk, "llava_next")
         pixels, sizes = chunk.pixel_values, chunk.image_grid
         if pixels is None and sizes is None:
-            return {"image": 0}
+            return {}
         if pixels is None or sizes is None:
             missing = "pixel_values" if pixels is None else "image sizes (image_grid)"
-            raise ValueError(f"llava_next chunk has images but no {missing}")
+            raise ValueError(
+                f"llava_next chunk has no {missing}: pixel_values {shape(pixels)}, image_grid {shape(sizes)}"
+            )
         if sizes.dim() != 2 or sizes.shape[-1] != 2:
-            raise ValueError(f"llava_next image sizes must be [images, 2], got {tuple(sizes.shape)}")
+            raise ValueError(f"llava_next image sizes (image_grid): shape {shape(sizes)}; expected [images, 2]")
+        if pixels.dim() not in (4, 5):
+            raise ValueError(
+                f"llava_next pixel_values: shape {shape(pixels)}; expected [images, max_crops, C, H, W] "
+                f"or [crops, C, H, W]"
+            )
         if pixels.dim() == 5 and pixels.shape[0] != sizes.shape[0]:
             raise ValueError(
                 f"llava_next padded crops hold {pixels.shape[0]} images but image sizes describe "
                 f"{sizes.shape[0]}"
             )
-        if pixels.dim() not in (4, 5):
-            raise ValueError(
-                f"llava_next pixel_values must be [images, max_crops, C, H, W] or [crops, C, H, W], "
-                f"got {tuple(pixels.shape)}"
-            )
-        return {"image": HostCount(sizes, functools.partial(_tokens_of_sizes, config=config))}
+        return {"image_sizes": sizes}
 
-    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:
-        """The model's own ``get_image_features``: vision tower, projector, unpad and newline packing.
-
-        Reads ``image_sizes`` to the host once (the model needs them there to cut crops into grids) and
-        checks the crop layout against them before the vision tower runs.
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
+        """The images' tokens, from their sizes alone (:func:`image_tokens`), after checking that the
+        crops in ``pixel_values`` are the ones the sizes imply (``1 + grid_h * grid_w`` per image).
 
         Raises:
             ValueError: fewer padded crops than an image needs, or flat crops that do not add up to
                 the crops the sizes imply.
         """
-        pixels, image_sizes = chunk.pixel_values, chunk.image_grid
+        pixels = chunk.pixel_values
         if pixels is None:
+            return {"image": 0}
+        per_image = _per_image(_sizes(host), _geometry(config), "image sizes (image_grid)")
+        crops, tokens = [c for c, _ in per_image], [t for _, t in per_image]
+        if pixels.dim() == 5 and pixels.shape[1] < max(crops, default=0):
+            raise ValueError(
+                f"llava_next padded crops {shape(pixels)} cannot hold {len(crops)} images of {crops} crops"
+            )
+        if pixels.dim() == 4 and pixels.shape[0] != sum(crops):
+            raise ValueError(
+                f"llava_next flat crops: pixel_values has {pixels.shape[0]} crops but the image "
+                f"sizes imply {sum(crops)} ({crops} per image)"
+            )
+        return {"image": sum(tokens)}
+
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
+        """The model's own ``get_image_features``: vision tower, projector, unpad and newline packing.
+
+        Pixels are cast to the vision tower's dtype (no copy when they match). The sizes come from
+        ``host`` as a list of ``[h, w]``, which the model accepts everywhere it uses ``image_sizes``
+        and which spares it a host read per image.
+        """
+        if chunk.pixel_values is None:
             return {}
-        if image_sizes is None:
-            raise ValueError("llava_next chunk has pixel_values but no image sizes (image_grid)")
         inner = inner_model(model, "get_image_features", "a LlavaNextForConditionalGeneration or LlavaNextModel")
-        sizes = image_sizes.tolist()  # one host read for the whole chunk
-        crops = _crops_per_image(sizes, model.config)
-        if pixels.dim() == 5:
-            if pixels.shape[0] != len(sizes) or pixels.shape[1] < max(crops, default=0):
-                raise ValueError(
-                    f"llava_next padded crops {tuple(pixels.shape[:2])} cannot hold {len(sizes)} images "
-                    f"of {crops} crops"
-                )
-        elif pixels.dim() == 4:
-            if pixels.shape[0] != sum(crops):
-                raise ValueError(
-                    f"llava_next flat crops: pixel_values has {pixels.shape[0]} crops but the image "
-                    f"sizes imply {sum(crops)} ({crops} per image)"
-                )
-        else:
-            raise ValueError(f"llava_next pixel_values must be 4-D or 5-D, got {tuple(pixels.shape)}")
-        # A list of [h, w] is accepted everywhere the model uses image_sizes and spares it a host
-        # read per image.
-        out = inner.get_image_features(pixels, sizes, return_dict=True)
-        return {"image": torch.cat(list(out.pooler_output), dim=0)}
+        pixels = as_tower_dtype(chunk.pixel_values, getattr(inner, "vision_tower", None))
+        out = inner.get_image_features(pixels, _sizes(host), return_dict=True)
+        return {"image": torch.cat(out.pooler_output, dim=0)}

@@ -23,14 +23,14 @@ the ids in Mistral's tokenizer. Only :meth:`Mistral3Adapter.media_per_sample` us
 
 from __future__ import annotations
 
-import functools
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from .base import Count, HostCount, VlmAdapter, config_value, inner_model
+from ._helpers import as_tower_dtype, refuse_videos, shape
+from .base import HostValues, VlmAdapter, config_value, inner_model
 
 __all__ = ["Mistral3Adapter", "image_tokens"]
 
@@ -50,7 +50,7 @@ def image_tokens(height: int, width: int, config: Any) -> int:
 
 
 def _tokens_of_sizes(flat: list[int], step: int, max_hw: tuple[int, int]) -> int:
-    # HostCount callback: image_sizes read as [h0, w0, h1, w1, ...]; checks them before any encoder runs
+    # image_sizes read to the host as [h0, w0, h1, w1, ...]; checked before any encoder runs
     total = 0
     for k, (h, w) in enumerate(zip(flat[0::2], flat[1::2])):
         if not (step <= h <= max_hw[0] and step <= w <= max_hw[1]):
@@ -103,8 +103,11 @@ class Mistral3Adapter(VlmAdapter):
         )
 
     # -- token side -------------------------------------------------------------------------
-    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
-        """Images per sample = its ``[IMG_END]`` tokens (one per image). No videos: zeros."""
+    def media_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Images per sample = its ``[IMG_END]`` tokens (one per image, so images back to back are told
+        apart without ``media``). No videos: zeros."""
         _, _, end = self.special_token_ids(config)
         images = (input_ids == end).sum(dim=-1, dtype=torch.int64)
         return images, torch.zeros_like(images)
@@ -113,81 +116,57 @@ class Mistral3Adapter(VlmAdapter):
         return {"image": input_ids == self.special_token_ids(config)[0]}
 
     # -- media side -------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Count]:
-        """``{"image": HostCount(image_sizes, ...)}``: tokens follow from the true sizes; merge reads
-        them with the placeholder counts and counts (and checks them) on the host.
+    def host_inputs(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor]:
+        """``{"image_sizes": [images, 2]}`` (staged as ``chunk.image_grid``), shapes checked.
 
         Raises:
             ValueError: videos; pixels without sizes or the reverse; ``pixel_values`` not 4-D;
-                ``image_sizes`` not ``[images, 2]`` for the same number of images (shapes only).
+                ``image_sizes`` not ``[images, 2]`` for the same number of images.
             TypeError: ``pixel_values`` not floating point, or ``image_sizes`` not integers.
         """
-        if chunk.pixel_values_videos is not None or chunk.video_grid is not None:
-            raise ValueError("mistral3 takes no video input, but the chunk carries videos")
+        refuse_videos(chunk, "mistral3")
         pixels, sizes = chunk.pixel_values, chunk.image_grid
         if pixels is None and sizes is None:
-            return {"image": 0}
+            return {}
         if pixels is None or sizes is None:
-            missing = "pixel_values" if pixels is None else "image_sizes (image_grid)"
-            raise ValueError(f"mistral3 chunk has images but no {missing}")
-        if pixels.dim() != 4:
             raise ValueError(
-                f"mistral3 pixel_values: shape {tuple(pixels.shape)}; expected [images, C, Hmax, Wmax]"
+                f"mistral3 chunk has pixel_values {shape(pixels)} and image_sizes {shape(sizes)}; expected both"
             )
+        if pixels.dim() != 4:
+            raise ValueError(f"mistral3 pixel_values: shape {shape(pixels)}; expected [images, C, Hmax, Wmax]")
         if not pixels.is_floating_point():
             raise TypeError(f"mistral3 pixel_values: dtype {pixels.dtype}; expected a floating dtype")
         if sizes.is_floating_point() or sizes.is_complex() or sizes.dtype == torch.bool:
             raise TypeError(f"mistral3 image_sizes: dtype {sizes.dtype}; expected an integer dtype")
         if sizes.dim() != 2 or sizes.shape[1] != 2 or sizes.shape[0] != pixels.shape[0]:
             raise ValueError(
-                f"mistral3 image_sizes: shape {tuple(sizes.shape)}; expected [{pixels.shape[0]}, 2] "
+                f"mistral3 image_sizes: shape {shape(sizes)}; expected [{pixels.shape[0]}, 2] "
                 f"(one (height, width) per pixel_values row)"
             )
+        return {"image_sizes": sizes}
+
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
+        """``{"image": tokens}`` from the true sizes read to the host, each checked against the padded
+        pixels and the tower's largest size.
+
+        Raises:
+            ValueError: a size outside ``[patch * spatial_merge_size, min(padded side, image_size)]``.
+        """
+        pixels = chunk.pixel_values
+        if pixels is None:
+            return {"image": 0}
         largest = int(config_value(config, "vision_config.image_size"))  # the tower's rope covers no more
         max_hw = (min(int(pixels.shape[2]), largest), min(int(pixels.shape[3]), largest))
-        count = functools.partial(_tokens_of_sizes, step=_downsample(config), max_hw=max_hw)
-        return {"image": HostCount(sizes, count)}
+        return {"image": _tokens_of_sizes(host.values["image_sizes"], _downsample(config), max_hw)}
 
-    def encode(
-        self, model: torch.nn.Module, chunk: VlmMediaChunk, image_sizes: list[list[int]] | None = None
-    ) -> dict[str, Tensor]:
-        """The model's own ``get_image_features``: ``{"image": [tokens, text_hidden]}`` in image order.
-
-        Args:
-            image_sizes: the chunk's sizes already read to the host (:meth:`merge` passes them);
-                ``None`` reads ``chunk.image_grid`` once.
-        """
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
+        """The model's own ``get_image_features``: ``{"image": [tokens, text_hidden]}`` in image order,
+        with the sizes read in :meth:`check_counts` (no second host read)."""
         if chunk.pixel_values is None:
             return {}
-        if chunk.image_grid is None:
-            raise ValueError("mistral3 chunk has pixel_values but no image_sizes (image_grid)")
         inner = inner_model(model, "get_image_features", "a Mistral3ForConditionalGeneration or Mistral3Model")
-        sizes = chunk.image_grid.tolist() if image_sizes is None else image_sizes
         # a list of [h, w]: the tower and the patch merger index it per image without a host read each
-        out = inner.get_image_features(pixel_values=chunk.pixel_values, image_sizes=sizes, return_dict=True)
+        sizes = host.rows("image_sizes", 2)
+        pixels = as_tower_dtype(chunk.pixel_values, inner.vision_tower)
+        out = inner.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True)
         return {"image": torch.cat(list(out.pooler_output), dim=0)}
-
-    # -- first stage ------------------------------------------------------------------------
-    def merge(
-        self,
-        model: torch.nn.Module,
-        input_ids: Tensor,
-        inputs_embeds: Tensor,
-        chunk: VlmMediaChunk | None,
-    ) -> Tensor:
-        """As the base class, and the ``image_sizes`` read for the count check are the ones the
-        encoder gets: one host read per microbatch (placeholders and sizes together)."""
-        if chunk is None:
-            return super().merge(model, input_ids, inputs_embeds, None)
-        config = model.config
-        masks = self.placeholder_masks(input_ids, config)
-        counts = dict(self.feature_counts(chunk, config))
-        read: list[list[int]] = []
-        pending = counts["image"]
-        if isinstance(pending, HostCount):
-            counts["image"] = HostCount(pending.tensor, lambda flat: read.append(flat) or pending.count(flat))
-        self._check_counts(masks, counts)
-        if chunk.pixel_values is None:
-            return inputs_embeds
-        sizes = [list(pair) for pair in zip(read[0][0::2], read[0][1::2])]
-        return self.scatter(inputs_embeds, masks, self.encode(model, chunk, image_sizes=sizes))

@@ -14,33 +14,27 @@ one per placeholder token; the processor writes each as ``vision_start, pad * n,
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from .base import VlmAdapter, config_value, inner_model
+from ._helpers import as_tower_dtype, count_runs, grid_products, grid_thw, shape
+from .base import HostValues, VlmAdapter, config_value, inner_model
 
 __all__ = ["Qwen2_5_VLAdapter"]
 
 _QWEN = "a Qwen2-VL-style model (Qwen2_5_VLForConditionalGeneration or its inner model)"
 
 
-def _grid_thw(grid: Tensor | None, what: str) -> Tensor | None:
-    """``grid`` as ``[n, 3]`` ``(t, h, w)``; an ``[n, 2]`` ``(h, w)`` grid gets ``t = 1`` prepended."""
-    if grid is None:
-        return None
-    if grid.dim() != 2 or grid.shape[1] not in (2, 3):
-        raise ValueError(f"{what} must be [n, 3] (t, h, w) or [n, 2] (h, w); got shape {tuple(grid.shape)}")
-    if grid.shape[1] == 3:
-        return grid
-    return torch.nn.functional.pad(grid, (1, 0), value=1)  # t = 1 column
-
-
-def _rows(pixels: Tensor | None) -> int:
-    return 0 if pixels is None else int(pixels.shape[0])
+def _modalities(chunk: VlmMediaChunk) -> tuple[tuple[str, Tensor | None, Tensor | None], ...]:
+    return (
+        ("image", chunk.pixel_values, chunk.image_grid),
+        ("video", chunk.pixel_values_videos, chunk.video_grid),
+    )
 
 
 class Qwen2_5_VLAdapter(VlmAdapter):
@@ -59,10 +53,9 @@ class Qwen2_5_VLAdapter(VlmAdapter):
     * config fields ``image_token_id``, ``video_token_id``, ``vision_start_token_id`` and
       ``vision_config.spatial_merge_size``.
 
-    Video timing: :meth:`position_ids` passes the chunk's ``second_per_grid_ts`` (``[videos]``, split
-    with its videos by :func:`ppmedia.split_media`) to ``get_rope_index``, so video frames are spaced as
-    the model spaces them for any fps; without it, ``get_rope_index``'s default (one second per temporal
-    grid step), as the model itself does when that argument is not passed.
+    Video timing: :meth:`position_ids` passes the chunk's ``second_per_grid_ts`` ``[videos]`` to
+    ``get_rope_index`` when it was staged; without it, video frames are spaced with
+    ``get_rope_index``'s default (one second per temporal grid step), as the model itself does.
     """
 
     name: ClassVar[str] = "qwen2_5_vl"
@@ -84,75 +77,90 @@ class Qwen2_5_VLAdapter(VlmAdapter):
         return int(config_value(config, "vision_config.spatial_merge_size", "spatial_merge_size"))
 
     # -- token side ------------------------------------------------------------------------------
-    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
+    def media_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Count each sample's images and videos: a ``vision_start`` token followed by the image (video)
-        token opens one image (video). Without ``vision_start_token_id`` in the config, every run of
-        consecutive image (video) tokens counts as one. Device ops only, no host read."""
+        token opens one image (video), so images written back to back are still told apart. Without
+        ``vision_start_token_id`` in the config, every run of consecutive image (video) tokens counts
+        as one. Device ops only, no host read; ``media`` is not needed."""
         image_id, video_id = self._token_ids(config)
         try:
             start_id: int | None = int(config_value(config, "vision_start_token_id"))
         except AttributeError:
             start_id = None
-        if start_id is not None:
-            opens = input_ids[:, :-1] == start_id
-            nxt = input_ids[:, 1:]
-            images = (opens & (nxt == image_id)).sum(dim=1)
-            videos = (opens & (nxt == video_id)).sum(dim=1)
-        else:
-            def runs(token: int) -> Tensor:
-                hit = input_ids == token
-                first = hit.clone()
-                first[:, 1:] &= ~hit[:, :-1]
-                return first.sum(dim=1)
-
-            images, videos = runs(image_id), runs(video_id)
-        return images.to(torch.int64), videos.to(torch.int64)
+        if start_id is None:
+            return count_runs(input_ids == image_id), count_runs(input_ids == video_id)
+        opens = input_ids[:, :-1] == start_id
+        following = input_ids[:, 1:]
+        images = (opens & (following == image_id)).sum(dim=1, dtype=torch.int64)
+        videos = (opens & (following == video_id)).sum(dim=1, dtype=torch.int64)
+        return images, videos
 
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
         image_id, video_id = self._token_ids(config)
         return {"image": input_ids == image_id, "video": input_ids == video_id}
 
     # -- media side ------------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor | int]:
-        """Features per modality from the patch-row counts (shapes only): ``rows // merge**2``."""
-        unit = self._merge(config) ** 2
-        counts: dict[str, Tensor | int] = {}
-        for modality, pixels in (("image", chunk.pixel_values), ("video", chunk.pixel_values_videos)):
-            rows = _rows(pixels)
-            if rows % unit:
-                raise ValueError(
-                    f"{modality}: {rows} patch rows is not a multiple of spatial_merge_size**2 = {unit}"
-                )
-            counts[modality] = rows // unit
-        return counts
+    def host_inputs(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor]:
+        """``{"image_grid": [images, 3 or 2], "video_grid": [videos, 3 or 2]}`` (those present).
 
-    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:
-        """Run ``visual`` once per present modality on exactly the chunk's rows and grids."""
-        visual = inner_model(model, "visual", _QWEN).visual
-        dtype = next(visual.parameters()).dtype
-        features: dict[str, Tensor] = {}
-        for modality, pixels, grid in (
-            ("image", chunk.pixel_values, chunk.image_grid),
-            ("video", chunk.pixel_values_videos, chunk.video_grid),
-        ):
-            if pixels is None:
+        Raises:
+            ValueError: patch rows without a grid (or a grid without rows), rows that are not
+                ``[patches, D]``, or a grid that is not ``[n, 3]`` / ``[n, 2]``.
+        """
+        inputs = {}
+        for modality, pixels, grid in _modalities(chunk):
+            if pixels is None and grid is None:
                 continue
-            grid = _grid_thw(grid, f"{modality} grid")
-            if grid is None:
-                raise ValueError(f"{modality}: the chunk has {_rows(pixels)} patch rows but no grid")
-            if pixels.dim() != 2:
+            if pixels is None or grid is None:
                 raise ValueError(
-                    f"{modality}: expected flat patch rows [patches, D]; got shape {tuple(pixels.shape)}"
+                    f"{modality}: the chunk has patch rows {shape(pixels)} and grid {shape(grid)}; expected both"
                 )
-            # The vision tower reads the grid on the host anyway; check it covers exactly the rows, so
-            # a grid/rows mismatch fails here and not as a reshape error deep inside the tower.
-            patches = int(grid.prod(dim=-1).sum())
-            if patches != pixels.shape[0]:
+            if pixels.dim() != 2:
+                raise ValueError(f"{modality}: patch rows of shape {shape(pixels)}; expected [patches, D]")
+            if grid.dim() != 2 or grid.shape[1] not in (2, 3):
+                raise ValueError(f"{modality} grid: shape {shape(grid)}; expected [n, 3] (t, h, w) or [n, 2] (h, w)")
+            inputs[f"{modality}_grid"] = grid
+        return inputs
+
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
+        """``t * h * w / merge**2`` per image (video), summed, after checking that the grids cover
+        exactly the patch rows and every grid row is a whole number of ``merge x merge`` blocks.
+
+        Raises:
+            ValueError: the grid covers another number of patches than the chunk's rows, or a grid row
+                whose patches are not a multiple of ``spatial_merge_size**2`` (row named).
+        """
+        unit = self._merge(config) ** 2
+        counts = {"image": 0, "video": 0}
+        for modality, pixels, grid in _modalities(chunk):
+            if pixels is None or grid is None:
+                continue
+            patches = grid_products(host.values[f"{modality}_grid"], grid.shape[1])
+            if sum(patches) != pixels.shape[0]:
                 raise ValueError(
-                    f"{modality}: the grid covers {patches} patches but the chunk has "
+                    f"{modality}: the grid {shape(grid)} covers {sum(patches)} patches but the chunk has "
                     f"{pixels.shape[0]} patch rows"
                 )
-            out = visual(pixels.to(dtype), grid_thw=grid)
+            for row, n in enumerate(patches):
+                if n % unit:
+                    raise ValueError(
+                        f"{modality} grid: row {row} gives {n} patches, not a multiple of "
+                        f"spatial_merge_size**2 = {unit}"
+                    )
+            counts[modality] = pixels.shape[0] // unit
+        return counts
+
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
+        """Run ``visual`` once per present modality on exactly the chunk's rows and grids (pixels cast
+        to the tower's dtype; no copy when it matches)."""
+        visual = inner_model(model, "visual", _QWEN).visual
+        features: dict[str, Tensor] = {}
+        for modality, pixels, grid in _modalities(chunk):
+            if pixels is None or grid is None:
+                continue
+            out = visual(as_tower_dtype(pixels, visual), grid_thw=grid_thw(grid, f"{modality} grid"))
             features[modality] = out if isinstance(out, Tensor) else out.pooler_output
         return features
 
@@ -171,31 +179,28 @@ class Qwen2_5_VLAdapter(VlmAdapter):
         """
         inner = inner_model(model, "visual", _QWEN)
         image_id, video_id = self._token_ids(model.config)
-        image_grid = video_grid = None
-        seconds = None
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask}
         if chunk is not None:
-            image_grid = _grid_thw(chunk.image_grid, "image grid")
-            video_grid = _grid_thw(chunk.video_grid, "video grid")
-            seconds = getattr(chunk, "second_per_grid_ts", None)
-        kwargs: dict[str, Any] = {
-            "image_grid_thw": image_grid,
-            "video_grid_thw": video_grid,
-            "attention_mask": attention_mask,
-        }
-        if seconds is not None:  # [videos]: seconds per temporal grid step of each video of the chunk
-            kwargs["second_per_grid_ts"] = seconds
-        if _takes_token_types(inner.get_rope_index):
+            if chunk.image_grid is not None:
+                kwargs["image_grid_thw"] = grid_thw(chunk.image_grid, "image grid")
+            if chunk.video_grid is not None:
+                kwargs["video_grid_thw"] = grid_thw(chunk.video_grid, "video grid")
+            if chunk.second_per_grid_ts is not None and _takes(type(inner).get_rope_index, "second_per_grid_ts"):
+                kwargs["second_per_grid_ts"] = chunk.second_per_grid_ts
+        if _takes(type(inner).get_rope_index, "mm_token_type_ids"):
             # transformers 5.x groups tokens by this type (text 0, image 1, video 2); without it the
             # model's own forward would silently use 1-D positions.
             kwargs["mm_token_type_ids"] = (input_ids == image_id).to(torch.int32) + 2 * (
                 input_ids == video_id
             ).to(torch.int32)
-        positions, _deltas = inner.get_rope_index(input_ids, **kwargs)
+        positions: Tensor = inner.get_rope_index(input_ids, **kwargs)[0]
         return positions
 
 
-def _takes_token_types(fn: Any) -> bool:
+@functools.lru_cache(maxsize=64)
+def _takes(get_rope_index: Callable[..., Any], parameter: str) -> bool:
+    """Whether the class's ``get_rope_index`` takes ``parameter`` (cached: ``inspect`` is slow)."""
     try:
-        return "mm_token_type_ids" in inspect.signature(fn).parameters
+        return parameter in inspect.signature(get_rope_index).parameters
     except (TypeError, ValueError):
         return True

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from .base import Count, VlmAdapter, WireTensor, config_value, inner_model
+from .base import HostValues, WireTensor, config_value, inner_model
+from .qwen2_5_vl import Qwen2_5_VLAdapter
 
 __all__ = ["Qwen3VLAdapter"]
 
@@ -55,7 +56,7 @@ def _deepstack_levels(config: Any) -> int:
     return len(getattr(vision, "deepstack_visual_indexes", None) or ())
 
 
-class Qwen3VLAdapter(VlmAdapter):
+class Qwen3VLAdapter(Qwen2_5_VLAdapter):
     """Adapter of Qwen3-VL (``qwen3_vl``, ``qwen3_vl_moe``) and Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``).
 
     Module paths it expects (transformers' ``Qwen3VLForConditionalGeneration``,
@@ -69,6 +70,9 @@ class Qwen3VLAdapter(VlmAdapter):
       attention_mask=)`` for the interleaved mrope positions ``[3, b, S]``;
     * config fields ``image_token_id``, ``video_token_id``, ``vision_start_token_id``,
       ``vision_config.spatial_merge_size`` and (deepstack) ``vision_config.deepstack_visual_indexes``.
+
+    The media side (:meth:`host_inputs`, :meth:`feature_counts`: grids read in merge's one host read
+    and checked against the patch rows) is Qwen2.5-VL's, whose layout this family shares.
     """
 
     name: ClassVar[str] = "qwen3_vl"
@@ -77,17 +81,6 @@ class Qwen3VLAdapter(VlmAdapter):
         "flat patch rows [patches, D] with grid [images, 3] (t, h, w) or [images, 2]; videos likewise, "
         "one token block per temporal step; deepstack features cross stage boundaries"
     )
-
-    # -- config ----------------------------------------------------------------------------------
-    @staticmethod
-    def _token_ids(config: Any) -> tuple[int, int]:
-        image = config_value(config, "image_token_id", "text_config.image_token_id")
-        video = config_value(config, "video_token_id", "text_config.video_token_id")
-        return int(image), int(video)
-
-    @staticmethod
-    def _merge(config: Any) -> int:
-        return int(config_value(config, "vision_config.spatial_merge_size", "spatial_merge_size"))
 
     # -- token side ------------------------------------------------------------------------------
     def _blocks(self, input_ids: Tensor, config: Any, token: int) -> Tensor:
@@ -104,12 +97,12 @@ class Qwen3VLAdapter(VlmAdapter):
         return first.sum(dim=1).to(torch.int64)
 
     def media_per_sample(
-        self, input_ids: Tensor, config: Any, *, video_grid_thw: Tensor | None = None
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
     ) -> tuple[Tensor, Tensor]:
         """Images and videos per sample, ``([B], [B])`` int64.
 
         Images: one per ``vision_start, image`` pair. Videos: each temporal step of a video is its own
-        token block, so the blocks are assigned to videos with ``video_grid_thw`` ``[videos, 3]`` (video
+        token block, so the blocks are assigned to videos with ``media["video_grid_thw"]`` ``[videos, 3]`` (video
         ``j`` spans ``t_j`` consecutive blocks; one host read checks that every video's blocks lie in
         one sample). Without the grid, a batch with video blocks is refused (one host read to tell): pass
         the grid, or put ``n_videos_per_sample`` in the batch (:meth:`media_counts` does either).
@@ -120,12 +113,13 @@ class Qwen3VLAdapter(VlmAdapter):
         image_id, video_id = self._token_ids(config)
         images = self._blocks(input_ids, config, image_id)
         blocks = self._blocks(input_ids, config, video_id)
+        video_grid_thw = None if media is None else media.get("video_grid_thw")
         if video_grid_thw is None:
             if bool((blocks > 0).any()):  # one host read
                 raise ValueError(
                     f"{self.name}: samples {(blocks > 0).nonzero().flatten().tolist()} hold video token blocks, "
                     f"one per temporal step, so tokens alone do not tell one 3-step video from three videos; "
-                    f"pass video_grid_thw=batch['video_grid_thw'] or put n_videos_per_sample [B] in the batch"
+                    f"pass media=batch (its video_grid_thw) or put n_videos_per_sample [B] in the batch"
                 )
             return images, torch.zeros_like(blocks)
         grid = _grid_thw(video_grid_thw, "video_grid_thw")
@@ -141,7 +135,7 @@ class Qwen3VLAdapter(VlmAdapter):
             counts["images_per_sample"] = self._blocks(ids, config, self._token_ids(config)[0])
         if batch.get("n_videos_per_sample") is None:
             grid = batch.get("video_grid_thw")
-            counts["videos_per_sample"] = self.media_per_sample(ids, config, video_grid_thw=grid)[1]
+            counts["videos_per_sample"] = self.media_per_sample(ids, config, media={"video_grid_thw": grid})[1]
         return counts
 
     @staticmethod
@@ -163,24 +157,7 @@ class Qwen3VLAdapter(VlmAdapter):
             )
         return torch.bincount(sample, minlength=blocks.shape[0]).to(torch.int64)
 
-    def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
-        image_id, video_id = self._token_ids(config)
-        return {"image": input_ids == image_id, "video": input_ids == video_id}
-
     # -- media side ------------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Count]:
-        """Features per modality from the patch-row counts (shapes only): ``rows // merge**2``."""
-        unit = self._merge(config) ** 2
-        counts: dict[str, Count] = {}
-        for modality, pixels in (("image", chunk.pixel_values), ("video", chunk.pixel_values_videos)):
-            rows = _rows(pixels)
-            if rows % unit:
-                raise ValueError(
-                    f"{modality}: {rows} patch rows is not a multiple of spatial_merge_size**2 = {unit}"
-                )
-            counts[modality] = rows // unit
-        return counts
-
     def encode_with_deepstack(
         self, model: torch.nn.Module, chunk: VlmMediaChunk
     ) -> tuple[dict[str, Tensor], dict[str, list[Tensor]]]:
@@ -207,14 +184,6 @@ class Qwen3VLAdapter(VlmAdapter):
                     f"{modality}: expected flat patch rows [patches, D]; got shape {list(pixels.shape)}"
                 )
             todo.append((modality, pixels, grid))
-        if todo:  # every modality checked before the tower runs; it reads the grids on the host anyway
-            patches = torch.stack([grid.prod(dim=-1).sum() for _, _, grid in todo]).tolist()
-            for (modality, pixels, grid), covered in zip(todo, patches):
-                if covered != pixels.shape[0]:
-                    raise ValueError(
-                        f"{modality}: the grid {list(grid.shape)} covers {covered} patches but the chunk has "
-                        f"{pixels.shape[0]} patch rows"
-                    )
         features: dict[str, Tensor] = {}
         deepstack: dict[str, list[Tensor]] = {}
         for modality, pixels, grid in todo:
@@ -223,7 +192,7 @@ class Qwen3VLAdapter(VlmAdapter):
             deepstack[modality] = list(getattr(out, "deepstack_features", None) or ())
         return features, deepstack
 
-    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk) -> dict[str, Tensor]:
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The merged features ``{modality: [tokens, hidden]}`` (deepstack sets: :meth:`first_stage`)."""
         return self.encode_with_deepstack(model, chunk)[0]
 
@@ -272,8 +241,7 @@ class Qwen3VLAdapter(VlmAdapter):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Merge, positions, and each deepstack level scattered to the visual positions ``[b, S, H]``."""
         config = model.config
-        masks = self.placeholder_masks(input_ids, config)
-        self._check_counts(masks, {} if chunk is None else self.feature_counts(chunk, config))
+        masks, _host = self.check_counts(input_ids, chunk, config)  # the one host read
         hidden = inputs_embeds
         deepstack: dict[str, list[Tensor]] = {}
         if chunk is not None:

@@ -20,13 +20,14 @@ placeholders in order.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from .base import VlmAdapter, config_value
+from ._helpers import refuse_videos, shape, tower_dtype
+from .base import HostValues, VlmAdapter, config_value, inner_model
 
 __all__ = ["Step3Adapter", "tokens_per_view"]
 
@@ -43,15 +44,19 @@ def tokens_per_view(height: int, width: int, vision_patch: int) -> int:
 
 
 def _image_token_id(config: Any) -> int:
-    return config_value(config, "image_token_id", "image_token_index")
+    return int(config_value(config, "image_token_id", "image_token_index"))
 
 
 def _vision_patch(config: Any) -> int:
-    return config_value(config, "vision_config.patch_size")
+    return int(config_value(config, "vision_config.patch_size"))
 
 
 def _view_tokens(pixels: Tensor | None, patch: int) -> int:
     return 0 if pixels is None else tokens_per_view(pixels.shape[-2], pixels.shape[-1], patch)
+
+
+def _views(pixels: Tensor | None) -> int:
+    return 0 if pixels is None else int(pixels.shape[0])
 
 
 class Step3Adapter(VlmAdapter):
@@ -68,9 +73,10 @@ class Step3Adapter(VlmAdapter):
       ``num_local_patches`` per IMAGE, returning an output whose ``pooler_output`` holds one
       ``[crops_i * tokens_per_crop + tokens_per_global, text_hidden]`` tensor per image, crops first.
 
-    :meth:`merge` derives the per-image crop counts from ``input_ids``: the samples with placeholder
-    tokens are the image-bearing ones, and their ``num_patches`` entries, in order, are the per-image
-    counts. It reads them in the same single host read as the count check.
+    The per-image crop counts come from ``input_ids``: the samples with placeholder tokens are the
+    image-bearing ones, and their ``num_patches`` entries, in order, are the per-image counts.
+    :meth:`host_inputs` asks for ``num_patches``, so merge reads it in its one host read together with
+    the per-sample placeholder counts; :meth:`feature_counts` checks every sample.
     """
 
     name: ClassVar[str] = "step3"
@@ -81,8 +87,11 @@ class Step3Adapter(VlmAdapter):
     )
 
     # -- token side -------------------------------------------------------------------------
-    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
-        """1 for a sample with any ``<im_patch>`` token, else 0 (a Step3 sample holds at most one image)."""
+    def media_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """1 for a sample with any ``<im_patch>`` token, else 0 (a Step3 sample holds at most one
+        image); no videos. Device ops only; ``media`` is not needed."""
         images = (input_ids == _image_token_id(config)).any(dim=-1).to(torch.int64)
         return images, torch.zeros_like(images)
 
@@ -90,144 +99,96 @@ class Step3Adapter(VlmAdapter):
         return {"image": input_ids == _image_token_id(config)}
 
     # -- media side -------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any) -> dict[str, int]:
-        """``crops * tokens_per_crop + images * tokens_per_global``, from shapes only.
-
-        The ``<patch_newline>`` tokens are text, not placeholders, so they are not counted.
-        """
-        patch = _vision_patch(config)
-        count = 0
-        if chunk.pixel_values is not None:
-            count += chunk.pixel_values.shape[0] * _view_tokens(chunk.pixel_values, patch)
-        if chunk.patch_pixel_values is not None:
-            count += chunk.patch_pixel_values.shape[0] * _view_tokens(chunk.patch_pixel_values, patch)
-        return {"image": count}
-
-    def encode(
-        self,
-        model: torch.nn.Module,
-        chunk: VlmMediaChunk,
-        num_local_patches: Sequence[int] | None = None,
-    ) -> dict[str, Tensor]:
-        """Run ``model.model.get_image_features`` on the chunk.
-
-        Args:
-            model: the ``...ForConditionalGeneration`` model.
-            chunk: the microbatch's media.
-            num_local_patches: crops per IMAGE. When omitted it is taken from ``chunk.num_patches``,
-                which only works when it needs no ``input_ids``: no crops at all, or every sample of the
-                microbatch holds an image. :meth:`merge` always passes it.
-
-        Returns:
-            ``{"image": [tokens, text_hidden]}``, or ``{}`` when the chunk has no image.
+    def host_inputs(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor]:
+        """``{"num_patches": [b]}`` when staged (crops per sample).
 
         Raises:
-            ValueError: crops without global views; per-image counts that do not match the chunk's
-                shapes; or per-image counts that cannot be derived without ``input_ids``.
+            ValueError: the chunk carries videos, crops without global views, or ``num_patches`` that
+                is not 1-D.
         """
-        globals_ = chunk.pixel_values
-        crops = chunk.patch_pixel_values
-        if globals_ is None:
-            if crops is not None:
-                raise ValueError(
-                    f"the chunk has {crops.shape[0]} crop patches but no global views (pixel_values)"
-                )
+        refuse_videos(chunk, "step3")
+        if chunk.pixel_values is None and chunk.patch_pixel_values is not None:
+            raise ValueError(
+                f"the chunk has crop patches {shape(chunk.patch_pixel_values)} but no global views (pixel_values)"
+            )
+        if chunk.num_patches is None:
             return {}
-        images = globals_.shape[0]
-        patches = 0 if crops is None else crops.shape[0]
-        if num_local_patches is None:
-            num_local_patches = self._crops_per_image_from_chunk(chunk, images, patches)
-        num_local_patches = [int(n) for n in num_local_patches]
-        if len(num_local_patches) != images or sum(num_local_patches) != patches:
-            raise ValueError(
-                f"num_local_patches {num_local_patches} (per image) does not fit the chunk's {images} "
-                f"global views and {patches} crop patches"
-            )
-        output = model.model.get_image_features(  # type: ignore[union-attr,operator]
-            pixel_values=globals_,
-            pixel_values_local=crops,
-            num_local_patches=num_local_patches,
-            return_dict=True,
-        )
-        return {"image": torch.cat(list(output.pooler_output), dim=0)}
+        if chunk.num_patches.dim() != 1:
+            raise ValueError(f"num_patches: shape {shape(chunk.num_patches)}; expected [b], crops per sample")
+        return {"num_patches": chunk.num_patches}
 
-    @staticmethod
-    def _crops_per_image_from_chunk(chunk: VlmMediaChunk, images: int, patches: int) -> list[int]:
-        if patches == 0:
-            return [0] * images
-        per_sample = chunk.num_patches
-        if per_sample is not None and per_sample.shape[0] == images:
-            return per_sample.tolist()  # every sample holds an image: per sample == per image
-        raise ValueError(
-            f"cannot map num_patches (per sample, {None if per_sample is None else per_sample.shape[0]} "
-            f"samples) to the chunk's {images} images without input_ids: pass num_local_patches per "
-            f"image, or call merge()"
-        )
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
+        """``crops * tokens_per_crop + images * tokens_per_global`` (shapes), after checking every
+        sample: its placeholders must be ``num_patches[s] * tokens_per_crop + tokens_per_global``, or 0
+        for a text-only sample. The ``<patch_newline>`` tokens are text, not placeholders.
 
-    # -- first stage ------------------------------------------------------------------------
-    def merge(
-        self,
-        model: torch.nn.Module,
-        input_ids: Tensor,
-        inputs_embeds: Tensor,
-        chunk: VlmMediaChunk | None,
-    ) -> Tensor:
-        """Scatter the chunk's image features into the ``<im_patch>`` positions (see the base class).
-
-        Besides the base class's total check, every sample's placeholder count must equal
-        ``num_patches[s] * tokens_per_crop + tokens_per_global`` (or 0 for a text-only sample). All
-        counts come from one host read, done before the encoder runs.
+        Raises:
+            ValueError: ``num_patches`` of another length than the microbatch, crops that do not add
+                up, a number of image-bearing samples other than the global views, or a sample whose
+                placeholders its crops and view do not fill (sample named).
         """
-        if chunk is None:
-            return super().merge(model, input_ids, inputs_embeds, None)
-        config = model.config
-        mask = self.placeholder_masks(input_ids, config)["image"]
-        expected = self.feature_counts(chunk, config)["image"]
-        per_image = self._check_and_split(chunk, mask, expected, _vision_patch(config))
-        if not per_image:
-            return inputs_embeds  # no image in this microbatch (e.g. only num_patches zeros staged)
-        return self.scatter(inputs_embeds, {"image": mask}, self.encode(model, chunk, num_local_patches=per_image))
-
-    @staticmethod
-    def _check_and_split(chunk: VlmMediaChunk, mask: Tensor, expected: int, patch: int) -> list[int]:
-        """Check the chunk against the placeholders; return the crops per image, in image order."""
-        batch = mask.shape[0]
-        crops = chunk.num_patches
-        if crops is None:
-            crops = torch.zeros(batch, dtype=torch.int64, device=mask.device)
-        elif tuple(crops.shape) != (batch,):
-            raise ValueError(
-                f"num_patches has shape {tuple(crops.shape)} but the microbatch has {batch} samples"
-            )
-        # The one host read of the microbatch: placeholders and crops of every sample.
-        placeholders, crops_list = torch.stack(
-            [mask.sum(dim=-1).to(torch.int64), crops.to(device=mask.device, dtype=torch.int64)]
-        ).tolist()
-        total = sum(placeholders)
-        if total != expected:
-            raise ValueError(
-                f"image: the microbatch has {total} placeholder tokens but its media give {expected} "
-                f"feature rows"
-            )
-        images = 0 if chunk.pixel_values is None else chunk.pixel_values.shape[0]
-        patches = 0 if chunk.patch_pixel_values is None else chunk.patch_pixel_values.shape[0]
+        patch = _vision_patch(config)
+        per_crop = _view_tokens(chunk.patch_pixel_values, patch)
+        per_global = _view_tokens(chunk.pixel_values, patch)
+        images, patches = _views(chunk.pixel_values), _views(chunk.patch_pixel_values)
+        total = images * per_global + patches * per_crop
+        if total != host.total("image"):
+            return {"image": total}  # check_counts reports the totals
+        placeholders = host.placeholders["image"]
+        crops = _crops_per_sample(chunk, host, len(placeholders))
         has_image = [n > 0 for n in placeholders]
         if sum(has_image) != images:
             raise ValueError(
-                f"image: {sum(has_image)} samples have placeholder tokens but the chunk has {images} "
-                f"global views (one image per sample)"
+                f"image: {sum(has_image)} samples have placeholder tokens (per sample: {placeholders}) but "
+                f"the chunk has {images} global views (one image per sample)"
             )
-        if sum(crops_list) != patches:
-            raise ValueError(
-                f"image: num_patches sums to {sum(crops_list)} but the chunk has {patches} crop patches"
-            )
-        per_crop = _view_tokens(chunk.patch_pixel_values, patch)
-        per_global = _view_tokens(chunk.pixel_values, patch)
-        for s, (n_placeholders, n_crops, holds) in enumerate(zip(placeholders, crops_list, has_image)):
+        if sum(crops) != patches:
+            raise ValueError(f"num_patches: {crops} sums to {sum(crops)} but the chunk has {patches} crop patches")
+        for s, (n_placeholders, n_crops, holds) in enumerate(zip(placeholders, crops, has_image)):
             want = n_crops * per_crop + (per_global if holds else 0)
             if n_placeholders != want:
                 raise ValueError(
                     f"image: sample {s} of the microbatch has {n_placeholders} placeholder tokens but "
                     f"its {n_crops} crops and {int(holds)} global view give {want} feature rows"
                 )
-        return [n for n, holds in zip(crops_list, has_image) if holds]
+        return {"image": total}
+
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
+        """``model.model.get_image_features`` on the chunk, with ``num_local_patches`` per IMAGE: the
+        ``num_patches`` entries of the samples that hold placeholders (from ``host``).
+
+        Returns:
+            ``{"image": [tokens, text_hidden]}``, or ``{}`` when the chunk has no image.
+        """
+        views = chunk.pixel_values
+        if views is None:
+            return {}
+        placeholders = host.placeholders["image"]
+        crops = _crops_per_sample(chunk, host, len(placeholders))
+        per_image = [c for c, n in zip(crops, placeholders) if n > 0]
+        inner = inner_model(model, "get_image_features", "a Step3p7ForConditionalGeneration or its inner model")
+        crops_pixels = chunk.patch_pixel_values
+        dtype = tower_dtype(getattr(inner, "vision_model", None))
+        if dtype is not None:
+            views = views.to(dtype)
+            crops_pixels = None if crops_pixels is None else crops_pixels.to(dtype)
+        output = inner.get_image_features(
+            pixel_values=views,
+            pixel_values_local=crops_pixels,
+            num_local_patches=per_image,
+            return_dict=True,
+        )
+        return {"image": torch.cat(output.pooler_output, dim=0)}
+
+
+def _crops_per_sample(chunk: VlmMediaChunk, host: HostValues, batch: int) -> list[int]:
+    """``num_patches`` as read by merge (zeros when not staged), checked against the microbatch size."""
+    values = host.values.get("num_patches")
+    if values is None:
+        return [0] * batch
+    if len(values) != batch:
+        raise ValueError(
+            f"num_patches: shape {shape(chunk.num_patches)} but the microbatch has {batch} samples; "
+            f"expected [{batch}]"
+        )
+    return values

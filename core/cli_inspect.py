@@ -322,17 +322,13 @@ def _placeholders(path: pathlib.Path, batch: dict[str, Any], model: _Model) -> t
         return {}, None, (f"adapter {model.adapter.name} ({model.model_type}); no config.json beside the file and no "
                           f"--config: counts from the batch only")
     try:
-        images, videos = model.adapter.media_per_sample(ids, model.config)
+        counts = model.adapter.media_counts(batch, model.config)
         masks = model.adapter.placeholder_masks(ids, model.config)
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
         raise CliError(f"{path}: input_ids: {cli_terms(str(exc))}") from None
-    counts = {}
-    if "n_images_per_sample" not in batch:
-        counts["images_per_sample"] = images
-    if "n_videos_per_sample" not in batch:
-        counts["videos_per_sample"] = videos
+    found = {"images": counts.get("images_per_sample"), "videos": counts.get("videos_per_sample")}
     line = (f"adapter {model.adapter.name} ({model.model_type}); per-sample counts from placeholder tokens: "
-            f"images {images.tolist()}, videos {videos.tolist()}")
+            + ", ".join(f"{what} {'from the batch' if c is None else c.tolist()}" for what, c in found.items()))
     return counts, masks, line
 
 

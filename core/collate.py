@@ -52,7 +52,7 @@ class collate_for_pipeline:
             and the media keys of :data:`ppmedia.MEDIA_KEYS`.
         n_microbatches: the schedule's ``n_microbatches``.
         adapter: optional :class:`~ppmedia.adapters.base.VlmAdapter`; with ``config``, its
-            ``media_per_sample(input_ids, config)`` supplies the per-sample image and video counts.
+            ``media_counts(batch, config)`` supplies the per-sample image and video counts.
         config: the model config passed to the adapter.
         split_kwargs: any other keyword arguments of :func:`ppmedia.split_media`. ``balance=True``
             with an adapter balances by the adapter's ``image_costs`` (its encoder cost model); the
@@ -93,9 +93,8 @@ class collate_for_pipeline:
         batch = dict(collated)
         kwargs = dict(self.split_kwargs)
         if self.adapter is not None:
-            images, videos = self.adapter.media_per_sample(batch["input_ids"], self.config)
-            kwargs.setdefault("images_per_sample", images)
-            kwargs.setdefault("videos_per_sample", videos)
+            for key, counts in self.adapter.media_counts(batch, self.config).items():
+                kwargs.setdefault(key, counts)
             if kwargs.get("balance") is True:  # the family's encoder cost model
                 kwargs["balance"] = functools.partial(self.adapter.image_costs, config=self.config)
         media = split_media(batch, self.n_microbatches, **kwargs)

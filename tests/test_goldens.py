@@ -56,7 +56,11 @@ def test_microbatches_match_golden_and_live(family, n):
     adapter = ppmedia.get_adapter(model)
     batch = dict(inputs)
     input_ids = batch["input_ids"]
-    staged = ppmedia.split_media(batch, n, **adapter.media_counts(batch, model.config))
+    # the batch's media (sizes, grids) split runs the same way here: no images back to back
+    images, videos = adapter.media_per_sample(input_ids, model.config, media=batch)
+    counts = adapter.media_counts(batch, model.config)
+    assert images.tolist() == counts.get("images_per_sample", images).tolist()
+    staged = ppmedia.split_media(batch, n, **counts)
     first_stage = torch.nn.Module()
     rows = torch.tensor_split(torch.arange(input_ids.shape[0]), n)
     text_only = []

@@ -17,6 +17,7 @@ import torch
 from ppmedia import VlmMediaChunk, next_vlm_media_chunk, split_media, stage_media
 from ppmedia.adapters.base import VlmAdapter
 from ppmedia.adapters.kimi_vl import KimiVLAdapter
+from ppmedia.testing.tiny_models import capture_merged_embeds
 from ppmedia.testing.tiny_models import kimi_vl as tiny
 from conftest import text_embeds
 
@@ -101,13 +102,55 @@ def test_media_per_sample_counts_runs():
     assert videos.tolist() == [0, 0, 0]
 
 
+def _back_to_back(batch):
+    """The batch with everything between two images of a sample removed (samples 1 and 6: the end,
+    text and start tokens), so their placeholders form one run; rows keep their length (right pad)."""
+    img, rows, masks = tiny.IMAGE_TOKEN_ID, [], []
+    seq = batch["input_ids"].shape[1]
+    for row, length in zip(batch["input_ids"].tolist(), batch["attention_mask"].sum(1).tolist()):
+        row = row[:length]
+        at = [i for i, t in enumerate(row) if t == img]
+        kept = [t for i, t in enumerate(row) if t == img or not (at and at[0] < i < at[-1])]
+        rows.append(kept + [tiny.PAD_TOKEN_ID] * (seq - len(kept)))
+        masks.append([1] * len(kept) + [0] * (seq - len(kept)))
+    out = dict(batch)
+    out["input_ids"], out["attention_mask"] = torch.tensor(rows), torch.tensor(masks, dtype=batch["attention_mask"].dtype)
+    return out
+
+
+@pytest.mark.parametrize("key", ["image_grid_hws", "image_grid_thw"])
+def test_back_to_back_images_split_by_grid(adapter, model, batch, first_stage, key):
+    b2b = _back_to_back(batch)
+    ids = b2b["input_ids"]
+    if key == "image_grid_thw":
+        b2b[key] = _grid(b2b, 3)
+        del b2b["image_grid_hws"]
+    assert adapter.media_per_sample(ids, model.config)[0].tolist() == [1, 1, 1, 1, 0, 0, 1, 1]  # one run each
+    images, videos = adapter.media_per_sample(ids, model.config, media=b2b)
+    assert images.tolist() == IMAGES_PER_SAMPLE and videos.tolist() == [0] * 8
+    reference = capture_merged_embeds(model, **tiny.reference_inputs(_back_to_back(batch)))
+    staged = split_media(dict(b2b), 2, images_per_sample=images)
+    with stage_media(first_stage, staged):
+        for b0, b1 in staged.samples:
+            chunk = next_vlm_media_chunk(first_stage)
+            with torch.no_grad():
+                merged = adapter.merge(model, ids[b0:b1], text_embeds(model, ids[b0:b1]), chunk)
+            torch.testing.assert_close(merged, reference[b0:b1], atol=ATOL, rtol=0)
+    wrong = dict(b2b)
+    wrong[key] = b2b[key].flip(0)  # sample 0's run of 4 tokens is not the last image's 6
+    with pytest.raises(ValueError, match=rf"sample 0 has a run of 4 .* of {key} .*n_images_per_sample"):
+        adapter.media_per_sample(ids, model.config, media=wrong)
+
+
 def test_placeholder_masks_and_feature_counts(adapter, model, batch):
     masks = adapter.placeholder_masks(batch["input_ids"], model.config)
     assert set(masks) == {"image", "video"}
     assert masks["image"].sum(-1).tolist() == TOKENS_PER_SAMPLE
     assert not bool(masks["video"].any())
     chunk = VlmMediaChunk(batch["pixel_values"], batch["image_grid_hws"], None, None)
-    counts = adapter.feature_counts(chunk, model.config)
+    _, host = adapter.check_counts(batch["input_ids"], chunk, model.config)
+    assert host.values["image_grid"] == batch["image_grid_hws"].reshape(-1).tolist()
+    counts = adapter.feature_counts(chunk, model.config, host)
     assert counts == {"image": sum(TOKENS_PER_SAMPLE), "video": 0}
     assert isinstance(counts["image"], int)
 
@@ -181,9 +224,13 @@ def test_video_media_refused(adapter, model, batch):
 
 
 def test_odd_patch_rows_refused(adapter, model, batch):
+    ids = batch["input_ids"][0:2]
     chunk = VlmMediaChunk(batch["pixel_values"][:6], batch["image_grid_hws"][:1], None, None)
-    with pytest.raises(ValueError, match="6 patch rows"):
-        adapter.feature_counts(chunk, model.config)
+    with pytest.raises(ValueError, match=r"covers 16 patches but pixel_values \[6, 3, 4, 4\] has 6 patch rows"):
+        adapter.merge(model, ids, text_embeds(model, ids), chunk)
+    odd = torch.tensor([[2, 3]], dtype=batch["image_grid_hws"].dtype)  # 6 patches: not whole 2 x 2 blocks
+    with pytest.raises(ValueError, match=r"row 0 gives 6 patches, not a multiple of the merge-kernel area 4"):
+        adapter.merge(model, ids, text_embeds(model, ids), VlmMediaChunk(batch["pixel_values"][:6], odd, None, None))
 
 
 class _RemoteKimiVL(torch.nn.Module):

@@ -19,8 +19,8 @@ from transformers.models.llava_next.modeling_llava_next import get_anyres_image_
 import ppmedia
 from ppmedia import HostReadCounter, VlmMediaChunk, next_vlm_media_chunk
 from ppmedia.adapters.base import VlmAdapter
-from ppmedia.adapters.base import HostCount
 from ppmedia.adapters.llava_next import image_tokens
+from ppmedia.testing.tiny_models import capture_merged_embeds
 from ppmedia.testing.tiny_models import llava_next as tiny
 from conftest import text_embeds
 
@@ -156,6 +156,14 @@ def test_media_per_sample(model, batch, adapter):
     assert masks["image"].sum(1).tolist() == TOKENS_PER_SAMPLE
 
 
+def test_media_per_sample_with_image_sizes_reads_once(model, batch, adapter):
+    with HostReadCounter() as reads:
+        images, videos = adapter.media_per_sample(batch["input_ids"], model.config, media=batch)
+    assert reads.total == 1
+    assert images.tolist() == IMAGES_PER_SAMPLE and videos.tolist() == [0] * 8
+    assert images.dtype == videos.dtype == torch.int64
+
+
 def test_media_per_sample_counts_runs_not_tokens(model, adapter):
     img, txt = tiny.IMAGE_TOKEN_ID, 5
     ids = torch.tensor(
@@ -197,18 +205,20 @@ def test_merge_matches_model_per_microbatch(model, batch, reference, adapter, fi
             if layout == "flat":
                 chunk = _flat(chunk)
                 assert chunk.pixel_values.shape[0] == sum(CROPS_PER_IMAGE[i0:i1])
+            # image_sizes are read with the placeholder counts, in one host read
             with HostReadCounter() as reads:
-                counts = adapter.feature_counts(chunk, model.config)
+                masks, host = adapter.check_counts(ids, chunk, model.config)
+            assert reads.total == 1
+            assert host.values["image_sizes"] == chunk.image_grid.reshape(-1).tolist()
+            assert host.placeholders["image"] == TOKENS_PER_SAMPLE[b0:b1]
+            with HostReadCounter() as reads:
+                counts = adapter.feature_counts(chunk, model.config, host)
             assert reads.total == 0
-            assert set(counts) == {"image"}
-            # the count is host arithmetic on image_sizes, read by merge with the placeholder counts
-            assert isinstance(counts["image"], HostCount) and counts["image"].tensor is chunk.image_grid
-            host_count = counts["image"].count(chunk.image_grid.reshape(-1).tolist())
-            assert host_count == placeholders == sum(TOKENS_PER_IMAGE[i0:i1])
+            assert counts == {"image": placeholders} and placeholders == sum(TOKENS_PER_IMAGE[i0:i1])
             with torch.no_grad(), HostReadCounter() as reads:
                 merged = adapter.merge(model, ids, embeds, chunk)
-            # one read for the count check, one for the sizes the model's packing needs
-            assert reads.total <= 2
+            # the count check's read is the only one: encode takes the sizes from it
+            assert reads.total == 1
             assert merged.shape == embeds.shape
             torch.testing.assert_close(merged, reference[b0:b1], atol=ATOL, rtol=0)
     text_only = [k for k, images in enumerate(staged.images) if images == 0]
@@ -233,8 +243,10 @@ def test_hand_split_equals_split_media(model, batch, adapter):
 
 def test_encode_is_in_placeholder_order(model, batch, reference, adapter):
     chunk = VlmMediaChunk(batch["pixel_values"], batch["image_sizes"], None, None)
-    with torch.no_grad():
-        feats = adapter.encode(model, chunk)["image"]
+    _, host = adapter.check_counts(batch["input_ids"], chunk, model.config)
+    with torch.no_grad(), HostReadCounter() as reads:
+        feats = adapter.encode(model, chunk, host)["image"]
+    assert reads.total == 0
     mask = batch["input_ids"] == tiny.IMAGE_TOKEN_ID
     torch.testing.assert_close(feats, reference[mask], atol=ATOL, rtol=0)
 
@@ -298,10 +310,18 @@ def test_bad_crop_layouts_raise_before_encoder(model, batch, adapter):
         with pytest.raises(ValueError, match="cannot hold"):
             adapter.merge(model, ids, embeds, short_padded)
         with pytest.raises(ValueError, match="2 images but image sizes describe 3"):
-            adapter.feature_counts(VlmMediaChunk(batch["pixel_values"][0:2], sizes, None, None), model.config)
-        with pytest.raises(ValueError, match="no video"):
+            adapter.merge(model, ids, embeds, VlmMediaChunk(batch["pixel_values"][0:2], sizes, None, None))
+        with pytest.raises(ValueError, match=r"images only.*pixel_values_videos \[4, 8\]"):
             videos = VlmMediaChunk(batch["pixel_values"][0:3], sizes, torch.zeros(4, 8), torch.ones(1, 3))
-            adapter.feature_counts(videos, model.config)
+            adapter.merge(model, ids, embeds, videos)
+        with pytest.raises(ValueError, match=r"\(image_grid\): shape \[3\]"):
+            adapter.merge(model, ids, embeds, VlmMediaChunk(batch["pixel_values"][0:3], sizes[:, 0], None, None))
+        zero = sizes.clone()
+        zero[1, 1] = 0
+        with pytest.raises(ValueError, match=r"row 1 is \[30, 0\]"):
+            adapter.merge(model, ids, embeds, VlmMediaChunk(batch["pixel_values"][0:3], zero, None, None))
+        with pytest.raises(TypeError, match="image_sizes: dtype torch.float32"):
+            adapter.merge(model, ids, embeds, VlmMediaChunk(batch["pixel_values"][0:3], sizes.float(), None, None))
     assert tower.calls == 0
 
 
@@ -309,3 +329,86 @@ def test_chunk_none_returns_inputs_embeds(model, batch, adapter):
     ids = batch["input_ids"][4:6]  # text-only samples
     embeds = text_embeds(model, ids)
     assert adapter.merge(model, ids, embeds, None) is embeds
+
+
+# -- images written back to back (one run of placeholder tokens) ----------------------------------
+
+
+def _back_to_back(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch with the text token between two images of a sample removed (samples 1 and 6), so
+    their placeholders form one run; rows stay right-padded to the same length."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    img = tiny.IMAGE_TOKEN_ID
+    rows, masks = [], []
+    for row, length in zip(ids.tolist(), mask.sum(1).tolist()):
+        row = row[:length]
+        kept = [t for i, t in enumerate(row) if not (0 < i < len(row) - 1 and t != img and row[i - 1] == img and row[i + 1] == img)]
+        rows.append(kept + [tiny.PAD_TOKEN_ID] * (ids.shape[1] - len(kept)))
+        masks.append([1] * len(kept) + [0] * (ids.shape[1] - len(kept)))
+    return {**batch, "input_ids": torch.tensor(rows), "attention_mask": torch.tensor(masks, dtype=mask.dtype)}
+
+
+@pytest.fixture(scope="module")
+def back_to_back(batch):
+    return _back_to_back(batch)
+
+
+def _runs(ids: torch.Tensor) -> list[int]:
+    is_image = ids == tiny.IMAGE_TOKEN_ID
+    starts = is_image.clone()
+    starts[:, 1:] &= ~is_image[:, :-1]
+    return starts.sum(1).tolist()
+
+
+def test_back_to_back_without_sizes_counts_runs_and_split_refuses(model, back_to_back, adapter):
+    assert _runs(back_to_back["input_ids"]) == [1, 1, 1, 1, 0, 0, 1, 1]  # samples 1 and 6: one run, two images
+    images, _ = adapter.media_per_sample(back_to_back["input_ids"], model.config)
+    assert images.tolist() == [1, 1, 1, 1, 0, 0, 1, 1]
+    before = dict(back_to_back)
+    with pytest.raises(ValueError, match="counts sum to 6; expected 8"):
+        ppmedia.split_media(before, 4, images_per_sample=images)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_back_to_back_split_staged_merged_equals_model(model, back_to_back, adapter, first_stage, n):
+    """Counted from run lengths and image_sizes, split, staged and merged: the model's own merge."""
+    reference = capture_merged_embeds(model, **tiny.reference_inputs(back_to_back))
+    images, _ = adapter.media_per_sample(back_to_back["input_ids"], model.config, media=back_to_back)
+    assert images.tolist() == IMAGES_PER_SAMPLE
+    staged = ppmedia.split_media(dict(back_to_back), n, images_per_sample=images)
+    with ppmedia.stage_media(first_stage, staged):
+        for rows in torch.tensor_split(torch.arange(8), n):
+            b0, b1 = int(rows[0]), int(rows[-1]) + 1
+            ids = back_to_back["input_ids"][b0:b1]
+            chunk = next_vlm_media_chunk(first_stage)
+            with torch.no_grad():
+                merged = adapter.merge(model, ids, text_embeds(model, ids), chunk)
+            torch.testing.assert_close(merged, reference[b0:b1], atol=ATOL, rtol=0)
+
+
+def test_back_to_back_runs_that_sizes_cannot_fill_raise(model, back_to_back, adapter):
+    ids = back_to_back["input_ids"]
+    swapped = dict(back_to_back)
+    sizes = back_to_back["image_sizes"].clone()
+    sizes[[1, 2]] = sizes[[2, 1]]  # 88 + 56 still fills sample 1's run of 144 ...
+    swapped["image_sizes"] = sizes
+    assert adapter.media_per_sample(ids, model.config, media=swapped)[0].tolist() == IMAGES_PER_SAMPLE
+    wrong = dict(back_to_back)
+    sizes = back_to_back["image_sizes"].clone()
+    sizes[2] = torch.tensor([10, 30])  # 34 tokens: sample 1's run of 144 is 56 + 88, not 56 + 34 + ...
+    wrong["image_sizes"] = sizes
+    with pytest.raises(ValueError) as err:
+        adapter.media_per_sample(ids, model.config, media=wrong)
+    message = str(err.value)
+    assert "sample 1" in message and "run of 144" in message and "n_images_per_sample" in message
+    fewer = {**back_to_back, "image_sizes": back_to_back["image_sizes"][:-1]}
+    with pytest.raises(ValueError, match=r"sample 7 has a run of 88 .* all 7 images .*n_images_per_sample"):
+        adapter.media_per_sample(ids, model.config, media=fewer)
+    five = {**back_to_back, "image_sizes": back_to_back["image_sizes"][:5]}
+    with pytest.raises(ValueError, match=r"6 runs of placeholder tokens but image_sizes describes 5 images"):
+        adapter.media_per_sample(ids, model.config, media=five)
+    more = {**back_to_back, "image_sizes": torch.cat([back_to_back["image_sizes"], back_to_back["image_sizes"][:1]])}
+    with pytest.raises(ValueError, match=r"hold 8 images but image_sizes describes 9.*n_images_per_sample"):
+        adapter.media_per_sample(ids, model.config, media=more)
+    with pytest.raises(ValueError, match=r"image_sizes: shape \[8\]"):
+        adapter.media_per_sample(ids, model.config, media={"image_sizes": back_to_back["image_sizes"][:, 0]})

@@ -17,7 +17,7 @@ from transformers import PixtralImageProcessorPil
 
 import ppmedia
 from ppmedia import HostReadCounter, VlmMediaChunk, next_vlm_media_chunk
-from ppmedia.adapters.base import HostCount
+from ppmedia import HostReadCounter
 from ppmedia.adapters.mistral3 import Mistral3Adapter, image_tokens
 from ppmedia.testing.tiny_models import capture_merged_embeds
 from ppmedia.testing.tiny_models import mistral3 as tiny
@@ -120,35 +120,25 @@ def test_merge_matches_model_per_microbatch(model, batch, reference, adapter, fi
 def test_merge_reads_sizes_once_with_the_counts(model, batch, adapter):
     ids = batch["input_ids"][:2]
     chunk = VlmMediaChunk(batch["pixel_values"][:3], batch["image_sizes"][:3], None, None)
-    counts = adapter.feature_counts(chunk, model.config)
-    assert isinstance(counts["image"], HostCount)
-    embeds = text_embeds(model, ids)
-    calls = []
-    original = torch.Tensor.tolist
-
-    def spy(self):
-        calls.append(tuple(self.shape))
-        return original(self)
-
-    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.Tensor, "tolist", spy)
-        adapter.merge(model, ids, embeds, chunk)
-    # the one read of the chunk's tensors: placeholder count and the 3 x 2 sizes together; the model
-    # itself turns the sizes list back into a host tensor for its split (no device data read there)
-    assert calls[0] == (1 + 6,)
+    with HostReadCounter() as reads:
+        masks, host = adapter.check_counts(ids, chunk, model.config)
+    # the one read of the microbatch: placeholder counts and the 3 x 2 sizes together
+    assert reads.total == 1
+    assert host.rows("image_sizes", 2) == batch["image_sizes"][:3].tolist()
+    assert host.total("image") == adapter.feature_counts(chunk, model.config, host)["image"] == 15
 
 
 def test_errors_name_the_problem(model, batch, adapter):
     ids = batch["input_ids"][:2]  # 3 images: 6 + 1 + 8 tokens
     embeds = text_embeds(model, ids)
     pixels, sizes = batch["pixel_values"][:3], batch["image_sizes"][:3]
-    with pytest.raises(ValueError, match="image: the microbatch has 15 placeholder tokens but its media give 7"):
+    with pytest.raises(ValueError, match=r"image: the microbatch has 15 placeholder tokens \(per sample: \[6, 9\]\) but its media give 7"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels[:2], sizes[:2], None, None))
     too_big = sizes.clone()
     too_big[1] = torch.tensor([80, 16])
     with pytest.raises(ValueError, match=r"image_sizes: row 1 of the microbatch is \[80, 16\]; expected each side between 16"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, too_big, None, None))
-    with pytest.raises(ValueError, match=r"image_sizes: shape \(2, 2\); expected \[3, 2\]"):
+    with pytest.raises(ValueError, match=r"image_sizes: shape \[2, 2\]; expected \[3, 2\]"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, sizes[:2], None, None))
     # larger than the tower's image_size (64), even in pixels padded to 80
     big = torch.nn.functional.pad(pixels, (0, 16, 0, 16))
@@ -158,9 +148,9 @@ def test_errors_name_the_problem(model, batch, adapter):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, sizes.float(), None, None))
     with pytest.raises(TypeError, match="pixel_values: dtype torch.uint8"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels.to(torch.uint8), sizes, None, None))
-    with pytest.raises(ValueError, match="no image_sizes"):
+    with pytest.raises(ValueError, match=r"image_sizes None; expected both"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels, None, None, None))
-    with pytest.raises(ValueError, match=r"pixel_values: shape \(3, 12288\)"):
+    with pytest.raises(ValueError, match=r"pixel_values: shape \[3, 12288\]"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels.flatten(1), sizes, None, None))
 
 

@@ -125,10 +125,14 @@ def test_placeholder_masks_and_feature_counts(adapter, model, batch):
     whole = VlmMediaChunk(
         batch["pixel_values"], batch["image_grid_thw"], batch["pixel_values_videos"], batch["video_grid_thw"]
     )
+    with HostReadCounter() as reads:  # per-sample placeholders and both grids: one read
+        _, host = adapter.check_counts(batch["input_ids"], whole, model.config)
+    assert reads.total == 1, reads.counts
+    assert host.values["image_grid"] == batch["image_grid_thw"].reshape(-1).tolist()
     with HostReadCounter() as reads:
-        counts = adapter.feature_counts(whole, model.config)
+        counts = adapter.feature_counts(whole, model.config, host)
         images_only = dataclasses.replace(whole, pixel_values_videos=None, video_grid=None)
-        only_images = adapter.feature_counts(images_only, model.config)
+        only_images = adapter.feature_counts(images_only, model.config, host)
     assert reads.total == 0, reads.counts
     assert counts == {"image": IMAGE_TOKENS, "video": VIDEO_TOKENS}
     assert only_images == {"image": IMAGE_TOKENS, "video": 0}
@@ -166,6 +170,27 @@ def test_merge_and_positions_match_full_batch(adapter, model, batch, reference, 
         positions = adapter.position_ids(model, ids, chunk, attention_mask=mask)
         assert positions.shape == (3, s1 - s0, ids.shape[1])
         assert torch.equal(positions, full_positions[:, s0:s1])
+
+
+def test_positions_follow_the_chunks_video_timing(adapter, model, batch):
+    """A chunk's second_per_grid_ts [videos] reaches get_rope_index: positions equal the full batch's
+    with the same timing, per microbatch, and differ from the default timing."""
+    ref = tiny.reference_inputs(batch)
+    seconds = torch.tensor([3.0, 0.5, 2.0])[: batch["video_grid_thw"].shape[0]]
+    timed, _ = model.model.get_rope_index(
+        ref["input_ids"], ref["mm_token_type_ids"], image_grid_thw=ref["image_grid_thw"],
+        video_grid_thw=ref["video_grid_thw"], second_per_grid_ts=seconds, attention_mask=ref["attention_mask"],
+    )
+    video_at = [0, *torch.cumsum(torch.tensor(VIDEOS_PER_SAMPLE), 0).tolist()]
+    differs = False
+    for (s0, s1), chunk in zip(_bounds(8, 4), _chunks(adapter, model, batch, 4)):
+        ids, mask = batch["input_ids"][s0:s1], batch["attention_mask"][s0:s1]
+        if chunk is not None and chunk.video_grid is not None:
+            chunk = dataclasses.replace(chunk, second_per_grid_ts=seconds[video_at[s0] : video_at[s1]])
+            default = adapter.position_ids(model, ids, dataclasses.replace(chunk, second_per_grid_ts=None), attention_mask=mask)
+            differs |= not torch.equal(default, timed[:, s0:s1])
+        assert torch.equal(adapter.position_ids(model, ids, chunk, attention_mask=mask), timed[:, s0:s1])
+    assert differs
 
 
 def test_split_media_gives_the_hand_sliced_chunks(adapter, model, batch):
@@ -252,7 +277,7 @@ def test_grid_not_covering_rows_raises_before_the_tower(adapter, model, batch, e
     # Rows still give 11 features (so the count check passes) but the grid lost an image.
     bad = dataclasses.replace(chunk, image_grid=chunk.image_grid[:-1])
     ids = batch["input_ids"][0:2]
-    with pytest.raises(ValueError, match=r"grid covers 40 patches.*44 patch rows"):
+    with pytest.raises(ValueError, match=r"grid \[2, 3\] covers 40 patches.*44 patch rows"):
         adapter.merge(model, ids, model.get_input_embeddings()(ids), bad)
     assert encoder_calls == []
 

@@ -98,7 +98,7 @@ def test_every_model_type_resolves_to_this_adapter():
 
 def test_media_per_sample_needs_the_video_grid(adapter, model, batch):
     ids = batch["input_ids"]
-    images, videos = adapter.media_per_sample(ids, model.config, video_grid_thw=batch["video_grid_thw"])
+    images, videos = adapter.media_per_sample(ids, model.config, media={"video_grid_thw": batch["video_grid_thw"]})
     assert images.tolist() == IMAGES_PER_SAMPLE and videos.tolist() == VIDEOS_PER_SAMPLE
     # 8 video blocks for 4 videos: the tokens alone would say 8 (or anything); refuse loudly
     with pytest.raises(ValueError, match=r"samples \[2, 3, 6, 7\] hold video token blocks.*n_videos_per_sample"):
@@ -110,10 +110,10 @@ def test_media_per_sample_needs_the_video_grid(adapter, model, batch):
     bad = batch["video_grid_thw"].clone()
     bad[[0, 1], 0] = bad[[1, 0], 0]  # (3, ...) first: its blocks would run into sample 3
     with pytest.raises(ValueError, match="video_grid_thw: its 4 videos span 8 temporal steps.*one sample"):
-        adapter.media_per_sample(ids, model.config, video_grid_thw=bad)
+        adapter.media_per_sample(ids, model.config, media={"video_grid_thw": bad})
     too_many = torch.cat([batch["video_grid_thw"], torch.tensor([[1, 2, 2]])])
     with pytest.raises(ValueError, match="5 videos span 9 temporal steps"):
-        adapter.media_per_sample(ids, model.config, video_grid_thw=too_many)
+        adapter.media_per_sample(ids, model.config, media={"video_grid_thw": too_many})
 
 
 def test_media_counts_for_split_media(adapter, model, batch):
@@ -148,7 +148,8 @@ def test_placeholders_and_feature_counts(adapter, model, batch):
     masks = adapter.placeholder_masks(batch["input_ids"], model.config)
     assert int(masks["image"].sum()) == 37 and int(masks["video"].sum()) == 19
     chunk = VlmMediaChunk(batch["pixel_values"], batch["image_grid_thw"], batch["pixel_values_videos"], batch["video_grid_thw"])
-    assert adapter.feature_counts(chunk, model.config) == {"image": 37, "video": 19}
+    _, host = adapter.check_counts(batch["input_ids"], chunk, model.config)  # grids read with the counts
+    assert adapter.feature_counts(chunk, model.config, host) == {"image": 37, "video": 19} == dict(host.totals)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -211,22 +212,22 @@ def test_bad_media_raise_before_the_encoder(adapter, model, batch):
     handle = model.model.visual.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
         dropped = VlmMediaChunk(chunk.pixel_values, chunk.image_grid, None, None)
-        with pytest.raises(ValueError, match="video: the microbatch has 14 placeholder tokens but its media give 0"):
+        with pytest.raises(ValueError, match=r"video: the microbatch has 14 placeholder tokens \(per sample: .*\) but its media give 0"):
             adapter.first_stage(model, ids, mask, embeds, dropped)
-        with pytest.raises(ValueError, match="image: the microbatch has 6 placeholder tokens but its media give 0"):
+        with pytest.raises(ValueError, match=r"image: the microbatch has 6 placeholder tokens \(per sample: .*\) but its media give 0"):
             adapter.first_stage(model, ids, mask, embeds, None)
         short_grid = VlmMediaChunk(chunk.pixel_values, chunk.image_grid, chunk.pixel_values_videos, chunk.video_grid[:1])
         with pytest.raises(ValueError, match=r"video: the grid \[1, 3\] covers 32 patches but the chunk has 56 patch rows"):
             adapter.first_stage(model, ids, mask, embeds, short_grid)
         odd = VlmMediaChunk(chunk.pixel_values[:-1], chunk.image_grid, chunk.pixel_values_videos, chunk.video_grid)
-        with pytest.raises(ValueError, match="image: 23 patch rows is not a multiple of spatial_merge_size"):
+        with pytest.raises(ValueError, match=r"image: the grid \[\d+, 3\] covers \d+ patches but the chunk has 23 patch rows"):
             adapter.first_stage(model, ids, mask, embeds, odd)
         cubes = VlmMediaChunk(chunk.pixel_values.reshape(-1, 3, 512), chunk.image_grid, None, None)
-        with pytest.raises(ValueError, match=r"image: expected flat patch rows \[patches, D\]; got shape \[24, 3, 512\]"):
-            adapter.encode(model, cubes)
+        with pytest.raises(ValueError, match=r"image: patch rows of shape \[24, 3, 512\]; expected \[patches, D\]"):
+            adapter.first_stage(model, ids, mask, embeds, cubes)
     finally:
         handle.remove()
-    assert calls == []  # every count error came before the tower ran (the last one is encode's own check)
+    assert calls == []  # every error came before the tower ran
 
 
 # -------------------------------------------------------------------------------------------------

@@ -89,16 +89,16 @@ class _Claims(VlmAdapter):
     model_types = ("llava_next", "mine_vl")
     layout = "test"
 
-    def media_per_sample(self, input_ids, config):
+    def media_per_sample(self, input_ids, config, *, media=None):
         raise NotImplementedError
 
     def placeholder_masks(self, input_ids, config):
         raise NotImplementedError
 
-    def feature_counts(self, chunk, config):
+    def feature_counts(self, chunk, config, host):
         raise NotImplementedError
 
-    def encode(self, model, chunk):
+    def encode(self, model, chunk, host):
         raise NotImplementedError
 
 
@@ -326,10 +326,10 @@ def support(tmp_path, monkeypatch):
             name = "tiny"
             model_types = ("tiny",)
             layout = "test"
-            def media_per_sample(self, input_ids, config): raise NotImplementedError
+            def media_per_sample(self, input_ids, config, *, media=None): raise NotImplementedError
             def placeholder_masks(self, input_ids, config): raise NotImplementedError
-            def feature_counts(self, chunk, config): raise NotImplementedError
-            def encode(self, model, chunk): raise NotImplementedError
+            def feature_counts(self, chunk, config, host): raise NotImplementedError
+            def encode(self, model, chunk, host): raise NotImplementedError
     """)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path

@@ -173,9 +173,13 @@ def test_placeholder_masks(adapter, model, batch):
 
 
 def test_feature_counts_from_shapes(adapter, model, batch):
-    _, chunk = _gathered(batch, range(8))
+    ids, chunk = _gathered(batch, range(8))
     with HostReadCounter() as reads:
-        counts = adapter.feature_counts(chunk, model.config)
+        _, host = adapter.check_counts(ids, chunk, model.config)
+    assert reads.total == 1  # per-sample placeholders and num_patches together
+    assert host.values["num_patches"] == CROPS_PER_SAMPLE
+    with HostReadCounter() as reads:
+        counts = adapter.feature_counts(chunk, model.config, host)
     assert reads.total == 0
     assert counts == {"image": 17 * tiny.TOKENS_PER_CROP + 6 * tiny.TOKENS_PER_GLOBAL}
     assert counts["image"] == (batch["input_ids"] == tiny.IMAGE_TOKEN_ID).sum()
@@ -229,11 +233,12 @@ def test_text_only_microbatch(adapter, model, batch):
 def test_no_crop_image(adapter, model, batch, reference):
     ids, chunk = _gathered(batch, [1])
     assert chunk.patch_pixel_values is None and chunk.num_patches.tolist() == [0]
-    assert adapter.feature_counts(chunk, model.config) == {"image": tiny.TOKENS_PER_GLOBAL}
+    _, host = adapter.check_counts(ids, chunk, model.config)
+    assert adapter.feature_counts(chunk, model.config, host) == {"image": tiny.TOKENS_PER_GLOBAL}
     _, merged = _merge(adapter, model, ids, chunk)
     torch.testing.assert_close(merged, reference[1:2], atol=ATOL, rtol=0)
     with torch.no_grad():
-        feats = adapter.encode(model, chunk)["image"]
+        feats = adapter.encode(model, chunk, host)["image"]
     assert feats.shape == (tiny.TOKENS_PER_GLOBAL, model.config.text_config.hidden_size)
 
 
@@ -288,9 +293,9 @@ def test_per_sample_mismatch_raises_before_encoder(adapter, model, batch):
         two = torch.full((1, 20), 11)
         two[0, :18] = tiny.IMAGE_TOKEN_ID
         pair = VlmMediaChunk(batch["pixel_values"][:2], None, None, None, num_patches=torch.zeros(1, dtype=torch.int64))
-        with pytest.raises(ValueError, match=r"1 samples have placeholder tokens but the chunk has 2 global"):
+        with pytest.raises(ValueError, match=r"1 samples have placeholder tokens \(per sample: \[18\]\) but the chunk has 2 global"):
             _merge(adapter, model, two, pair)
-        with pytest.raises(ValueError, match=r"num_patches has shape \(3,\) but the microbatch has 2"):
+        with pytest.raises(ValueError, match=r"num_patches: shape \[3\] but the microbatch has 2 samples"):
             _merge(adapter, model, ids, VlmMediaChunk(
                 chunk.pixel_values, None, None, None, chunk.patch_pixel_values, torch.tensor([2, 0, 0]), None
             ))
@@ -299,18 +304,28 @@ def test_per_sample_mismatch_raises_before_encoder(adapter, model, batch):
     assert encoder.calls == 0
 
 
-def test_encode_needs_per_image_counts_when_ambiguous(adapter, model, batch):
-    # every sample holds an image: num_patches per sample is per image, encode works alone
-    _, chunk = _gathered(batch, [0, 1, 2])
-    with torch.no_grad():
-        feats = adapter.encode(model, chunk)["image"]
-    assert feats.shape[0] == (2 + 0 + 4) * tiny.TOKENS_PER_CROP + 3 * tiny.TOKENS_PER_GLOBAL
-    # a text-only sample among them: which zero belongs to an image needs input_ids
-    _, mixed = _gathered(batch, [1, 4, 2])
-    with pytest.raises(ValueError, match="input_ids"):
-        adapter.encode(model, mixed)
-    with pytest.raises(ValueError, match="does not fit"):
-        adapter.encode(model, mixed, num_local_patches=[4])
-    with torch.no_grad():
-        feats = adapter.encode(model, mixed, num_local_patches=[0, 4])["image"]
+def test_encode_takes_per_image_crops_from_the_host_read(adapter, model, batch, reference):
+    """num_patches is per sample; encode maps it to images with the per-sample placeholders read by
+    check_counts (a text-only sample's 0 is not an image's), with no read of its own."""
+    order = [1, 4, 2]  # no-crop image, text-only sample, 4-crop image: per image [0, 4]
+    ids, mixed = _gathered(batch, order)
+    _, host = adapter.check_counts(ids, mixed, model.config)
+    assert host.placeholders["image"][1] == 0 and host.values["num_patches"] == [0, 0, 4]
+    with torch.no_grad(), HostReadCounter() as reads:
+        feats = adapter.encode(model, mixed, host)["image"]
+    with torch.no_grad(), HostReadCounter() as model_reads:  # the vision model's own reads
+        model.model.get_image_features(mixed.pixel_values, mixed.patch_pixel_values, [0, 4])
+    assert reads.total == model_reads.total
     assert feats.shape[0] == 4 * tiny.TOKENS_PER_CROP + 2 * tiny.TOKENS_PER_GLOBAL
+    mask = ids == tiny.IMAGE_TOKEN_ID
+    torch.testing.assert_close(feats, reference[order][mask], atol=ATOL, rtol=0)
+
+
+def test_videos_and_orphan_crops_refused(adapter, model, batch):
+    ids, chunk = _gathered(batch, [0, 1])
+    videos = VlmMediaChunk(chunk.pixel_values, None, torch.zeros(4, 8), torch.ones(1, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"step3 takes images only.*pixel_values_videos \[4, 8\]"):
+        _merge(adapter, model, ids, videos)
+    orphans = VlmMediaChunk(None, None, None, None, chunk.patch_pixel_values, chunk.num_patches, None)
+    with pytest.raises(ValueError, match=r"crop patches \[2, 3, \d+, \d+\] but no global views"):
+        _merge(adapter, model, ids, orphans)

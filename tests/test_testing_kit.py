@@ -81,8 +81,8 @@ def _sabotaged(base, **methods):
 def test_features_in_the_wrong_order_are_caught(llava):
     from ppmedia_llava_plugin import LlavaAdapter
 
-    def encode(self, model, chunk):  # the images' feature blocks in reverse order
-        features = LlavaAdapter.encode(self, model, chunk)["image"]
+    def encode(self, model, chunk, host):  # the images' feature blocks in reverse order
+        features = LlavaAdapter.encode(self, model, chunk, host)["image"]
         return {"image": features.reshape(chunk.pixel_values.shape[0], 16, -1).flip(0).reshape(features.shape)}
 
     sabotaged = FamilyKit(LLAVA, adapter=_sabotaged(LlavaAdapter, encode=encode))
@@ -104,8 +104,8 @@ def test_features_in_the_wrong_order_are_caught(llava):
 def test_media_shifted_to_the_wrong_microbatch_are_caught(llava):
     from ppmedia_llava_plugin import LlavaAdapter
 
-    def media_per_sample(self, input_ids, config):  # counts one sample late: images land in the wrong microbatch
-        images, videos = LlavaAdapter.media_per_sample(self, input_ids, config)
+    def media_per_sample(self, input_ids, config, *, media=None):  # one sample late: images land in the wrong microbatch
+        images, videos = LlavaAdapter.media_per_sample(self, input_ids, config, media=media)
         return images.roll(1), videos
 
     sabotaged = FamilyKit(LLAVA, adapter=_sabotaged(LlavaAdapter, media_per_sample=media_per_sample))
@@ -131,8 +131,8 @@ def test_a_builtin_family_passes_with_its_positions(qwen):
 def test_a_builtin_family_sabotaged(qwen):
     base = type(qwen.adapter)
 
-    def encode(self, model, chunk):  # right count, rows shifted by one
-        return {k: torch.roll(v, 1, dims=0) for k, v in base.encode(self, model, chunk).items()}
+    def encode(self, model, chunk, host):  # right count, rows shifted by one
+        return {k: torch.roll(v, 1, dims=0) for k, v in base.encode(self, model, chunk, host).items()}
 
     def position_ids(self, model, input_ids, chunk, attention_mask=None):  # images' positions off by one
         positions = base.position_ids(self, model, input_ids, chunk, attention_mask)

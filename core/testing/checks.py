@@ -4,8 +4,7 @@
 embeddings as the reference (:func:`~ppmedia.testing.tiny_models.capture_merged_embeds`), then runs
 the batch the way a pipeline's first stage sees it::
 
-    images, videos = adapter.media_per_sample(input_ids, config)
-    staged = split_media(batch, n, images_per_sample=images, videos_per_sample=videos)
+    staged = split_media(batch, n, **adapter.media_counts(batch, config))
     with stage_media(first_stage, staged):
         for k in range(n):                       # rows torch.tensor_split(range(B), n)[k]
             chunk = next_vlm_media_chunk(first_stage)
@@ -140,8 +139,7 @@ def check_merges(
     stage = torch.nn.Module()
     results: list[MicrobatchCheck] = []
     with _blame(split, None):
-        images, videos = adapter.media_per_sample(input_ids, model.config)
-        staged = split_media(dict(batch), n, images_per_sample=images, videos_per_sample=videos)
+        staged = split_media(dict(batch), n, **adapter.media_counts(batch, model.config))
         # stage_media's exit checks that every staged chunk was consumed exactly once
         with stage_media(stage, staged):
             for k, rows in enumerate(torch.tensor_split(torch.arange(input_ids.shape[0]), n)):

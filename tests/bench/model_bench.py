@@ -298,6 +298,8 @@ class FamilySetup:
         self.native = {
             k: _native_from_chunk(family, self.chunks[k], self.ids[k], self.config) for k in self.media_microbatches
         }
+        # what merge's one host read gives each microbatch, for the untimed side of encode_scatter
+        self.host = {k: self.adapter.check_counts(self.ids[k], self.chunks[k], self.config)[1] for k in self.media_microbatches}
 
     def counts(self, input_ids: Tensor) -> dict[str, Tensor]:
         images, videos = self.adapter.media_per_sample(input_ids, self.config)
@@ -317,10 +319,7 @@ class FamilySetup:
         out = []
         for k in self.media_microbatches:
             ids, embeds, chunk = self.ids[k], self.embeds[k], self.chunks[k]
-            if self.family == "step3":
-                features = adapter.encode(model, chunk, num_local_patches=self.native[k]["num_local_patches"])
-            else:
-                features = adapter.encode(model, chunk)
+            features = adapter.encode(model, chunk, self.host[k])
             for modality, feats in features.items():
                 token = config.image_token_id if modality == "image" else config.video_token_id
                 embeds = _scatter(embeds, ids, token, feats)
@@ -375,27 +374,21 @@ def _median_time(fn: Callable[[], Any], rounds: int = 7, number: int = 50) -> fl
 
 def adapter_parts(setup: FamilySetup) -> dict[str, float]:
     """What ``adapter.merge`` does besides the encoder and the scatter, summed over the media
-    microbatches (seconds): placeholder masks, feature counts from the chunk, and the count check
-    (the one host read per microbatch; Step3's own check also splits crops per image)."""
+    microbatches (seconds): ``placeholder_masks``; ``feature_counts`` (``host_inputs`` and
+    ``feature_counts`` on values already read: host arithmetic and checks); ``count_check``, the whole
+    ``check_counts`` (masks, the one host read per microbatch, feature counts, comparison)."""
     adapter, config = setup.adapter, setup.config
-    work = [(setup.ids[k], setup.chunks[k]) for k in setup.media_microbatches]
-    prepared = [(adapter.placeholder_masks(ids, config), adapter.feature_counts(c, config)) for ids, c in work]
-    if hasattr(adapter, "_check_and_split"):  # Step3
-        patch = config.vision_config.patch_size
+    work = [(setup.ids[k], setup.chunks[k], setup.host[k]) for k in setup.media_microbatches]
 
-        def check() -> None:
-            for (ids, chunk), (masks, counts) in zip(work, prepared):
-                adapter._check_and_split(chunk, masks["image"], counts["image"], patch)
-    else:
-
-        def check() -> None:
-            for masks, counts in prepared:
-                adapter._check_counts(masks, counts)
+    def counts() -> None:
+        for _, chunk, host in work:
+            adapter.host_inputs(chunk, config)
+            adapter.feature_counts(chunk, config, host)
 
     return {
-        "placeholder_masks": _median_time(lambda: [adapter.placeholder_masks(ids, config) for ids, _ in work]),
-        "feature_counts": _median_time(lambda: [adapter.feature_counts(c, config) for _, c in work]),
-        "count_check": _median_time(check),
+        "placeholder_masks": _median_time(lambda: [adapter.placeholder_masks(ids, config) for ids, _, _ in work]),
+        "feature_counts": _median_time(counts),
+        "count_check": _median_time(lambda: [adapter.check_counts(ids, c, config) for ids, c, _ in work]),
     }
 
 

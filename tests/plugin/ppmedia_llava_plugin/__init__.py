@@ -12,13 +12,13 @@ and ``ppmedia.get_adapter(model)`` finds :class:`LlavaAdapter` for any LLaVA mod
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
 import ppmedia
-from ppmedia.adapters.base import VlmAdapter
+from ppmedia.adapters.base import HostValues, VlmAdapter
 
 
 class LlavaAdapter(VlmAdapter):
@@ -28,7 +28,9 @@ class LlavaAdapter(VlmAdapter):
     model_types = ("llava",)
     layout = "complete images [images, C, H, W]"
 
-    def media_per_sample(self, input_ids: Tensor, config: Any) -> tuple[Tensor, Tensor]:
+    def media_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         image = input_ids == config.image_token_id
         starts = image.clone()
         starts[:, 1:] &= ~image[:, :-1]  # an image is a run of placeholder tokens
@@ -42,11 +44,11 @@ class LlavaAdapter(VlmAdapter):
         side = vision.image_size // vision.patch_size
         return side * side + (1 if config.vision_feature_select_strategy == "full" else 0)
 
-    def feature_counts(self, chunk: ppmedia.VlmMediaChunk, config: Any) -> dict[str, Tensor | int]:
+    def feature_counts(self, chunk: ppmedia.VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
         images = 0 if chunk.pixel_values is None else chunk.pixel_values.shape[0]
         return {"image": images * self._tokens_per_image(config)}
 
-    def encode(self, model: torch.nn.Module, chunk: ppmedia.VlmMediaChunk) -> dict[str, Tensor]:
+    def encode(self, model: torch.nn.Module, chunk: ppmedia.VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         config = model.config
         out = model.model.get_image_features(
             pixel_values=chunk.pixel_values,
