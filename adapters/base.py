@@ -211,7 +211,7 @@ class VlmAdapter(abc.ABC):
                 names the way out (``n_images_per_sample`` ``[B]`` in the batch).
         """
 
-    def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Tensor]:
+    def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """The count arguments of :func:`ppmedia.split_media` for a processor batch, from its tokens.
 
         ``split_media(batch, n, **adapter.media_counts(batch, config))``. ``images_per_sample`` /

@@ -126,16 +126,15 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         assert grid is not None
         return images, self._videos_from_blocks(blocks, grid)
 
-    def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Tensor]:
+    def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """As the base method, counting videos with the batch's ``video_grid_thw`` (see
         :meth:`media_per_sample`)."""
         ids = batch["input_ids"]
-        counts: dict[str, Tensor] = {}
+        counts: dict[str, Any] = {}
         if batch.get("n_images_per_sample") is None:
             counts["images_per_sample"] = self._blocks(ids, config, self._token_ids(config)[0])
         if batch.get("n_videos_per_sample") is None:
-            grid = batch.get("video_grid_thw")
-            counts["videos_per_sample"] = self.media_per_sample(ids, config, media={"video_grid_thw": grid})[1]
+            counts["videos_per_sample"] = self.media_per_sample(ids, config, media=batch)[1]
         return counts
 
     @staticmethod

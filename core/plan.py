@@ -90,14 +90,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.calibration}: calibrated for {len(calibration.text_forward)} stages; got --stages {args.stages}")
     else:
         calibration, time_unit = Calibration.relative(plan["loads"], args.stages, args.vision_share), "units"
-    rows = []
+    predicted: list[tuple[str, ...]] = []
     for schedule in [args.schedule] if args.schedule != "all" else ["gpipe", "1f1b"]:
         plain = predict(schedule, plan["loads"], calibration)
         balanced = predict(schedule, plan["balanced_loads"], calibration)
-        rows.append((schedule, f"{plain.step_time:.4g}", f"{plain.bubble:.3f}", f"{balanced.step_time:.4g}",
+        predicted.append((schedule, f"{plain.step_time:.4g}", f"{plain.bubble:.3f}", f"{balanced.step_time:.4g}",
                      f"{balanced.bubble:.3f}", f"{balanced.step_time / plain.step_time:.3f}"))
     print(format_table(("schedule", f"step ({time_unit})", "bubble", f"balanced step ({time_unit})",
-                        "balanced bubble", "balanced/plain"), rows))
+                        "balanced bubble", "balanced/plain"), predicted))
     if not args.calibration:
         print(f"uncalibrated: a stage's text forward = 1 unit, the mean microbatch's vision = {args.vision_share:g} of it, "
               "backward = 2x forward (pass --calibration for measured costs)")

@@ -18,7 +18,7 @@ the per-operation times of a real run (the first stage's forward as ``text + per
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
 
@@ -70,7 +70,7 @@ class Simulation:
     timeline: list[list[tuple[str, int, float, float]]] = field(repr=False)
 
 
-def _matrix(name: str, values: Sequence[Sequence[float]], stages: int | None, n: int | None) -> np.ndarray:
+def _matrix(name: str, values: Costs, stages: int | None, n: int | None) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64)
     if array.ndim != 2 or (stages is not None and array.shape != (stages, n)):
         want = f"[{stages}, {n}]" if stages is not None else "[stages, microbatches]"
@@ -80,10 +80,14 @@ def _matrix(name: str, values: Sequence[Sequence[float]], stages: int | None, n:
     return array
 
 
+#: per stage, per microbatch costs: nested sequences or a ``[stages, microbatches]`` array.
+Costs = Union[Sequence[Sequence[float]], np.ndarray]
+
+
 def simulate(
     schedule: str,
-    forward: Sequence[Sequence[float]],
-    backward: Sequence[Sequence[float]] | None = None,
+    forward: Costs,
+    backward: Costs | None = None,
     *,
     latency: float = 0.0,
 ) -> Simulation:
