@@ -249,10 +249,10 @@ class VlmAdapter(abc.ABC):
             placeholders, rows = host.totals.get(modality, 0), features.get(modality, 0)
             if placeholders != rows:
                 per_sample = host.placeholders.get(modality)
-                where = "" if per_sample is None else f" (per sample: {per_sample})"
                 raise ValueError(
-                    f"{modality}: the microbatch has {placeholders} placeholder tokens{where} but its media "
-                    f"give {rows} feature rows" + (" (no media: a text-only chunk)" if chunk is None else "")
+                    f"{modality}: the microbatch has {placeholders} placeholder tokens but its media give "
+                    f"{rows} feature rows" + (" (no media: a text-only chunk)" if chunk is None else "")
+                    + ("" if per_sample is None else f"; placeholders per sample: {per_sample}")
                 )
         return masks, host
 
