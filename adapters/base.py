@@ -18,8 +18,7 @@ metadata on the host); :mod:`ppmedia.adapters._helpers` holds what the built-ins
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, NamedTuple
 
 import torch
 from torch import Tensor
@@ -47,8 +46,7 @@ def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> Any:
     raise TypeError(f"{type(model).__name__} has neither .model.{attribute} nor .{attribute}; expected {expected}")
 
 
-@dataclass(frozen=True)
-class HostValues:
+class HostValues(NamedTuple):
     """What :meth:`VlmAdapter.check_counts` read to the host, in one read, for one microbatch.
 
     Handed to :meth:`VlmAdapter.feature_counts` and :meth:`VlmAdapter.encode`, so nothing there reads
@@ -102,12 +100,15 @@ def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Host
     arrays: list[Any] = reader.values  # one flat int64 numpy array per add()
     placeholders: dict[str, list[int]] = {}
     totals: dict[str, int] = {}
-    if names:
-        per_sample = arrays[0].tolist()
-        b = len(per_sample) // len(names)
+    if len(names) == 1:
+        placeholders[names[0]] = per_sample = arrays[0].tolist()
+        totals[names[0]] = sum(per_sample)
+    elif names:
+        flat = arrays[0].tolist()
+        b = len(flat) // len(names)
         for i, name in enumerate(names):
-            placeholders[name] = per_sample[i * b : (i + 1) * b]
-            totals[name] = sum(placeholders[name])
+            placeholders[name] = per_sample = flat[i * b : (i + 1) * b]
+            totals[name] = sum(per_sample)
     values = {name: array.tolist() for name, array in zip(inputs, arrays[1:] if names else arrays)}
     return HostValues(placeholders, totals, values)
 
