@@ -87,29 +87,20 @@ def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Host
         TypeError: a tensor of ``inputs`` is not of an integer dtype (named in the message).
     """
     reader = HostReader()
-    names = list(masks)
-    if len(names) == 1:
-        reader.add(masks[names[0]].sum(dim=-1))
-    elif names:
-        reader.add(torch.stack([masks[name] for name in names]).sum(dim=-1))
+    for mask in masks.values():
+        reader.add(mask.sum(dim=-1))
     for name, tensor in inputs.items():
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
             raise TypeError(f"{name}: dtype {tensor.dtype}, shape {list(tensor.shape)}; expected an integer dtype")
         reader.add(tensor)
     reader.read()
-    arrays: list[Any] = reader.values  # one flat int64 numpy array per add()
+    arrays: list[Any] = reader.values  # one flat int64 numpy array per add(), in order
     placeholders: dict[str, list[int]] = {}
     totals: dict[str, int] = {}
-    if len(names) == 1:
-        placeholders[names[0]] = per_sample = arrays[0].tolist()
-        totals[names[0]] = sum(per_sample)
-    elif names:
-        flat = arrays[0].tolist()
-        b = len(flat) // len(names)
-        for i, name in enumerate(names):
-            placeholders[name] = per_sample = flat[i * b : (i + 1) * b]
-            totals[name] = sum(per_sample)
-    values = {name: array.tolist() for name, array in zip(inputs, arrays[1:] if names else arrays)}
+    for name, array in zip(masks, arrays):
+        placeholders[name] = per_sample = array.tolist()
+        totals[name] = sum(per_sample)
+    values = {name: array.tolist() for name, array in zip(inputs, arrays[len(masks) :])}
     return HostValues(placeholders, totals, values)
 
 
