@@ -5,7 +5,7 @@ Private to ``ppmedia.adapters``; the public adapter protocol is in :mod:`ppmedia
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -15,7 +15,6 @@ from ..hostreads import HostReader
 
 __all__ = [
     "as_tower_dtype",
-    "batch_images",
     "count_runs",
     "grid_products",
     "grid_thw",
@@ -187,12 +186,3 @@ def _match_runs(
             f"{way_out}"
         )
     return counts
-
-
-def batch_images(media: Mapping[str, Tensor], *keys: str) -> int | None:
-    """Images in the batch: axis 0 of the first of ``keys`` present in ``media``, else ``None``."""
-    for key in keys:
-        value = media.get(key)
-        if isinstance(value, Tensor):
-            return int(value.shape[0])
-    return None

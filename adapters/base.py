@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, NamedTuple, Union
 
 import torch
 from torch import Tensor
@@ -50,8 +50,7 @@ def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> Any:
     raise TypeError(f"{type(model).__name__} has neither .model.{attribute} nor .{attribute}; expected {expected}")
 
 
-@dataclass(frozen=True)
-class HostValues:
+class HostValues(NamedTuple):
     """What :meth:`VlmAdapter.check_counts` read to the host, in one read, for one microbatch.
 
     Handed to :meth:`VlmAdapter.feature_counts` and :meth:`VlmAdapter.encode`, so nothing there reads
@@ -112,26 +111,20 @@ def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Host
         TypeError: a tensor of ``inputs`` is not of an integer dtype (named in the message).
     """
     reader = HostReader()
-    names = list(masks)
-    if len(names) == 1:
-        reader.add(masks[names[0]].sum(dim=-1))
-    elif names:
-        reader.add(torch.stack([masks[name] for name in names]).sum(dim=-1))
+    for mask in masks.values():
+        reader.add(mask.sum(dim=-1))
     for name, tensor in inputs.items():
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
             raise TypeError(f"{name}: dtype {tensor.dtype}, shape {list(tensor.shape)}; expected an integer dtype")
         reader.add(tensor)
     reader.read()
-    arrays: list[Any] = reader.values  # one flat int64 numpy array per add()
+    arrays: list[Any] = reader.values  # one flat int64 numpy array per add(), in order
     placeholders: dict[str, list[int]] = {}
     totals: dict[str, int] = {}
-    if names:
-        per_sample = arrays[0].tolist()
-        b = len(per_sample) // len(names)
-        for i, name in enumerate(names):
-            placeholders[name] = per_sample[i * b : (i + 1) * b]
-            totals[name] = sum(placeholders[name])
-    values = {name: array.tolist() for name, array in zip(inputs, arrays[1:] if names else arrays)}
+    for name, array in zip(masks, arrays):
+        placeholders[name] = per_sample = array.tolist()
+        totals[name] = sum(per_sample)
+    values = {name: array.tolist() for name, array in zip(inputs, arrays[len(masks) :])}
     return HostValues(placeholders, totals, values)
 
 
@@ -288,10 +281,10 @@ class VlmAdapter(abc.ABC):
             placeholders, rows = host.totals.get(modality, 0), features.get(modality, 0)
             if placeholders != rows:
                 per_sample = host.placeholders.get(modality)
-                where = "" if per_sample is None else f" (per sample: {per_sample})"
                 raise ValueError(
-                    f"{modality}: the microbatch has {placeholders} placeholder tokens{where} but its media "
-                    f"give {rows} feature rows" + (" (no media: a text-only chunk)" if chunk is None else "")
+                    f"{modality}: the microbatch has {placeholders} placeholder tokens but its media give "
+                    f"{rows} feature rows" + (" (no media: a text-only chunk)" if chunk is None else "")
+                    + ("" if per_sample is None else f"; placeholders per sample: {per_sample}")
                 )
         return masks, host
 

@@ -66,9 +66,8 @@ class KimiVLAdapter(VlmAdapter):
 
     @staticmethod
     def _merge_area(config: Any) -> int:
-        try:
-            kernel = config_value(config, "vision_config.merge_kernel_size")
-        except AttributeError:
+        kernel = config_get(config_get(config, "vision_config"), "merge_kernel_size")
+        if kernel is None:
             return 4
         if isinstance(kernel, int):
             return kernel * kernel
@@ -141,18 +140,16 @@ class KimiVLAdapter(VlmAdapter):
 
     def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
         """Image tokens = patches // merge-kernel area, after checking the grid covers exactly the
-        patches and each image is a whole number of merge blocks. Video is always 0.
+        patches and each image is a whole number of merge blocks. No video features (a video
+        placeholder then fails the count check).
 
         Raises:
             ValueError: the grid covers another number of patches than ``pixel_values`` has rows, or an
                 image whose patches are not a multiple of the merge-kernel area (row named).
         """
-        counts = {"image": 0}
-        if self._video_token_id(config) is not None:
-            counts["video"] = 0
         pixels, grid = chunk.pixel_values, chunk.image_grid
         if pixels is None or grid is None:
-            return counts
+            return {"image": 0}
         area = self._merge_area(config)
         patches = grid_products(host.values["image_grid"], grid.shape[1])
         if sum(patches) != pixels.shape[0]:
@@ -165,8 +162,7 @@ class KimiVLAdapter(VlmAdapter):
                 raise ValueError(
                     f"image grid: row {row} gives {n} patches, not a multiple of the merge-kernel area {area}"
                 )
-        counts["image"] = pixels.shape[0] // area
-        return counts
+        return {"image": pixels.shape[0] // area}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """MoonViT + projector on the chunk's images: ``{"image": [tokens, text_hidden]}``."""

@@ -85,14 +85,20 @@ def _crops_and_tokens(height: int, width: int, geometry: _Geometry) -> tuple[int
     return 1 + grid_h * grid_w, base + rows * (cols + 1)
 
 
-def _per_image(sizes: list[list[int]], geometry: _Geometry, key: str) -> list[tuple[int, int]]:
-    """``(crops, tokens)`` of each ``[h, w]``; ``ValueError`` naming ``key`` and the row for a size < 1."""
-    out = []
-    for row, (height, width) in enumerate(sizes):
+def _per_image(flat: list[int], geometry: _Geometry, key: str) -> tuple[list[int], list[int]]:
+    """Crops and tokens of each image of ``image_sizes`` read flat (``[h0, w0, h1, w1, ...]``).
+
+    Raises ``ValueError`` naming ``key`` and the row for a size below 1.
+    """
+    crops, tokens = [], []
+    for row in range(len(flat) // 2):
+        height, width = flat[2 * row], flat[2 * row + 1]
         if height < 1 or width < 1:
             raise ValueError(f"{key}: row {row} is [{height}, {width}]; expected a height and width >= 1")
-        out.append(_crops_and_tokens(height, width, geometry))
-    return out
+        n_crops, n_tokens = _crops_and_tokens(height, width, geometry)
+        crops.append(n_crops)
+        tokens.append(n_tokens)
+    return crops, tokens
 
 
 def _sizes(host: HostValues) -> list[list[int]]:
@@ -143,8 +149,7 @@ class LlavaNextAdapter(VlmAdapter):
             geometry = _geometry(config)
 
             def tokens(flat: list[int]) -> list[int]:
-                pairs = [[h, w] for h, w in zip(flat[0::2], flat[1::2])]
-                return [t for _, t in _per_image(pairs, geometry, "image_sizes")]
+                return _per_image(flat, geometry, "image_sizes")[1]
 
             images = images_from_runs(is_image, sizes, tokens, token="input_ids", metadata="image_sizes")
         return images, torch.zeros_like(images)
@@ -196,8 +201,7 @@ class LlavaNextAdapter(VlmAdapter):
         pixels = chunk.pixel_values
         if pixels is None:
             return {"image": 0}
-        per_image = _per_image(_sizes(host), _geometry(config), "image sizes (image_grid)")
-        crops, tokens = [c for c, _ in per_image], [t for _, t in per_image]
+        crops, tokens = _per_image(host.values["image_sizes"], _geometry(config), "image sizes (image_grid)")
         if pixels.dim() == 5 and pixels.shape[1] < max(crops, default=0):
             raise ValueError(
                 f"llava_next padded crops {shape(pixels)} cannot hold {len(crops)} images of {crops} crops"

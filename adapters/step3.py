@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 from ._helpers import refuse_videos, shape, tower_dtype
-from .base import HostValues, VlmAdapter, config_value, inner_model
+from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = ["Step3Adapter", "tokens_per_view"]
 
@@ -48,7 +48,10 @@ def _image_token_id(config: Any) -> int:
 
 
 def _vision_patch(config: Any) -> int:
-    return int(config_value(config, "vision_config.patch_size"))
+    patch = config_get(config_get(config, "vision_config"), "patch_size")
+    if patch is None:
+        raise AttributeError(f"{type(config).__name__} has no vision_config.patch_size")
+    return int(patch)
 
 
 def _view_tokens(pixels: Tensor | None, patch: int) -> int:

@@ -78,7 +78,7 @@ def test_merge_refuses_before_encoding():
     adapter, model = _Fixed(), _model()
     ids = torch.tensor([[1, IMG, IMG, IMG, 2], [IMG, IMG, 2, 0, 0]])
     chunk = VlmMediaChunk(torch.zeros(2, 3, 2, 2), None, None, None)
-    with pytest.raises(ValueError, match=r"image: the microbatch has 5 placeholder tokens \(per sample: \[3, 2\]\) but its media give 6 feature rows$"):
+    with pytest.raises(ValueError, match=r"^image: the microbatch has 5 placeholder tokens but its media give 6 feature rows; placeholders per sample: \[3, 2\]$"):
         adapter.merge(model, ids, torch.zeros(2, 5, 4), chunk)
     with pytest.raises(ValueError, match=r"5 placeholder tokens .* give 0 feature rows \(no media: a text-only chunk\)"):
         adapter.merge(model, ids, torch.zeros(2, 5, 4), None)

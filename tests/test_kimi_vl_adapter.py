@@ -151,7 +151,7 @@ def test_placeholder_masks_and_feature_counts(adapter, model, batch):
     _, host = adapter.check_counts(batch["input_ids"], chunk, model.config)
     assert host.values["image_grid"] == batch["image_grid_hws"].reshape(-1).tolist()
     counts = adapter.feature_counts(chunk, model.config, host)
-    assert counts == {"image": sum(TOKENS_PER_SAMPLE), "video": 0}
+    assert counts == {"image": sum(TOKENS_PER_SAMPLE)}
     assert isinstance(counts["image"], int)
 
 
@@ -284,3 +284,14 @@ def test_error_message_names_both_counts(adapter, model, batch):
         adapter.merge(model, ids, text_embeds(model, ids), chunk)
     numbers = set(re.findall(r"\d+", str(info.value)))
     assert {"13", "7"} <= numbers
+
+
+def test_video_placeholders_fail_the_count_check(adapter, model, batch):
+    """Kimi runs no videos: a video placeholder among the tokens is an error, not a text embedding."""
+    ids = batch["input_ids"][0:2].clone()
+    text = (ids != tiny.IMAGE_TOKEN_ID) & (ids != tiny.PAD_TOKEN_ID)
+    row, col = [int(i) for i in text.nonzero()[-1]]
+    ids[row, col] = model.config.video_token_id
+    chunk = VlmMediaChunk(batch["pixel_values"][:32], batch["image_grid_hws"][:3], None, None)  # samples 0, 1: 3 images
+    with pytest.raises(ValueError, match=r"^video: the microbatch has 1 placeholder tokens but its media give 0 feature rows"):
+        adapter.merge(model, ids, text_embeds(model, ids), chunk)

@@ -10,6 +10,9 @@ microbatch 2 is text-only). Everything runs under ``torch.no_grad()``.
   the model's own argument form, prepared untimed (Qwen/Kimi ``image_grid_thw``, LLaVA-NeXT
   ``image_sizes``, Step3 ``num_local_patches`` per image); the adapter starts from the
   :class:`~ppmedia.VlmMediaChunk` and checks feature counts against placeholders (one host read).
+  For context, ``model_checked_ratio`` sets ``adapter.merge`` against the merge of the model's own
+  forward: the encoder, then ``get_placeholder_mask`` (its count check, one host read, after the
+  encoder), then ``masked_scatter``.
 * ``first stage``: embedding + media merge of the whole batch, microbatch by microbatch.
   *With* ppmedia: ``adapter.media_per_sample`` + ``split_media`` + ``stage_media`` on the model, then
   per microbatch the embedding, ``next_vlm_media_chunk`` and ``adapter.merge``. *Without*: the caller
@@ -77,47 +80,79 @@ def _scatter(embeds: Tensor, input_ids: Tensor, token_id: int, features: Tensor)
 # per family: the direct merge (model's own encoder + masked_scatter) and the hand split
 
 
-def _direct_qwen(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
-    inner, config = model.model, model.config
+def _features_qwen(model: Any, media: dict[str, Any]) -> dict[str, Tensor]:
+    inner, out = model.model, {}
     if "image" in media:
         pixels, grid = media["image"]
-        out = inner.get_image_features(pixels, grid, return_dict=True)
-        embeds = _scatter(embeds, input_ids, config.image_token_id, torch.cat(out.pooler_output, dim=0))
+        out["image"] = torch.cat(inner.get_image_features(pixels, grid, return_dict=True).pooler_output, dim=0)
     if "video" in media:
         pixels, grid = media["video"]
-        out = inner.get_video_features(pixels, grid, return_dict=True)
-        embeds = _scatter(embeds, input_ids, config.video_token_id, torch.cat(out.pooler_output, dim=0))
-    return embeds
+        out["video"] = torch.cat(inner.get_video_features(pixels, grid, return_dict=True).pooler_output, dim=0)
+    return out
 
 
-def _direct_llava(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+def _features_llava(model: Any, media: dict[str, Any]) -> dict[str, Tensor]:
     out = model.model.get_image_features(media["pixel_values"], media["image_sizes"], return_dict=True)
-    return _scatter(embeds, input_ids, model.config.image_token_id, torch.cat(out.pooler_output, dim=0))
+    return {"image": torch.cat(out.pooler_output, dim=0)}
 
 
-def _direct_step3(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+def _features_step3(model: Any, media: dict[str, Any]) -> dict[str, Tensor]:
     out = model.model.get_image_features(
         pixel_values=media["pixel_values"],
         pixel_values_local=media["pixel_values_local"],
         num_local_patches=media["num_local_patches"],
         return_dict=True,
     )
-    return _scatter(embeds, input_ids, model.config.image_token_id, torch.cat(out.pooler_output, dim=0))
+    return {"image": torch.cat(out.pooler_output, dim=0)}
 
 
-def _direct_kimi(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+def _features_kimi(model: Any, media: dict[str, Any]) -> dict[str, Tensor]:
     out = model.model.get_image_features(media["pixel_values"], image_grid_thw=media["image_grid_thw"], return_dict=True)
-    return _scatter(embeds, input_ids, model.config.image_token_id, torch.cat(out.pooler_output, dim=0))
+    return {"image": torch.cat(out.pooler_output, dim=0)}
 
 
-def _direct_gemma3(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+def _features_gemma3(model: Any, media: dict[str, Any]) -> dict[str, Tensor]:
     features = model.model.get_image_features(media["pixel_values"], return_dict=True).pooler_output
-    return _scatter(embeds, input_ids, model.config.image_token_id, features.reshape(-1, features.shape[-1]))
+    return {"image": features.reshape(-1, features.shape[-1])}
 
 
-def _direct_mistral3(model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+def _features_mistral3(model: Any, media: dict[str, Any]) -> dict[str, Tensor]:
     out = model.model.get_image_features(media["pixel_values"], media["image_sizes"], return_dict=True)
-    return _scatter(embeds, input_ids, model.config.image_token_id, torch.cat(out.pooler_output, dim=0))
+    return {"image": torch.cat(out.pooler_output, dim=0)}
+
+
+_FEATURES: dict[str, Callable[[Any, dict[str, Any]], dict[str, Tensor]]] = {
+    "qwen2_5_vl": _features_qwen,
+    "llava_next": _features_llava,
+    "step3": _features_step3,
+    "kimi_vl": _features_kimi,
+    "gemma3": _features_gemma3,
+    "mistral3": _features_mistral3,
+}
+
+
+def _direct(family: str, model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+    """The model's own encoder + ``masked_scatter`` at ``input_ids == token`` (no count check)."""
+    for modality, feats in _FEATURES[family](model, media).items():
+        token = model.config.image_token_id if modality == "image" else model.config.video_token_id
+        embeds = _scatter(embeds, input_ids, token, feats)
+    return embeds
+
+
+def _checked(family: str, model: Any, input_ids: Tensor, embeds: Tensor, media: dict[str, Any]) -> Tensor:
+    """As the model's own forward merges: encoder, then ``get_placeholder_mask`` (which checks the
+    placeholder count against the features, with a host read, after the encoder ran), then
+    ``masked_scatter``."""
+    feats = _FEATURES[family](model, media)
+    inner = model.model
+    if family in ("qwen2_5_vl", "kimi_vl"):
+        masks = dict(zip(("image", "video"), inner.get_placeholder_mask(
+            input_ids, embeds, image_features=feats.get("image"), video_features=feats.get("video"))))
+    else:
+        masks = {"image": inner.get_placeholder_mask(input_ids, embeds, feats["image"])}
+    for modality, f in feats.items():
+        embeds = embeds.masked_scatter(masks[modality], f.to(embeds.dtype))
+    return embeds
 
 
 def _native_from_chunk(family: str, chunk: ppmedia.VlmMediaChunk, input_ids: Tensor, config: Any) -> dict[str, Any]:
@@ -256,14 +291,6 @@ def _hand_mistral3(model: Any, batch: dict[str, Tensor], n: int) -> list[dict[st
     return _hand_rows(batch, n, images, ("pixel_values", "image_sizes"))
 
 
-_DIRECT: dict[str, Callable[..., Tensor]] = {
-    "qwen2_5_vl": _direct_qwen,
-    "llava_next": _direct_llava,
-    "step3": _direct_step3,
-    "kimi_vl": _direct_kimi,
-    "gemma3": _direct_gemma3,
-    "mistral3": _direct_mistral3,
-}
 _HAND: dict[str, Callable[..., list[dict[str, Any] | None]]] = {
     "qwen2_5_vl": _hand_qwen,
     "llava_next": _hand_llava,
@@ -327,8 +354,13 @@ class FamilySetup:
         return out
 
     def merge_direct(self) -> list[Tensor]:
-        direct, model = _DIRECT[self.family], self.model
-        return [direct(model, self.ids[k], self.embeds[k], self.native[k]) for k in self.media_microbatches]
+        family, model = self.family, self.model
+        return [_direct(family, model, self.ids[k], self.embeds[k], self.native[k]) for k in self.media_microbatches]
+
+    def merge_checked(self) -> list[Tensor]:
+        """The model's own forward's merge: encoder, its count check, scatter (context, not the target)."""
+        family, model = self.family, self.model
+        return [_checked(family, model, self.ids[k], self.embeds[k], self.native[k]) for k in self.media_microbatches]
 
     # -- section 5 ---------------------------------------------------------------------------
     def first_stage_with(self, batch: dict[str, Tensor]) -> list[Tensor]:
@@ -342,18 +374,22 @@ class FamilySetup:
         return out
 
     def first_stage_without(self, batch: dict[str, Tensor]) -> list[Tensor]:
-        model, embed, direct = self.model, self.embed, _DIRECT[self.family]
-        media = _HAND[self.family](model, batch, self.n)
+        model, embed, family = self.model, self.embed, self.family
+        media = _HAND[family](model, batch, self.n)
         out = []
         for ids, mb_media in zip(self.ids, media, strict=True):
             embeds = embed(ids)
-            out.append(direct(model, ids, embeds, mb_media) if mb_media is not None else embeds)
+            out.append(_direct(family, model, ids, embeds, mb_media) if mb_media is not None else embeds)
         return out
 
 
+#: the families with a hand-written direct path (the model's own encoder call and its split by hand)
+BENCH_FAMILIES: tuple[str, ...] = tuple(_HAND)
+
+
 def setup_family(family: str) -> FamilySetup:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}")
+    if family not in BENCH_FAMILIES:
+        raise ValueError(f"no direct path for family {family!r}; benchmarked: {', '.join(BENCH_FAMILIES)}")
     return FamilySetup(family)
 
 
@@ -402,11 +438,13 @@ def run_merge(setup: FamilySetup, repeats: int) -> dict[str, Any]:
         with HostReadCounter() as direct_reads:
             setup.merge_direct()
         diff = max(diff, _max_diff(setup.encode_scatter(), setup.merge_direct()))
+        diff = max(diff, _max_diff(setup.merge_checked(), setup.merge_direct()))
         timings = interleaved(
             {
                 "adapter": Side(setup.merge_adapter),
                 "direct": Side(setup.merge_direct),
                 "encode_scatter": Side(setup.encode_scatter),
+                "model_checked": Side(setup.merge_checked),
             },
             repeats=repeats,
             warmup=5,
@@ -414,9 +452,11 @@ def run_merge(setup: FamilySetup, repeats: int) -> dict[str, Any]:
     return {
         "family": setup.family,
         "microbatches": len(setup.media_microbatches),
-        "median_s": {name: timings.median(name) for name in ("adapter", "direct", "encode_scatter")},
+        "median_s": {name: timings.median(name) for name in ("adapter", "direct", "encode_scatter", "model_checked")},
         "ratio": timings.ratio("adapter", "direct"),
         "encode_scatter_ratio": timings.ratio("encode_scatter", "direct"),
+        # context: against the merge of the model's own forward (encoder, its count check, scatter)
+        "model_checked_ratio": timings.ratio("adapter", "model_checked"),
         "host_reads": {"adapter": adapter_reads.total, "direct": direct_reads.total},
         "adapter_parts_s": parts,
         "max_abs_diff": diff,

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- 4 + 5: tiny models -----------------------------------------------------------------------
     merges, stages = [], []
-    for family in FAMILIES:
+    for family in model_bench.BENCH_FAMILIES:
         setup = model_bench.setup_family(family)
         merges.append(model_bench.run_merge(setup, repeats=reps(60)))
         stages.append(model_bench.run_first_stage(setup, repeats=reps(60)))
