@@ -121,7 +121,7 @@ def test_errors_name_the_problem(model, batch, adapter):
     ids = batch["input_ids"][:2]  # 5 rows of images
     embeds = text_embeds(model, ids)
     pixels = batch["pixel_values"]
-    with pytest.raises(ValueError, match=r"image: the microbatch has 20 placeholder tokens \(per sample: \[4, 16\]\) but its media give 16"):
+    with pytest.raises(ValueError, match=r"image: the microbatch has 20 placeholder tokens but its media give 16 feature rows; placeholders per sample: \[4, 16\]"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels[:4], None, None, None))
     with pytest.raises(ValueError, match=r"gemma3 pixel_values: shape \(5, 3, 16, 32\); expected \[rows, 3, 32, 32\]"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels[:5, :, :16], None, None, None))
@@ -131,7 +131,7 @@ def test_errors_name_the_problem(model, batch, adapter):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels[:5], torch.ones(5, 2, dtype=torch.int64), None, None))
     with pytest.raises(ValueError, match="takes images only, but the chunk carries videos"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels[:5], None, torch.zeros(4, 8), torch.ones(1, 3)))
-    with pytest.raises(ValueError, match=r"placeholder tokens \(per sample: \[4, 16\]\) but its media give 0"):
+    with pytest.raises(ValueError, match=r"placeholder tokens but its media give 0 feature rows; placeholders per sample: \[4, 16\]"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(None, None, None, None))
 
 

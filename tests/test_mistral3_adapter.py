@@ -132,7 +132,7 @@ def test_errors_name_the_problem(model, batch, adapter):
     ids = batch["input_ids"][:2]  # 3 images: 6 + 1 + 8 tokens
     embeds = text_embeds(model, ids)
     pixels, sizes = batch["pixel_values"][:3], batch["image_sizes"][:3]
-    with pytest.raises(ValueError, match=r"image: the microbatch has 15 placeholder tokens \(per sample: \[6, 9\]\) but its media give 7"):
+    with pytest.raises(ValueError, match=r"image: the microbatch has 15 placeholder tokens but its media give 7 feature rows; placeholders per sample: \[6, 9\]"):
         adapter.merge(model, ids, embeds, VlmMediaChunk(pixels[:2], sizes[:2], None, None))
     too_big = sizes.clone()
     too_big[1] = torch.tensor([80, 16])

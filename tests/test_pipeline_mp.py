@@ -145,7 +145,7 @@ def test_media_of_another_batch_fail_the_comparison(family):
 def test_bare_module_without_static_shapes_fails_loudly():
     """stage_media(module, ...) cannot rewind the shape-inference forward: it takes chunk 0, microbatch
     0 then gets microbatch 1's media and adapter.merge's count check stops the run."""
-    with pytest.raises(ParityError, match=r"rank 0: ValueError: image: the microbatch has 8 placeholder tokens \(per sample: \[4, 4\]\) but its media give 7"):
+    with pytest.raises(ParityError, match=r"rank 0: ValueError: image: the microbatch has 8 placeholder tokens but its media give 7 feature rows; placeholders per sample: \[4, 4\]"):
         run_parity("kimi_vl", [Scenario("gpipe", "inferred", "bare_module")], steps=1)
 
 
