@@ -115,3 +115,18 @@ def test_readme_layout_names_files_that_exist():
             assert (ROOT / folder / name).exists(), (folder, name)
             checked.append(folder + name)
     assert len(rows) == 6 and len(checked) >= 20, checked
+
+
+def test_no_function_body_over_80_lines():
+    # readability guard for the package (docstrings not counted): split long functions, don't grow them
+    import ast
+
+    long = []
+    for folder in ("core", "registry", "adapters"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) else node.body
+                    if body and body[-1].end_lineno - body[0].lineno + 1 > 80:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert long == []
