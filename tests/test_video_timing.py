@@ -2,14 +2,11 @@
 model's own mrope positions per microbatch.
 
 ``second_per_grid_ts`` is ``[videos]``: it must leave the batch and travel with its videos
-(``VlmMediaChunk.second_per_grid_ts``). Here its per-microbatch slices are attached to the chunks by
-hand (by the microbatch's video counts) so the test holds whether or not ``split_media`` pops the key
-itself; the adapter's part is to pass the chunk's seconds to ``get_rope_index``.
+(``VlmMediaChunk.second_per_grid_ts``): ``split_media`` pops it and splits it with its videos, and the
+adapter passes the chunk's seconds to ``get_rope_index``.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -51,19 +48,19 @@ def test_qwen2_5_vl_positions_follow_the_videos_fps(model, fps):
     assert (expected - default).abs().max() >= 4
 
     adapter = ppmedia.get_adapter(model)
-    work = dict(batch, second_per_grid_ts=seconds)
-    seconds_in_batch = work.pop("second_per_grid_ts")  # per video: never left for the schedule to cut
-    staged = ppmedia.split_media(work, 4, **adapter.media_counts(batch, model.config))
-    B = batch["input_ids"].shape[0]
-    assert all(v.shape[0] == B for v in work.values())  # only [B, ...] keys are left
-    starts = [0]
-    for count in staged.videos:
-        starts.append(starts[-1] + count)
-    assert list(staged.videos) == [0, 2, 0, 1]
-    for k, (a, b) in enumerate(staged.samples):
-        chunk = staged.chunk(k)
-        if chunk is not None:
-            chunk = dataclasses.replace(chunk, second_per_grid_ts=seconds_in_batch[starts[k] : starts[k + 1]])
-        ids, mask = batch["input_ids"][a:b], batch["attention_mask"][a:b]
-        got = adapter.position_ids(model, ids, chunk, attention_mask=mask)
-        assert torch.equal(got, expected[:, a:b]), k
+    # as the processor gives it: a list of floats, one per video (a [videos] tensor works the same)
+    for given in (seconds.tolist(), seconds):
+        work = dict(batch, second_per_grid_ts=given)
+        staged = ppmedia.split_media(work, 4, **adapter.media_counts(work, model.config))
+        assert "second_per_grid_ts" not in work  # per video: split with its videos, never left to the schedule
+        B = batch["input_ids"].shape[0]
+        assert all(v.shape[0] == B for v in work.values())  # only [B, ...] keys are left
+        assert list(staged.videos) == [0, 2, 0, 1]
+        for k, (a, b) in enumerate(staged.samples):
+            chunk = staged.chunk(k)
+            if chunk is not None and chunk.pixel_values_videos is not None:
+                assert chunk.second_per_grid_ts is not None
+                assert chunk.second_per_grid_ts.shape == (staged.videos[k],)
+            ids, mask = batch["input_ids"][a:b], batch["attention_mask"][a:b]
+            got = adapter.position_ids(model, ids, chunk, attention_mask=mask)
+            assert torch.equal(got, expected[:, a:b]), k
