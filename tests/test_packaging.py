@@ -87,18 +87,29 @@ def test_readme_architecture_names_what_exists():
     section = _readme_section("Architecture")
     modules = {"registry": "ppmedia.registry", "split": "ppmedia.split", "hostreads": "ppmedia.hostreads",
                "stage": "ppmedia.stage", "pipeline": "ppmedia.pipeline", "chunk": "ppmedia.chunk",
-               "adapters/base": "ppmedia.adapters.base", "collate": "ppmedia.collate"}
+               "adapters/base": "ppmedia.adapters.base", "collate": "ppmedia.collate",
+               "planners": "ppmedia.planners", "balance": "ppmedia.balance"}
     tags = set(re.findall(r"\[([a-z/]+)\]", section))
     assert tags == set(modules), tags
     for name, module in [("get_adapter", "registry"), ("split_media", "split"), ("StagedMedia", "split"),
                          ("HostReader", "hostreads"), ("stage_media", "stage"), ("StageModule", "pipeline"),
-                         ("next_vlm_media_chunk", "chunk"), ("collate_for_pipeline", "collate")]:
+                         ("next_vlm_media_chunk", "chunk"), ("collate_for_pipeline", "collate"),
+                         ("HostReader", "planners"), ("balanced_split", "balance"),
+                         ("balance_microbatches", "balance")]:
         assert name in section and hasattr(importlib.import_module(modules[module]), name), name
     base = importlib.import_module("ppmedia.adapters.base").VlmAdapter
-    for method in ("media_per_sample", "merge", "placeholder_masks", "feature_counts", "encode", "scatter", "position_ids"):
+    for method in ("media_per_sample", "merge", "placeholder_masks", "feature_counts", "encode", "scatter", "position_ids",
+                   "first_stage", "decoder_kwargs"):
         assert f"{method}" in section and hasattr(base, method), method
     for attribute in ("_vlm_chunk_idx",):
         assert attribute in section and attribute == ppmedia.CURSOR_ATTRIBUTE
+    # every file the section names exists (bare names live in core/ or core/testing/)
+    for name in set(re.findall(r"`([a-z_/<>]+\.py)`", section)) - {"adapters/<family>.py"}:
+        candidates = [ROOT / name, ROOT / "core" / name, ROOT / "core" / "testing" / name]
+        assert any(c.is_file() for c in candidates), name
+    for command in ("demo", "inspect", "plan"):
+        assert f"`{command}`" in section
+    assert {c.name for c in importlib.import_module("ppmedia.cli").COMMANDS} == {"demo", "adapters", "inspect", "plan"}
 
 
 def test_readme_layout_names_files_that_exist():
@@ -114,7 +125,12 @@ def test_readme_layout_names_files_that_exist():
         for name in re.findall(r"`([a-z_0-9]+\.py|[a-z_]+/)`", cells[2]):
             assert (ROOT / folder / name).exists(), (folder, name)
             checked.append(folder + name)
-    assert len(rows) == 6 and len(checked) >= 20, checked
+    assert len(rows) == 7 and len(checked) >= 45, checked
+    # and every module of the package is named (a new module needs its row entry)
+    for folder in ("core", "registry", "adapters", "core/testing"):
+        for path in (ROOT / folder).glob("*.py"):
+            if path.name not in {"__init__.py", "__main__.py"}:
+                assert f"{folder}/{path.name}" in checked, f"README 'Development' does not name {folder}/{path.name}"
 
 
 def test_no_function_body_over_80_lines():
