@@ -238,8 +238,9 @@ def test_api_headings_show_the_real_signatures(name):
 
 
 def _table_after(anchor: str) -> list[list[str]]:
-    text = README[README.index(anchor) :]
-    table = text[text.index("\n|") + 1 :]
+    at = README.index(anchor)
+    line_start = README.rfind("\n", 0, at) + 1
+    table = README[line_start:] if README[line_start] == "|" else README[README.index("\n|", at) + 1 :]
     rows = []
     for line in table.splitlines():
         if not line.startswith("|"):
@@ -286,3 +287,17 @@ def test_demo_names_every_family():
     for family in FAMILIES:
         assert f"`{family}`" in commands, family
     assert f"the {['one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight'][len(FAMILIES) - 1]} tiny model families" in README
+
+
+def test_adapter_method_table_matches_vlm_adapter():
+    rows = _table_after("| method | what |")
+    assert len(rows) >= 13
+    for cells in rows:
+        match = re.fullmatch(r"`(\w+)\((.*?)\)(?: -> [^`]+)?`(?: \*abstract\*)?", cells[0])
+        assert match, cells[0]
+        name, params = match.groups()
+        params = re.sub(r"\[[^\]]*\]", "", params)  # shapes such as [B, S]
+        shown = [p.strip().split("=")[0] for p in params.split(",") if p.strip()]
+        real = _signature_text(getattr(VlmAdapter, name)).split(", ")
+        assert shown == [p.split("=")[0] for p in real if p != "self"], name
+        assert ("*abstract*" in cells[0]) == (name in VlmAdapter.__abstractmethods__), name
