@@ -151,8 +151,8 @@ def test_command_lines_parse():
         if "examples/train.py" in argv:
             train.parse_args(argv[argv.index("examples/train.py") + 1 :])
             parsed["train"] += 1
-        elif argv[0] == "ppmedia" or argv[-2:] == ["-m", "ppmedia"] or "ppmedia" in argv and "-m" in argv:
-            rest = argv[1:] if argv[0] == "ppmedia" else argv[argv.index("ppmedia") + 1 :]
+        elif argv[0] == "ppmedia" or "-m" in argv and argv[argv.index("-m") + 1] == "ppmedia":
+            rest = argv[1:] if argv[0] == "ppmedia" else argv[argv.index("-m") + 2 :]
             build_parser().parse_args(rest)  # SystemExit(2) on a wrong flag
             parsed["ppmedia"] += 1
     assert parsed["train"] >= 2 and parsed["ppmedia"] >= 4, parsed
