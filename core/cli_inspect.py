@@ -346,17 +346,23 @@ def _table(staged: Any, masks: Any) -> str:
     return format_table(header, rows)
 
 
-def _report(path: pathlib.Path, batch: dict[str, Any], n: int, model: _Model) -> list[str]:
-    import torch
-
-    import ppmedia
-
+def check_microbatches(path: pathlib.Path, batch: dict[str, Any], model: _Model, n: int) -> int:
+    """The batch's samples, after refusing ``--microbatches`` larger than that (:class:`UsageError`)."""
     samples = _batch_size(path, batch, model)
     if n > max(samples, 1):
         raise UsageError(
             f"argument --microbatches: got {n} for a batch of {samples} samples in {path}; expected 1..{max(samples, 1)} "
             f"(the schedule's split gives at most one microbatch per sample)"
         )
+    return samples
+
+
+def _report(path: pathlib.Path, batch: dict[str, Any], n: int, model: _Model) -> list[str]:
+    import torch
+
+    import ppmedia
+
+    samples = check_microbatches(path, batch, model, n)
     shapes = {k: (list(v.shape), str(v.dtype).replace("torch.", "")) for k, v in batch.items() if isinstance(v, torch.Tensor)}
     counts, masks, counted = _placeholders(path, batch, model)
     try:

@@ -1,6 +1,6 @@
 """``ppmedia demo``: the main job on the built-in tiny seeded models.
 
-For each family: the tiny model and its 8-sample mixed batch (``ppmedia.tiny``, the models behind
+For each family: the tiny model and its 8-sample mixed batch (``ppmedia.testing.tiny_models``, the models behind
 ``fixtures/``), a real ``pp x dp`` process layout (default 2 x 1; gloo on 127.0.0.1, or the
 ``torchrun`` launcher's processes) running the chosen schedule (any torch ships) with shapes inferred
 on the first step and with static shapes, and the single-process full-batch run of the same model as

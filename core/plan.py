@@ -70,11 +70,12 @@ def _calibration(path: pathlib.Path) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """``ppmedia plan``: load the batch (as ``inspect`` does), print loads and predicted step times."""
-    from .cli_inspect import load_inputs
+    from .cli_inspect import check_microbatches, load_inputs
     from .simulate import Calibration, predict
     from .tables import format_table
 
     path, batch, model = load_inputs(args)
+    check_microbatches(path, batch, model, args.microbatches)
     adapter, config = model.adapter, model.config
     plan = plan_batch(batch, args.microbatches, adapter, config)
     n, unit = args.microbatches, plan["unit"]

@@ -89,3 +89,23 @@ def test_plan_command_prints_loads_and_both_predictions(capsys, tmp_path):
     assert "calibrated for 2 stages" in capsys.readouterr().err
     assert main(["plan", str(tmp_path / "missing.pt"), "--microbatches", "4", "--stages", "2"]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_plan_command_refuses_bad_arguments_like_inspect(capsys, tmp_path):
+    import pathlib
+
+    from ppmedia.cli import main
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "fixtures/qwen2_5_vl/inputs.safetensors"
+    assert main(["plan", str(path), "--microbatches", "9", "--stages", "2"]) == 2  # 8 samples
+    assert capsys.readouterr().err == (
+        f"ppmedia: error: argument --microbatches: got 9 for a batch of 8 samples in {path}; expected 1..8 (the "
+        "schedule's split gives at most one microbatch per sample) (see 'ppmedia plan --help')\n"
+    )
+    assert main(["plan", str(path), "--microbatches", "4", "--stages", "0"]) == 2
+    assert capsys.readouterr().err.startswith("ppmedia: error: argument --stages: got 0; expected an integer >= 1")
+    bad = tmp_path / "cal.json"
+    bad.write_text("[1, 2]")
+    assert main(["plan", str(path), "--microbatches", "4", "--stages", "2", "--calibration", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ppmedia: error: argument --calibration: {bad}: not a calibration JSON object") and err.count("\n") == 1

@@ -2,7 +2,7 @@
 
 :func:`run_parity` spawns ``world_size`` (default 2) worker processes talking gloo on 127.0.0.1 (or,
 launched under ``torchrun``, runs the worker in the current process with environment rendezvous).
-Each worker builds the same tiny seeded model (``ppmedia.tiny``), its own pipeline stages
+Each worker builds the same tiny seeded model (``ppmedia.testing.tiny_models``), its own pipeline stages
 (:mod:`ppmedia.pipeline`) and runs every requested :class:`Scenario` for ``steps`` training steps::
 
     local = shard_batch(batch, dp_rank, dp, ...)            # dp > 1: this replica's samples and media
@@ -1175,7 +1175,7 @@ def run_parity(
     rendezvous, the launcher's world size; every rank returns the merged report.
 
     Args:
-        families: one family name or several (``ppmedia.tiny.FAMILIES``).
+        families: one family name or several (``ppmedia.testing.tiny_models.FAMILIES``).
         scenarios: :class:`Scenario` objects or strings such as ``"1f1b/static"``.
         steps: training steps per scenario; an SGD step (``lr``) follows each, on both sides.
         n_microbatches: microbatches per step (the tiny batches have 8 samples).
@@ -1243,7 +1243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
     parser.add_argument(
         "--scenario", action="append",
-        help="schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        help="schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
         "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
     )
     parser.add_argument("--steps", type=int, default=2)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 __all__ = ["FAMILIES", "PROTOCOL", "capture_merged_embeds", "family_name", "load", "seeded"]
 
-#: family name -> module name under ``ppmedia.tiny``.
+#: family name -> module name under ``ppmedia.testing.tiny_models``.
 FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3")
 
 
