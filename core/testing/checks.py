@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import tiny_models
+from .tiny_models import capture_reference
 
 if TYPE_CHECKING:
     from ..adapters.base import VlmAdapter
@@ -77,28 +78,6 @@ def _worst(diff: Tensor, rows: Tensor, masks: Mapping[str, Tensor]) -> str:
     what = f"a {'/'.join(kinds)} placeholder" if kinds else "a text token"
     bad = int((per_token > 0).sum())
     return f"worst at sample {int(rows[i])}, token {t} ({what}); {bad} of {per_token.numel()} tokens differ"
-
-
-def capture_reference(model: torch.nn.Module, **inputs: Any) -> tuple[Tensor, Tensor | None]:
-    """Run ``model(**inputs)``; return what its language model got: ``inputs_embeds`` ``[B, S, hidden]``
-    (merged by the model itself) and ``position_ids`` (e.g. Qwen's mrope ``[3, B, S]``; ``None`` when
-    the model leaves positions to the language model)."""
-    captured: list[dict[str, Any]] = []
-
-    def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        captured.append({k: kwargs.get(k) for k in ("inputs_embeds", "position_ids")})
-
-    language_model: Any = getattr(model, "model").language_model
-    handle = language_model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        handle.remove()
-    if len(captured) != 1:
-        raise RuntimeError(f"expected one language-model call, saw {len(captured)}")
-    embeds, positions = captured[0]["inputs_embeds"], captured[0]["position_ids"]
-    return embeds.detach().clone(), None if positions is None else positions.detach().clone()
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "PROTOCOL", "capture_merged_embeds", "family_name", "load", "seeded"]
+__all__ = ["FAMILIES", "PROTOCOL", "capture_merged_embeds", "capture_reference", "family_name", "load", "seeded"]
 
 #: family name -> module name under ``ppmedia.testing.tiny_models``.
 FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3")
@@ -88,12 +88,20 @@ def capture_merged_embeds(model: torch.nn.Module, **inputs: Any) -> Tensor:
     The tensor is captured by a forward pre-hook on ``model.model.language_model``, i.e. after the
     model merged the image features itself: the reference for golden tests, independent of ppmedia.
     """
-    captured: list[Tensor] = []
+    return capture_reference(model, **inputs)[0]
+
+
+def capture_reference(model: torch.nn.Module, **inputs: Any) -> tuple[Tensor, Tensor | None]:
+    """Run ``model(**inputs)``; return what its language model got: ``inputs_embeds`` ``[B, S, hidden]``
+    (merged by the model itself) and ``position_ids`` (e.g. Qwen's mrope ``[3, B, S]``; ``None`` when
+    the model leaves positions to the language model)."""
+    captured: list[dict[str, Any]] = []
 
     def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        captured.append(kwargs["inputs_embeds"].detach().clone())
+        captured.append({k: kwargs.get(k) for k in ("inputs_embeds", "position_ids")})
 
-    handle = model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)  # type: ignore[union-attr]
+    language_model: Any = getattr(model, "model").language_model
+    handle = language_model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
             model(**inputs)
@@ -101,4 +109,5 @@ def capture_merged_embeds(model: torch.nn.Module, **inputs: Any) -> Tensor:
         handle.remove()
     if len(captured) != 1:
         raise RuntimeError(f"expected one language-model call, saw {len(captured)}")
-    return captured[0]
+    embeds, positions = captured[0]["inputs_embeds"], captured[0]["position_ids"]
+    return embeds.detach().clone(), None if positions is None else positions.detach().clone()
