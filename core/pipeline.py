@@ -986,7 +986,8 @@ def shard_batch(
         images_per_sample, videos_per_sample: as for :func:`ppmedia.split_media` (for the GLOBAL batch).
 
     Raises:
-        ValueError: ``dp_rank`` out of range; a non-media tensor whose dim 0 is not the batch size.
+        ValueError: ``dp_rank`` out of range; anything :func:`ppmedia.split_media` refuses (e.g. a
+            non-media tensor whose dim 0 is not the batch size, named with its shape).
     """
     from .split import split_media
 
@@ -998,12 +999,7 @@ def shard_batch(
     a, b = staged.samples[dp_rank]
     out: dict[str, Any] = {}
     for key, value in rest.items():
-        if isinstance(value, Tensor) and value.dim() > 0:
-            if value.shape[0] != staged.batch_size:
-                raise ValueError(
-                    f"shard_batch: {key} has shape {list(value.shape)}; expected [{staged.batch_size}, ...] "
-                    f"(one row per sample) to shard it over {dp_size} replicas"
-                )
+        if isinstance(value, Tensor) and value.dim() > 0:  # split_media refused any other dim 0 than B
             value = value[a:b]
         out[key] = value
     for key, value in counts.items():
