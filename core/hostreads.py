@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["HostReadCounter", "HostReader"]
 
 _EMPTY: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+_INT64 = torch.int64
 
 _READS = {
     torch.Tensor.item: "item",
@@ -70,30 +71,37 @@ class HostReader:
     """
 
     def __init__(self) -> None:
-        self._parts: list[Tensor] = []
-        self._sizes: list[int] = []
+        self._parts: list[Tensor] = []  # each flattened to 1-D: its length is its size
         self.values: list[npt.NDArray[np.int64]] = []
 
     def add(self, t: Tensor) -> int:
-        self._parts.append(t if t.dim() == 1 else t.reshape(-1))
-        self._sizes.append(t.numel())
-        return len(self._parts) - 1
+        parts = self._parts
+        parts.append(t if t.dim() == 1 else t.reshape(-1))
+        return len(parts) - 1
 
     def read(self) -> None:
-        parts = [p if p.dtype == torch.int64 else p.to(torch.int64) for p in self._parts]
+        parts = [p if p.dtype is _INT64 else p.to(_INT64) for p in self._parts]
+        if len(parts) == 1:  # one tensor: read it as it is
+            self.values = [parts[0].cpu().numpy()]  # the host read
+            return
         self.values = [_EMPTY] * len(parts)
         if not parts:
             return
         try:  # the usual case: everything on one device, one read
-            groups = [(list(range(len(parts))), torch.cat(parts) if len(parts) > 1 else parts[0])]
+            joined = torch.cat(parts)
         except RuntimeError:  # metadata on several devices: one read per device
             by_device: dict[torch.device, list[int]] = {}
             for i, part in enumerate(parts):
                 by_device.setdefault(part.device, []).append(i)
-            groups = [(indices, torch.cat([parts[i] for i in indices])) for indices in by_device.values()]
-        for indices, joined in groups:
-            flat: npt.NDArray[np.int64] = joined.cpu().numpy()  # the host read
-            offset = 0
-            for i in indices:
-                self.values[i] = flat[offset : offset + self._sizes[i]]
-                offset += self._sizes[i]
+            for indices in by_device.values():
+                self._spread(indices, torch.cat([parts[i] for i in indices]).cpu().numpy(), parts)
+            return
+        self._spread(range(len(parts)), joined.cpu().numpy(), parts)  # the host read
+
+    def _spread(self, indices: Sequence[int], flat: npt.NDArray[np.int64], parts: list[Tensor]) -> None:
+        """Hand out ``flat``, the parts ``indices`` read together, as one view per part."""
+        values, offset = self.values, 0
+        for i in indices:
+            stop = offset + parts[i].shape[0]
+            values[i] = flat[offset:stop]
+            offset = stop

@@ -77,10 +77,11 @@ class Context:
 
     __slots__ = ("batch_size", "bounds", "at", "reader")
 
-    def __init__(self, batch_size: int, bounds: list[int]) -> None:
+    def __init__(self, batch_size: int, bounds: Sequence[int], at: Ints | None = None) -> None:
         self.batch_size = batch_size
         self.bounds = bounds  # microbatch_bounds(B, n): n + 1 sample offsets
-        self.at: Ints = np.asarray(bounds, dtype=np.int64)  # the same, as an index array
+        # the same, as an index array (``at``: one made already, e.g. a cached read-only one)
+        self.at: Ints = np.asarray(bounds, dtype=np.int64) if at is None else at
         self.reader = HostReader()
 
     def where(self, sample: int) -> str:

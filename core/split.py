@@ -8,12 +8,14 @@ samples, as views of the batch's tensors.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator, MutableMapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,6 +71,16 @@ def microbatch_bounds(batch_size: int, n_microbatches: int) -> list[int]:
     q, r = divmod(batch_size, n_microbatches)
     sizes = [q + 1] * r + [q] * (n_microbatches - r)
     return [0, *itertools.accumulate(sizes)]
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_bounds(batch_size: int, n_microbatches: int) -> tuple[tuple[int, ...], Any]:
+    """:func:`microbatch_bounds` as a tuple and as a read-only int64 array, cached: a training loop
+    splits batches of the same ``(B, n)`` every step."""
+    bounds = tuple(microbatch_bounds(batch_size, n_microbatches))
+    at = np.asarray(bounds, dtype=np.int64)
+    at.flags.writeable = False
+    return bounds, at
 
 
 @dataclass
@@ -251,7 +263,7 @@ def split_media(
                               videos_per_sample=videos_per_sample, batch_size=batch_size)
     media = _media_of(batch)
     B = _batch_size(batch, media, batch_size)
-    ctx = Context(B, microbatch_bounds(B, _microbatches(n_microbatches, B)))
+    ctx = Context(B, *_cached_bounds(B, _microbatches(n_microbatches, B)))
     _check_left_over(batch, B)
     images = plan_images(ctx, media, images_per_sample)
     videos = plan_videos(ctx, media, videos_per_sample)
