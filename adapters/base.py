@@ -136,13 +136,20 @@ def config_get(obj: Any, name: str) -> Any:
 
     transformers' configs route every attribute read through two Python ``__getattribute__``
     overrides (aliases, per-layer checks; about 2 us a read); merge reads a few config fields per
-    microbatch. A plain field set on the instance is found in its ``__dict__`` with the same value;
-    anything else (aliases of ``attribute_map``, properties, class attributes) takes ``getattr``.
+    microbatch. A plain field set on the instance is found in its ``__dict__`` with the same value,
+    and so is an alias of the class's ``attribute_map`` (``image_token_id`` -> ``image_token_index``),
+    which those overrides resolve the same way; anything else (properties, class attributes) takes
+    ``getattr``.
     """
     try:
-        found = object.__getattribute__(obj, "__dict__").get(name, _MISSING)
+        state = object.__getattribute__(obj, "__dict__")
     except AttributeError:  # no instance __dict__ (slots)
-        found = _MISSING
+        return getattr(obj, name, None)
+    found = state.get(name, _MISSING)
+    if found is _MISSING:
+        aliases = getattr(type(obj), "attribute_map", None)
+        if type(aliases) is dict and name in aliases:
+            found = state.get(aliases[name], _MISSING)
     return getattr(obj, name, None) if found is _MISSING else found
 
 
@@ -152,11 +159,14 @@ def config_value(config: Any, *names: str) -> Any:
     Raises ``AttributeError`` naming every name tried when none is set.
     """
     for name in names:
-        value: Any = config
-        for part in name.split("."):
-            value = config_get(value, part)
-            if value is None:
-                break
+        if "." not in name:
+            value: Any = config_get(config, name)
+        else:
+            value = config
+            for part in name.split("."):
+                value = config_get(value, part)
+                if value is None:
+                    break
         if value is not None:
             return value
     raise AttributeError(f"{type(config).__name__} has none of {', '.join(names)}")
