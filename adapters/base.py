@@ -111,21 +111,21 @@ def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Host
         TypeError: a tensor of ``inputs`` is not of an integer dtype (named in the message).
     """
     reader = HostReader()
+    add = reader.add
     for mask in masks.values():
-        reader.add(mask.sum(dim=-1))
+        add(mask.sum(dim=-1))
     for name, tensor in inputs.items():
-        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-            raise TypeError(f"{name}: dtype {tensor.dtype}, shape {list(tensor.shape)}; expected an integer dtype")
-        reader.add(tensor)
-    reader.read()
-    arrays: list[Any] = reader.values  # one flat int64 numpy array per add(), in order
+        dtype = tensor.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{name}: dtype {dtype}, shape {list(tensor.shape)}; expected an integer dtype")
+        add(tensor)
+    lists = reader.read_lists()  # one flat list of ints per add(), in order
     placeholders: dict[str, list[int]] = {}
     totals: dict[str, int] = {}
-    for name, array in zip(masks, arrays):
-        placeholders[name] = per_sample = array.tolist()
+    for name, per_sample in zip(masks, lists):
+        placeholders[name] = per_sample
         totals[name] = sum(per_sample)
-    values = {name: array.tolist() for name, array in zip(inputs, arrays[len(masks) :])}
-    return HostValues(placeholders, totals, values)
+    return HostValues(placeholders, totals, dict(zip(inputs, lists[len(masks) :])))
 
 
 _MISSING = object()

@@ -80,27 +80,42 @@ class HostReader:
         return len(parts) - 1
 
     def read(self) -> None:
+        """Read every tensor added: ``values[handle]`` is then its data as a flat int64 numpy array."""
+        self.values = [_EMPTY] * len(self._parts)
+        for indices, joined in self._joined():
+            self._spread(indices, joined.cpu().numpy())  # the host read
+
+    def read_lists(self) -> list[list[int]]:
+        """Like :meth:`read`, but returns the values as Python lists of ints (``result[handle]``),
+        with one ``tolist()`` per device instead of a numpy array per tensor; ``values`` is left alone."""
+        out: list[list[int]] = [[] for _ in self._parts]
+        parts = self._parts
+        for indices, joined in self._joined():
+            whole = joined.tolist()  # the host read
+            offset = 0
+            for i in indices:
+                stop = offset + parts[i].shape[0]
+                out[i] = whole[offset:stop]
+                offset = stop
+        return out
+
+    def _joined(self) -> list[tuple[Sequence[int], Tensor]]:
+        """The parts as int64, joined per device: ``(their handles, one 1-D tensor)``; one group when
+        everything is on one device (the usual case)."""
         parts = [p if p.dtype is _INT64 else p.to(_INT64) for p in self._parts]
-        if len(parts) == 1:  # one tensor: read it as it is
-            self.values = [parts[0].cpu().numpy()]  # the host read
-            return
-        self.values = [_EMPTY] * len(parts)
-        if not parts:
-            return
-        try:  # the usual case: everything on one device, one read
-            joined = torch.cat(parts)
+        if len(parts) <= 1:
+            return [((0,), parts[0])] if parts else []
+        try:
+            return [(range(len(parts)), torch.cat(parts))]
         except RuntimeError:  # metadata on several devices: one read per device
             by_device: dict[torch.device, list[int]] = {}
             for i, part in enumerate(parts):
                 by_device.setdefault(part.device, []).append(i)
-            for indices in by_device.values():
-                self._spread(indices, torch.cat([parts[i] for i in indices]).cpu().numpy(), parts)
-            return
-        self._spread(range(len(parts)), joined.cpu().numpy(), parts)  # the host read
+            return [(indices, torch.cat([parts[i] for i in indices])) for indices in by_device.values()]
 
-    def _spread(self, indices: Sequence[int], flat: npt.NDArray[np.int64], parts: list[Tensor]) -> None:
+    def _spread(self, indices: Sequence[int], flat: npt.NDArray[np.int64]) -> None:
         """Hand out ``flat``, the parts ``indices`` read together, as one view per part."""
-        values, offset = self.values, 0
+        values, parts, offset = self.values, self._parts, 0
         for i in indices:
             stop = offset + parts[i].shape[0]
             values[i] = flat[offset:stop]
