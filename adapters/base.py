@@ -147,10 +147,31 @@ def config_get(obj: Any, name: str) -> Any:
         return getattr(obj, name, None)
     found = state.get(name, _MISSING)
     if found is _MISSING:
-        aliases = getattr(type(obj), "attribute_map", None)
+        cls = type(obj)
+        aliases = getattr(cls, "attribute_map", None)
         if type(aliases) is dict and name in aliases:
             found = state.get(aliases[name], _MISSING)
+        elif not hasattr(cls, name) and _plain_misses(cls):  # not set anywhere: getattr would give None
+            return None
     return getattr(obj, name, None) if found is _MISSING else found
+
+
+_PLAIN_MISSES: dict[type, bool] = {}
+
+
+def _plain_misses(cls: type) -> bool:
+    """Whether a name found neither in an instance's ``__dict__`` nor on ``cls`` is missing for
+    ``getattr`` too: no ``__getattr__``, and either no ``__getattribute__`` override or transformers'
+    config overrides (which only resolve ``attribute_map`` aliases and guard per-layer fields)."""
+    plain = _PLAIN_MISSES.get(cls)
+    if plain is None:
+        plain = not hasattr(cls, "__getattr__") and (
+            cls.__getattribute__ is object.__getattribute__ or type(getattr(cls, "attribute_map", None)) is dict
+        )
+        if len(_PLAIN_MISSES) > 1024:  # classes made on the fly: keep the cache bounded
+            _PLAIN_MISSES.clear()
+        _PLAIN_MISSES[cls] = plain
+    return plain
 
 
 def config_value(config: Any, *names: str) -> Any:
