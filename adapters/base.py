@@ -157,6 +157,7 @@ def config_get(obj: Any, name: str) -> Any:
 
 
 _PLAIN_MISSES: dict[type, bool] = {}
+_OBJECT_GETATTRIBUTE: Any = object.__getattribute__
 
 
 def _plain_misses(cls: type) -> bool:
@@ -166,7 +167,8 @@ def _plain_misses(cls: type) -> bool:
     plain = _PLAIN_MISSES.get(cls)
     if plain is None:
         plain = not hasattr(cls, "__getattr__") and (
-            cls.__getattribute__ is object.__getattribute__ or type(getattr(cls, "attribute_map", None)) is dict
+            getattr(cls, "__getattribute__") is _OBJECT_GETATTRIBUTE
+            or type(getattr(cls, "attribute_map", None)) is dict
         )
         if len(_PLAIN_MISSES) > 1024:  # classes made on the fly: keep the cache bounded
             _PLAIN_MISSES.clear()
