@@ -88,8 +88,11 @@ class HostReader:
     def read_lists(self) -> list[list[int]]:
         """Like :meth:`read`, but returns the values as Python lists of ints (``result[handle]``),
         with one ``tolist()`` per device instead of a numpy array per tensor; ``values`` is left alone."""
-        out: list[list[int]] = [[] for _ in self._parts]
         parts = self._parts
+        if len(parts) == 1:  # one tensor (a single placeholder mask's sums): read it as it is
+            only = parts[0]
+            return [(only if only.dtype is _INT64 else only.to(_INT64)).tolist()]  # the host read
+        out: list[list[int]] = [[] for _ in parts]
         for indices, joined in self._joined():
             whole = joined.tolist()  # the host read
             offset = 0
