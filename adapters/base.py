@@ -111,21 +111,21 @@ def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Host
         TypeError: a tensor of ``inputs`` is not of an integer dtype (named in the message).
     """
     reader = HostReader()
+    add = reader.add
     for mask in masks.values():
-        reader.add(mask.sum(dim=-1))
+        add(mask.sum(dim=-1))
     for name, tensor in inputs.items():
-        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-            raise TypeError(f"{name}: dtype {tensor.dtype}, shape {list(tensor.shape)}; expected an integer dtype")
-        reader.add(tensor)
-    reader.read()
-    arrays: list[Any] = reader.values  # one flat int64 numpy array per add(), in order
+        dtype = tensor.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{name}: dtype {dtype}, shape {list(tensor.shape)}; expected an integer dtype")
+        add(tensor)
+    lists = reader.read_lists()  # one flat list of ints per add(), in order
     placeholders: dict[str, list[int]] = {}
     totals: dict[str, int] = {}
-    for name, array in zip(masks, arrays):
-        placeholders[name] = per_sample = array.tolist()
+    for name, per_sample in zip(masks, lists):
+        placeholders[name] = per_sample
         totals[name] = sum(per_sample)
-    values = {name: array.tolist() for name, array in zip(inputs, arrays[len(masks) :])}
-    return HostValues(placeholders, totals, values)
+    return HostValues(placeholders, totals, dict(zip(inputs, lists[len(masks) :])))
 
 
 _MISSING = object()
@@ -136,14 +136,44 @@ def config_get(obj: Any, name: str) -> Any:
 
     transformers' configs route every attribute read through two Python ``__getattribute__``
     overrides (aliases, per-layer checks; about 2 us a read); merge reads a few config fields per
-    microbatch. A plain field set on the instance is found in its ``__dict__`` with the same value;
-    anything else (aliases of ``attribute_map``, properties, class attributes) takes ``getattr``.
+    microbatch. A plain field set on the instance is found in its ``__dict__`` with the same value,
+    and so is an alias of the class's ``attribute_map`` (``image_token_id`` -> ``image_token_index``),
+    which those overrides resolve the same way; anything else (properties, class attributes) takes
+    ``getattr``.
     """
     try:
-        found = object.__getattribute__(obj, "__dict__").get(name, _MISSING)
+        state = object.__getattribute__(obj, "__dict__")
     except AttributeError:  # no instance __dict__ (slots)
-        found = _MISSING
+        return getattr(obj, name, None)
+    found = state.get(name, _MISSING)
+    if found is _MISSING:
+        cls = type(obj)
+        aliases = getattr(cls, "attribute_map", None)
+        if type(aliases) is dict and name in aliases:
+            found = state.get(aliases[name], _MISSING)
+        elif not hasattr(cls, name) and _plain_misses(cls):  # not set anywhere: getattr would give None
+            return None
     return getattr(obj, name, None) if found is _MISSING else found
+
+
+_PLAIN_MISSES: dict[type, bool] = {}
+_OBJECT_GETATTRIBUTE: Any = object.__getattribute__
+
+
+def _plain_misses(cls: type) -> bool:
+    """Whether a name found neither in an instance's ``__dict__`` nor on ``cls`` is missing for
+    ``getattr`` too: no ``__getattr__``, and either no ``__getattribute__`` override or transformers'
+    config overrides (which only resolve ``attribute_map`` aliases and guard per-layer fields)."""
+    plain = _PLAIN_MISSES.get(cls)
+    if plain is None:
+        plain = not hasattr(cls, "__getattr__") and (
+            getattr(cls, "__getattribute__") is _OBJECT_GETATTRIBUTE
+            or type(getattr(cls, "attribute_map", None)) is dict
+        )
+        if len(_PLAIN_MISSES) > 1024:  # classes made on the fly: keep the cache bounded
+            _PLAIN_MISSES.clear()
+        _PLAIN_MISSES[cls] = plain
+    return plain
 
 
 def config_value(config: Any, *names: str) -> Any:
@@ -152,11 +182,14 @@ def config_value(config: Any, *names: str) -> Any:
     Raises ``AttributeError`` naming every name tried when none is set.
     """
     for name in names:
-        value: Any = config
-        for part in name.split("."):
-            value = config_get(value, part)
-            if value is None:
-                break
+        if "." not in name:
+            value: Any = config_get(config, name)
+        else:
+            value = config
+            for part in name.split("."):
+                value = config_get(value, part)
+                if value is None:
+                    break
         if value is not None:
             return value
     raise AttributeError(f"{type(config).__name__} has none of {', '.join(names)}")

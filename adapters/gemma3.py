@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 from ._helpers import as_tower_dtype, refuse_videos, shape
-from .base import HostValues, VlmAdapter, WireTensor, config_value, inner_model
+from .base import HostValues, VlmAdapter, WireTensor, config_get, config_value, inner_model
 
 __all__ = ["Gemma3Adapter"]
 
@@ -106,7 +106,9 @@ class Gemma3Adapter(VlmAdapter):
         if pixels is None:
             return {"image": 0}
         size = int(config_value(config, "vision_config.image_size"))
-        channels = int(getattr(config.vision_config, "num_channels", 3))
+        vision = config_get(config, "vision_config")
+        found = config_get(vision, "num_channels")
+        channels = int(found) if found is not None else int(getattr(vision, "num_channels", 3))
         if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, size, size):
             raise ValueError(
                 f"gemma3 pixel_values: shape {tuple(pixels.shape)}; expected [rows, {channels}, {size}, {size}] "

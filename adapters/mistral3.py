@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 from ._helpers import as_tower_dtype, refuse_videos, shape
-from .base import HostValues, VlmAdapter, config_value, inner_model
+from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = ["Mistral3Adapter", "image_tokens"]
 
@@ -94,8 +94,8 @@ class Mistral3Adapter(VlmAdapter):
     def special_token_ids(self, config: Any) -> tuple[int, int, int]:
         """``([IMG], [IMG_BREAK], [IMG_END])`` ids: the config's where it has them, else this adapter's."""
         image = int(config_value(config, "image_token_id", "image_token_index"))
-        brk = getattr(config, "image_break_token_id", None)
-        end = getattr(config, "image_end_token_id", None)
+        brk = config_get(config, "image_break_token_id")
+        end = config_get(config, "image_end_token_id")
         return (
             image,
             self.image_break_token_id if brk is None else int(brk),

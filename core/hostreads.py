@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["HostReadCounter", "HostReader"]
 
 _EMPTY: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+_INT64 = torch.int64
 
 _READS = {
     torch.Tensor.item: "item",
@@ -70,30 +71,55 @@ class HostReader:
     """
 
     def __init__(self) -> None:
-        self._parts: list[Tensor] = []
-        self._sizes: list[int] = []
+        self._parts: list[Tensor] = []  # each flattened to 1-D: its length is its size
         self.values: list[npt.NDArray[np.int64]] = []
 
     def add(self, t: Tensor) -> int:
-        self._parts.append(t if t.dim() == 1 else t.reshape(-1))
-        self._sizes.append(t.numel())
-        return len(self._parts) - 1
+        parts = self._parts
+        parts.append(t if t.dim() == 1 else t.reshape(-1))
+        return len(parts) - 1
 
     def read(self) -> None:
-        parts = [p if p.dtype == torch.int64 else p.to(torch.int64) for p in self._parts]
-        self.values = [_EMPTY] * len(parts)
-        if not parts:
-            return
-        try:  # the usual case: everything on one device, one read
-            groups = [(list(range(len(parts))), torch.cat(parts) if len(parts) > 1 else parts[0])]
+        """Read every tensor added: ``values[handle]`` is then its data as a flat int64 numpy array."""
+        self.values = [_EMPTY] * len(self._parts)
+        for indices, joined in self._joined():
+            self._spread(indices, joined.cpu().numpy())  # the host read
+
+    def read_lists(self) -> list[list[int]]:
+        """Like :meth:`read`, but returns the values as Python lists of ints (``result[handle]``),
+        with one ``tolist()`` per device instead of a numpy array per tensor; ``values`` is left alone."""
+        parts = self._parts
+        if len(parts) == 1:  # one tensor (a single placeholder mask's sums): read it as it is
+            only = parts[0]
+            return [(only if only.dtype is _INT64 else only.to(_INT64)).tolist()]  # the host read
+        out: list[list[int]] = [[] for _ in parts]
+        for indices, joined in self._joined():
+            whole = joined.tolist()  # the host read
+            offset = 0
+            for i in indices:
+                stop = offset + parts[i].shape[0]
+                out[i] = whole[offset:stop]
+                offset = stop
+        return out
+
+    def _joined(self) -> list[tuple[Sequence[int], Tensor]]:
+        """The parts as int64, joined per device: ``(their handles, one 1-D tensor)``; one group when
+        everything is on one device (the usual case)."""
+        parts = [p if p.dtype is _INT64 else p.to(_INT64) for p in self._parts]
+        if len(parts) <= 1:
+            return [((0,), parts[0])] if parts else []
+        try:
+            return [(range(len(parts)), torch.cat(parts))]
         except RuntimeError:  # metadata on several devices: one read per device
             by_device: dict[torch.device, list[int]] = {}
             for i, part in enumerate(parts):
                 by_device.setdefault(part.device, []).append(i)
-            groups = [(indices, torch.cat([parts[i] for i in indices])) for indices in by_device.values()]
-        for indices, joined in groups:
-            flat: npt.NDArray[np.int64] = joined.cpu().numpy()  # the host read
-            offset = 0
-            for i in indices:
-                self.values[i] = flat[offset : offset + self._sizes[i]]
-                offset += self._sizes[i]
+            return [(indices, torch.cat([parts[i] for i in indices])) for indices in by_device.values()]
+
+    def _spread(self, indices: Sequence[int], flat: npt.NDArray[np.int64]) -> None:
+        """Hand out ``flat``, the parts ``indices`` read together, as one view per part."""
+        values, parts, offset = self.values, self._parts, 0
+        for i in indices:
+            stop = offset + parts[i].shape[0]
+            values[i] = flat[offset:stop]
+            offset = stop

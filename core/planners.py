@@ -77,10 +77,11 @@ class Context:
 
     __slots__ = ("batch_size", "bounds", "at", "reader")
 
-    def __init__(self, batch_size: int, bounds: list[int]) -> None:
+    def __init__(self, batch_size: int, bounds: Sequence[int], at: Ints | None = None) -> None:
         self.batch_size = batch_size
         self.bounds = bounds  # microbatch_bounds(B, n): n + 1 sample offsets
-        self.at: Ints = np.asarray(bounds, dtype=np.int64)  # the same, as an index array
+        # the same, as an index array (``at``: one made already, e.g. a cached read-only one)
+        self.at: Ints = np.asarray(bounds, dtype=np.int64) if at is None else at
         self.reader = HostReader()
 
     def where(self, sample: int) -> str:
@@ -203,13 +204,24 @@ def exact_products(key: str, table: Ints, limit: int, locate: Callable[[int], st
         raise ValueError(f"{key}: row {i} ({locate(i)}) is {table[i].tolist()}; expected positive entries")
     biggest = int(_max.reduce(table, axis=None))
     if biggest ** table.shape[1] <= _INT64_MAX // table.shape[0]:  # no product and no sum can wrap
-        at = offsets(_multiply.reduce(table, axis=1))
+        at = offsets(_row_products(table))
         return at, int(at[-1])
     exact = [math.prod(row) for row in table.tolist()]
     if max(exact) > limit:
         return None
     total = sum(exact)
     return (offsets(np.asarray(exact, dtype=np.int64)) if total <= _INT64_MAX else np.zeros(0, dtype=np.int64)), total
+
+
+def _row_products(table: Ints) -> Ints:
+    """Each row's product (the caller checked that none wraps); column by column for the usual 2 or 3
+    columns, which is about twice as fast as a reduction along rows on arrays this small."""
+    columns = table.shape[1]
+    if columns == 3:
+        return table[:, 0] * table[:, 1] * table[:, 2]
+    if columns == 2:
+        return table[:, 0] * table[:, 1]
+    return _multiply.reduce(table, axis=1)
 
 
 def first_oversized(table: Ints, limit: int) -> int | None:
@@ -265,7 +277,8 @@ def pending_counts(ctx: Context, media: Media, batch_key: str, arg_name: str, ar
     key, value = (batch_key, in_batch) if in_batch is not None else (arg_name, argument)
     if isinstance(value, Tensor):
         require_readable(key, require_tensor(key, value))
-        require_shape(key, value, (ctx.batch_size,), f"[{ctx.batch_size}] (one count per sample)")
+        if value.dim() != 1 or value.shape[0] != ctx.batch_size:  # the message is built only on an error
+            require_shape(key, value, (ctx.batch_size,), f"[{ctx.batch_size}] (one count per sample)")
         return Counts(key, in_batch is None, slot=ctx.reader.add(value))
     if isinstance(value, np.ndarray) and value.ndim == 1:  # its items as Python scalars, checked one by one
         value = value.tolist()
@@ -331,7 +344,8 @@ def _tokens_hint(counts: Counts, what: str, fewer: bool) -> str:
 def _cut(at: Ints) -> tuple[tuple[Range, ...], tuple[int, ...]]:
     """``n + 1`` offsets -> the ``n`` ``(start, stop)`` ranges and their lengths."""
     values = at.tolist()
-    return tuple(zip(values, values[1:])), tuple(map(operator.sub, values[1:], values[:-1]))
+    stops = values[1:]
+    return tuple(zip(values, stops)), tuple(map(operator.sub, stops, values))
 
 
 def media_part(

@@ -8,12 +8,14 @@ samples, as views of the batch's tensors.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator, MutableMapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,6 +71,16 @@ def microbatch_bounds(batch_size: int, n_microbatches: int) -> list[int]:
     q, r = divmod(batch_size, n_microbatches)
     sizes = [q + 1] * r + [q] * (n_microbatches - r)
     return [0, *itertools.accumulate(sizes)]
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_bounds(batch_size: int, n_microbatches: int) -> tuple[tuple[int, ...], Any, tuple[Range, ...]]:
+    """:func:`microbatch_bounds` as a tuple, as a read-only int64 array, and as ``(first, stop)`` pairs,
+    cached: a training loop splits batches of the same ``(B, n)`` every step."""
+    bounds = tuple(microbatch_bounds(batch_size, n_microbatches))
+    at = np.asarray(bounds, dtype=np.int64)
+    at.flags.writeable = False
+    return bounds, at, tuple(zip(bounds, bounds[1:]))
 
 
 @dataclass
@@ -251,7 +263,8 @@ def split_media(
                               videos_per_sample=videos_per_sample, batch_size=batch_size)
     media = _media_of(batch)
     B = _batch_size(batch, media, batch_size)
-    ctx = Context(B, microbatch_bounds(B, _microbatches(n_microbatches, B)))
+    bounds, at, samples = _cached_bounds(B, _microbatches(n_microbatches, B))
+    ctx = Context(B, bounds, at)
     _check_left_over(batch, B)
     images = plan_images(ctx, media, images_per_sample)
     videos = plan_videos(ctx, media, videos_per_sample)
@@ -260,7 +273,7 @@ def split_media(
     image_part = images() if images is not None else None
     video_part = videos() if videos is not None else None
     crop_part = crops(image_part) if crops is not None else None
-    staged = _staged(ctx, image_part, video_part, crop_part)  # every view made here, before anything is popped
+    staged = _staged(ctx, samples, image_part, video_part, crop_part)  # every view made here, before anything is popped
     for key in [k for k in batch if k in _MEDIA_KEY_SET]:
         del batch[key]
     return staged
@@ -335,18 +348,32 @@ def _left_over_message(key: str, value: Tensor, B: int) -> str:
     )
 
 
-def _staged(ctx: Context, images: Part | None, videos: Part | None, crops: Part | None) -> StagedMedia:
+def _staged(ctx: Context, samples: tuple[Range, ...], images: Part | None, videos: Part | None,
+            crops: Part | None) -> StagedMedia:
     """The :class:`StagedMedia` of the planners' parts; makes every view."""
-    zero = (0,) * (len(ctx.bounds) - 1)
-    splits = [f for part in (images, videos, crops) if part is not None for f in part.fields]
+    zero = (0,) * len(samples)
+    chunks: dict[str, list[Tensor]] = {}
+    sources: dict[str, str] = {}
+    ranges: dict[str, tuple[Range, ...]] = {}
+    splits: list[FieldSplit] = []
+    for part in (images, videos, crops):
+        if part is not None:
+            for f in part.fields:
+                name = f.name
+                chunks[name] = _checked_views(f)
+                sources[name] = f.source
+                ranges[name] = f.ranges
+                splits.append(f)
+    if len(splits) > 1:
+        splits.sort(key=_field_order)
     return StagedMedia(
         n_microbatches=len(zero),
         batch_size=ctx.batch_size,
-        chunks={f.name: _checked_views(f) for f in splits},
-        tensors={f.name: f.tensor for f in sorted(splits, key=_field_order)},
-        sources={f.name: f.source for f in splits},
-        ranges={f.name: f.ranges for f in splits},
-        samples=tuple(zip(ctx.bounds, ctx.bounds[1:])),
+        chunks=chunks,
+        tensors={f.name: f.tensor for f in splits},
+        sources=sources,
+        ranges=ranges,
+        samples=samples,
         images=images.items if images is not None else zero,
         videos=videos.items if videos is not None else zero,
         image_rows=images.rows if images is not None else zero,

@@ -91,3 +91,27 @@ def test_reader_with_one_tensor_or_none():
     with HostReadCounter() as reads:
         reader.read()
     assert reads.total == 1 and reader.values[handle].tolist() == [5, 6]
+
+
+def test_read_lists_gives_python_ints_in_one_read():
+    parts = [
+        torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32),
+        torch.zeros(0, 3, dtype=torch.int64),
+        torch.tensor([-7], dtype=torch.int8),
+        torch.arange(10, 14).reshape(2, 2)[:, 1],  # a non-contiguous view
+    ]
+    reader = HostReader()
+    handles = [reader.add(p) for p in parts]
+    with HostReadCounter() as reads:
+        got = reader.read_lists()
+    assert reads.total == 1 and dict(reads.counts) == {"tolist": 1}
+    assert [got[h] for h in handles] == [[1, 2, 3, 4, 5, 6], [], [-7], [11, 13]]
+    assert all(type(v) is int for h in handles for v in got[h])
+    one = HostReader()
+    one.add(torch.tensor([[2**40, 3]], dtype=torch.int64))
+    with HostReadCounter() as reads:
+        assert one.read_lists() == [[2**40, 3]]
+    assert reads.total == 1
+    with HostReadCounter() as reads:
+        assert HostReader().read_lists() == []
+    assert reads.total == 0

@@ -274,6 +274,7 @@ def pixel_rows_off(case: Case, draw: Any) -> set[str] | None:
     extra = 1 if case.patch_rows or pixels.shape[0] == 0 else draw(st.sampled_from([1, -1]))
     rows = pixels.shape[0] + extra
     assume(not (case.patch_rows and rows == case.batch[case.grid].shape[0]))  # one row per item: valid
+    assume(rows > 0 or case.counts is not None or bool(case.kwargs))  # no images, nothing counting them: valid
     case.batch[case.pixels] = torch.randn(rows, *pixels.shape[1:])
     return {case.pixels, case.grid, case.unread, case.counts} - {None}  # type: ignore[return-value]
 
