@@ -8,13 +8,42 @@ splits the rows (:func:`split_media`), stages them on the first stage for one st
 chunk and merge the features into the text embeddings.
 """
 
-from .balance import balance_microbatches, restore_order
-from .chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES, VlmMediaChunk, next_vlm_media_chunk
-from .hostreads import HostReadCounter
-from .collate import PipelineBatch, collate_for_pipeline
-from .split import IMAGE_GRID_KEYS, MEDIA_KEYS, StagedMedia, microbatch_bounds, split_media
-from .stage import stage_media
-from .registry import get_adapter, hookimpl, list_adapters, register_adapter
+import typing as _typing
+
+from ._lazy import lazy_attributes as _lazy_attributes
+
+#: public name -> the module that defines it (imported on first use: ``import ppmedia`` imports no torch)
+_EXPORTS = {
+    "CURSOR_ATTRIBUTE": "chunk",
+    "HostReadCounter": "hostreads",
+    "IMAGE_GRID_KEYS": "split",
+    "MEDIA_KEYS": "split",
+    "PipelineBatch": "collate",
+    "STAGED_ATTRIBUTES": "chunk",
+    "StagedMedia": "split",
+    "VlmMediaChunk": "chunk",
+    "balance_microbatches": "balance",
+    "collate_for_pipeline": "collate",
+    "get_adapter": "registry",
+    "hookimpl": "registry",
+    "list_adapters": "registry",
+    "microbatch_bounds": "split",
+    "next_vlm_media_chunk": "chunk",
+    "register_adapter": "registry",
+    "restore_order": "balance",
+    "split_media": "split",
+    "stage_media": "stage",
+}
+__getattr__, __dir__ = _lazy_attributes(__name__, _EXPORTS)
+
+if _typing.TYPE_CHECKING:  # what type checkers and IDEs see
+    from .balance import balance_microbatches, restore_order
+    from .chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES, VlmMediaChunk, next_vlm_media_chunk
+    from .collate import PipelineBatch, collate_for_pipeline
+    from .hostreads import HostReadCounter
+    from .registry import get_adapter, hookimpl, list_adapters, register_adapter
+    from .split import IMAGE_GRID_KEYS, MEDIA_KEYS, StagedMedia, microbatch_bounds, split_media
+    from .stage import stage_media
 
 __version__ = "0.1.0"
 

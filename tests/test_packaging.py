@@ -56,6 +56,23 @@ def test_import_ppmedia_and_its_registry_without_transformers():
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_import_ppmedia_and_the_pytest_plugin_without_torch():
+    # the pytest plugin loads in every pytest run of an environment with ppmedia installed: it, and
+    # `import ppmedia` (lazy names, PEP 562), import no torch until a name is used
+    code = (
+        "import sys, ppmedia, ppmedia.testing, ppmedia.testing.pytest_plugin\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "from ppmedia import split_media, hookimpl\n"
+        "assert split_media.__module__ == 'ppmedia.split' and 'torch' in sys.modules\n"
+        "assert ppmedia.pipeline.__name__ == 'ppmedia.pipeline' and ppmedia.testing.FamilyKit.__name__ == 'FamilyKit'\n"
+        "assert set(ppmedia.__all__) <= set(dir(ppmedia))\n"
+        "try:\n    ppmedia.no_such_name\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "module 'ppmedia' has no attribute 'no_such_name'"
+
+
 def test_tests_folder_is_not_a_package():
     assert not (ROOT / "tests" / "__init__.py").exists()
 

@@ -14,13 +14,31 @@
 * :mod:`ppmedia.testing.pytest_plugin`: the pytest plugin (entry point ``pytest11``, fixture
   ``ppmedia_kit``).
 
-Nothing here is needed to train. Importing this package imports torch but not transformers; the tiny
-models import transformers when a family is loaded, and the parity harness spawns processes.
+Nothing here is needed to train. Importing this package imports nothing heavy (each name below is
+imported on first use); the kit imports torch, the tiny models transformers when a family is loaded,
+and the parity harness spawns processes.
 """
 
-from .checks import AdapterMismatch, MicrobatchCheck, check_adapter
-from .goldens import check_goldens, write_goldens
-from .kit import FamilyKit, Kit, check_pipeline_parity
+import typing as _typing
+
+from .._lazy import lazy_attributes as _lazy_attributes
+
+_EXPORTS = {
+    "AdapterMismatch": "checks",
+    "FamilyKit": "kit",
+    "Kit": "kit",
+    "MicrobatchCheck": "checks",
+    "check_adapter": "checks",
+    "check_goldens": "goldens",
+    "check_pipeline_parity": "kit",
+    "write_goldens": "goldens",
+}
+__getattr__, __dir__ = _lazy_attributes(__name__, _EXPORTS)
+
+if _typing.TYPE_CHECKING:
+    from .checks import AdapterMismatch, MicrobatchCheck, check_adapter
+    from .goldens import check_goldens, write_goldens
+    from .kit import FamilyKit, Kit, check_pipeline_parity
 
 __all__ = [
     "AdapterMismatch",
