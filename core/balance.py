@@ -359,6 +359,7 @@ def balanced_split(
     ``patch_size`` defaults to the vision patch size of the ``config`` of a
     ``functools.partial(adapter.image_costs, config=config)`` cost, else to pixels.
     """
+    from .planners import num_patches_ranges
     from .split import MEDIA_KEYS, StagedMedia, microbatch_bounds, split_media
 
     if isinstance(balance, (str, bytes)) or not (
@@ -407,9 +408,7 @@ def balanced_split(
 
     images, crop_rows = per_mb(per_sample.images), per_mb(per_sample.crop_rows)
     if "num_patches" in tensors:
-        ranges["num_patches"] = tuple(
-            (a, b) if images[k] or crop_rows[k] else (a, a) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))
-        )
+        ranges["num_patches"] = num_patches_ranges(bounds, images, crop_rows)
     for key in set(batch).difference(work):  # the media keys the split popped
         del batch[key]
     if permutation != list(range(B)):

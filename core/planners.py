@@ -592,6 +592,14 @@ def video_timing(value: object, n_videos: int) -> Tensor:
 # Step3 crop patches
 
 
+def num_patches_ranges(bounds: Sequence[int], images: Sequence[int], crop_rows: Sequence[int]) -> tuple[Range, ...]:
+    """Step3's ``num_patches`` ``[B]`` per microbatch: its samples' rows, or an empty range when the
+    microbatch has neither images nor crops (so the consumer sees a text-only microbatch)."""
+    return tuple(
+        (a, b) if images[k] or crop_rows[k] else (a, a) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))
+    )
+
+
 def plan_step3(ctx: Context, media: Media) -> Callable[[Part | None], Part] | None:
     """Plan Step3's ``patch_pixel_values`` / ``patch_newline_mask`` by ``num_patches`` crops per sample.
 
@@ -628,8 +636,7 @@ def plan_step3(ctx: Context, media: Media) -> Callable[[Part | None], Part] | No
         crop_at = offsets(per_sample)[ctx.at]
         crop_ranges, rows = _cut(crop_at)
         image_counts = images.items if images is not None else (0,) * len(rows)
-        bounds = ctx.bounds
-        ranges = tuple((a, b) if image_counts[k] or rows[k] else (a, a) for k, (a, b) in enumerate(zip(bounds, bounds[1:])))
+        ranges = num_patches_ranges(ctx.bounds, image_counts, rows)
         fields = [FieldSplit("num_patches", "num_patches", num_patches, ranges, None)]
         for name, t in (("patch_pixel_values", crops), ("patch_newline_mask", newline)):
             if t is not None:
