@@ -6,7 +6,8 @@
 * :mod:`ppmedia.testing.checks`: :func:`check_adapter`, an adapter through split -> stage -> consume ->
   merge for several microbatch counts against the model's own full-batch merged embeddings;
 * :mod:`ppmedia.testing.goldens`: :func:`write_goldens` / :func:`check_goldens` (config, inputs and
-  expected embeddings as safetensors; regeneration bit for bit);
+  expected embeddings as safetensors; configs and inputs regenerate byte for byte, expected floats
+  within :data:`~ppmedia.testing.goldens.REGENERATION_ATOL`);
 * :mod:`ppmedia.testing.parity`: the multi-process pipeline parity harness (real
   ``torch.distributed.pipelining`` schedules over gloo, compared with the model's own forward);
   :func:`check_pipeline_parity` wraps it for any family;

@@ -7,8 +7,11 @@ A golden folder holds three files:
 * ``expected.safetensors``: ``inputs_embeds`` ``[B, S, hidden]`` as the model's OWN full-batch forward
   merged them (captured at ``model.model.language_model``; ppmedia's path is never used to write them).
 
-The same torch and transformers versions regenerate the files bit for bit (no safetensors metadata,
-deterministic algorithms on), so :func:`check_goldens` can demand byte equality.
+The same torch and transformers versions regenerate ``config.json`` and ``inputs.safetensors`` byte for
+byte (no safetensors metadata, deterministic algorithms on): they are integers, seeded draws and JSON.
+``expected.safetensors`` is float arithmetic, and CPUs differ in its last bits (AMD EPYC against Intel
+Xeon: 1.4e-9 to 2.4e-8 on the built-in families), so :func:`check_goldens` compares a regenerated
+expected tensor within :data:`REGENERATION_ATOL` (absolute, elementwise), not byte for byte.
 """
 
 from __future__ import annotations
@@ -24,10 +27,18 @@ import torch
 
 from . import tiny_models
 
-__all__ = ["GOLDEN_FILES", "check_goldens", "config_json", "write_goldens"]
+__all__ = ["GOLDEN_FILES", "REGENERATION_ATOL", "check_goldens", "config_json", "write_goldens"]
 
 #: the files of a golden folder.
 GOLDEN_FILES: tuple[str, ...] = ("config.json", "inputs.safetensors", "expected.safetensors")
+
+#: how far a regenerated ``expected.safetensors`` may be from the file on disk (max absolute difference):
+#: 40x the largest cross-CPU drift measured on the built-in families (2.4e-8), 10x below the adapter
+#: check's 1e-5. Configs and inputs must regenerate byte for byte.
+REGENERATION_ATOL = 1e-6
+
+#: the golden files that hold float arithmetic (compared within a tolerance when regenerated).
+_FLOAT_FILES = frozenset({"expected.safetensors"})
 
 
 def config_json(config: Any) -> str:
@@ -55,7 +66,7 @@ def write_goldens(family: str | ModuleType, folder: str | pathlib.Path, *, seed:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(config_json(model.config))
     tensors = {k: v.contiguous() for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    # no safetensors metadata: its header order is not stable, and the files must regenerate bit for bit
+    # no safetensors metadata: its header order is not stable, and the files must regenerate byte for byte
     save_file(tensors, str(folder / "inputs.safetensors"))
     save_file({"inputs_embeds": expected.contiguous()}, str(folder / "expected.safetensors"))
     return {name: (folder / name).stat().st_size for name in GOLDEN_FILES}
@@ -90,16 +101,23 @@ def check_goldens(
     microbatches: Iterable[int] = (1, 2, 4),
     seed: int = 0,
     atol: float = 1e-5,
-    bit_identical: bool = True,
+    regeneration_atol: float = REGENERATION_ATOL,
+    bit_identical: bool = False,
 ) -> None:
-    """Check ``folder``'s golden files of ``family``: they regenerate (bit for bit with
-    ``bit_identical``, else inputs equal and expected within ``atol``), and the adapter path
+    """Check ``folder``'s golden files of ``family``: they regenerate, and the adapter path
     (:func:`~ppmedia.testing.checks.check_adapter` on the golden inputs) reproduces the expected
-    embeddings for every microbatch count.
+    embeddings within ``atol`` for every microbatch count.
+
+    Regenerating means: ``config.json`` and ``inputs.safetensors`` byte for byte, and
+    ``expected.safetensors`` with the same tensor names, shapes and dtypes and values within
+    ``regeneration_atol`` (default :data:`REGENERATION_ATOL`: CPUs differ in the last bits of float
+    results). ``bit_identical=True`` demands byte equality of the expected tensors too (only on the
+    machine that wrote them).
 
     Raises:
-        AssertionError: naming the family and the file (or microbatch) that differs; a missing file
-            says how to write them (:func:`write_goldens`, or ``pytest --ppmedia-write-goldens``).
+        AssertionError: naming the family and the file (or microbatch) that differs, with the largest
+            difference and the tolerance; a missing file says how to write them (:func:`write_goldens`,
+            or ``pytest --ppmedia-write-goldens``).
     """
     from safetensors.torch import load_file
 
@@ -121,10 +139,13 @@ def check_goldens(
             if filecmp.cmp(fresh, on_disk, shallow=False):
                 continue
             detail = _differences(file, fresh, on_disk)
-            close = file == "expected.safetensors" and _within(fresh, on_disk, atol)
-            if bit_identical or not close:
-                how = " bit for bit" if bit_identical else f" within atol {atol:g}"
-                raise AssertionError(f"{name}: {on_disk} does not regenerate{how}: {detail}")
+            if file in _FLOAT_FILES and not bit_identical:
+                if _within(fresh, on_disk, regeneration_atol):
+                    continue
+                how = f" within {regeneration_atol:g}"
+            else:
+                how = " bit for bit" if bit_identical and file in _FLOAT_FILES else " byte for byte"
+            raise AssertionError(f"{name}: {on_disk} does not regenerate{how}: {detail}")
     inputs = load_file(str(folder / "inputs.safetensors"))
     expected = load_file(str(folder / "expected.safetensors"))["inputs_embeds"]
     model = module.build_model(seed)
@@ -132,7 +153,16 @@ def check_goldens(
 
 
 def _within(fresh: pathlib.Path, on_disk: pathlib.Path, atol: float) -> bool:
+    """Same tensor names, shapes and dtypes, and every value within ``atol`` (NaN never is)."""
     from safetensors.torch import load_file
 
-    a, b = load_file(str(fresh))["inputs_embeds"], load_file(str(on_disk))["inputs_embeds"]
-    return a.shape == b.shape and bool((a - b).abs().max() <= atol)
+    new_t, old_t = load_file(str(fresh)), load_file(str(on_disk))
+    if set(new_t) != set(old_t):
+        return False
+    for key, a in new_t.items():
+        b = old_t[key]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.numel() and not bool(((a.double() - b.double()).abs() <= atol).all()):
+            return False
+    return True

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from . import tiny_models
 from .checks import MicrobatchCheck, capture_reference, check_adapter
-from .goldens import check_goldens, write_goldens
+from .goldens import REGENERATION_ATOL, check_goldens, write_goldens
 
 if TYPE_CHECKING:
     from ..adapters.base import VlmAdapter
@@ -182,14 +182,14 @@ class FamilyKit:
 
     def check_goldens(
         self, folder: str | pathlib.Path, *, microbatches: Iterable[int] = (1, 2, 4), atol: float = 1e-5,
-        bit_identical: bool = True,
+        regeneration_atol: float = REGENERATION_ATOL, bit_identical: bool = False,
     ) -> None:
         """:func:`~ppmedia.testing.goldens.check_goldens` (after writing them with ``write_goldens``)."""
         if self._write_goldens:
             self.write_goldens(folder)
         check_goldens(
             self.module, folder, adapter=self.adapter, microbatches=microbatches, seed=self.seed, atol=atol,
-            bit_identical=bit_identical,
+            regeneration_atol=regeneration_atol, bit_identical=bit_identical,
         )
 
     def check_pipeline_parity(self, scenarios: Iterable[str | Scenario] = ("gpipe", "1f1b"), **kwargs: Any) -> ParityReport:
