@@ -16,7 +16,8 @@ import types
 
 import pytest
 
-from ppmedia.pipeline import _check_first_stage_order, build_schedule, schedule_layout, schedule_names
+from ppmedia.pipeline import build_schedule, schedule_layout, schedule_names
+from ppmedia.pipeline.schedules import _check_first_stage_order
 from ppmedia.testing.parity import (
     BF16_GRAD_RTOL,
     BF16_LOSS_TOLERANCE,

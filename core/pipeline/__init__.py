@@ -1,0 +1,100 @@
+"""Pipeline stages for a vision-language model: the first stage encodes and merges the staged media.
+
+:func:`build_stage_modules` cuts a ``...ForConditionalGeneration`` model with a registered adapter into
+``n_stages`` modules for :class:`torch.distributed.pipelining.PipelineStage`:
+
+* the first stage embeds the text, takes its microbatch's media with
+  :func:`~ppmedia.next_vlm_media_chunk`, runs the family's vision encoder and merges the features
+  (``adapter.merge``), computes the positions the family needs (Qwen2.5-VL's mrope, from
+  ``adapter.position_ids``), then runs its share of the decoder layers;
+* a middle stage runs its share of the decoder layers;
+* the last stage runs its share of the decoder layers, the final norm and ``lm_head``: logits.
+
+Between stages travels a flat tuple of contiguous tensors (``b`` = microbatch size, ``S`` = sequence
+length, ``H`` = text hidden size)::
+
+    hidden_states   [b, S, H]   float, requires grad
+    attention_mask  [b, S]      int64 (the batch's own mask)
+    *wire tensors               what the adapter declares for the receiving stage
+                                (``adapter.wire_tensors(config, first_layer)``, each a
+                                :class:`~ppmedia.adapters.base.WireTensor`: name, batch-first static
+                                shape, int64 or float-with-gradient), in declared order
+
+The default declaration is empty, or the mrope positions ``position_ids`` ``[b, 3, S]`` (batch-first:
+the ``[3, b, S]`` positions transposed) for adapters that override ``position_ids`` (Qwen2.5-VL).
+Qwen3-VL adds its visual position mask ``[b, S]`` and one ``[b, S, H]`` tensor per deepstack level
+still ahead (the level's features scattered to the visual positions, zeros elsewhere), so features of
+decoder layers on later stages cross the boundary and their gradients flow back to the vision tower.
+The first stage builds every wire tensor (``adapter.first_stage``); each stage turns what it holds into
+its language model's keyword arguments (``adapter.decoder_kwargs``) and passes on what later stages need.
+
+A stage module keeps only what its stage runs: the first stage the vision tower, projector and
+embedding; every stage its decoder layers (under their ORIGINAL indices) and the language model's
+rotary embedding; the last stage the final norm and ``lm_head`` (the norm is ``Identity`` elsewhere).
+Parameter names are the full model's (``model.language_model.layers.3.mlp.up_proj.weight`` stays
+that on whichever stage holds layer 3), so gradients compare one to one with the full model.
+The modules share parameters with ``model``; drop your reference to ``model`` to free the rest.
+
+Around the stages: :func:`schedule_layout` / :func:`build_schedule` take any schedule torch ships by
+name (torch's ``get_schedule_class``) and place the stages as it wants (looped or V-shaped);
+:func:`shard_batch`, :func:`all_reduce_gradients` and :func:`clip_grad_norm` add data parallelism
+(``pp x dp``: each replica a full pipeline on its share of the batch, gradients summed over replicas)
+and global-norm clipping; :func:`sync_tied_gradients` sums a tied embedding's two copies.
+
+The decoder layers run through the language model's own ``forward`` (called with
+``inputs_embeds=``), so its masks and rotary embeddings are the model's own. That forward indexes
+``config.layer_types`` by the position of a layer in ``self.layers``; each stage's language model
+therefore gets a shallow copy of its config whose ``layer_types`` lists only the stage's layers.
+
+The package, one module per concern (every public name is importable from ``ppmedia.pipeline``):
+
+==================  ===========================================================================
+``surgery``         cutting the model's module tree per stage (kept layers, shallow copies)
+``stages``          :class:`StageModule`, :func:`build_stage_modules`, :func:`make_pipeline_stages`
+``schedules``       schedules by torch's name, their stage placement, :func:`build_schedule`
+``loss``            :func:`make_labels`, :func:`count_valid_tokens`, :func:`pipeline_loss`
+``tied``            tied parameters across stages
+``parallel``        data parallelism: :func:`shard_batch`, gradient reduction, global-norm clipping
+==================  ===========================================================================
+"""
+
+from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
+from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
+from .schedules import (
+    SCHEDULE_ALIASES,
+    SCHEDULES,
+    ScheduleLayout,
+    build_schedule,
+    schedule_layout,
+    schedule_names,
+    stage_indices_for_rank,
+)
+from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
+from .surgery import default_layer_split, find_language_model
+from .tied import TiedParameters, sync_tied_gradients, tied_parameters
+
+__all__ = [
+    "IGNORE_INDEX",
+    "SCHEDULES",
+    "SCHEDULE_ALIASES",
+    "ScheduleLayout",
+    "StageModule",
+    "TiedParameters",
+    "all_reduce_gradients",
+    "build_schedule",
+    "build_stage_modules",
+    "clip_grad_norm",
+    "count_valid_tokens",
+    "default_layer_split",
+    "find_language_model",
+    "make_labels",
+    "make_pipeline_stages",
+    "pipeline_loss",
+    "schedule_layout",
+    "schedule_names",
+    "shard_batch",
+    "stage_indices_for_rank",
+    "static_stage_args",
+    "sync_tied_gradients",
+    "tied_parameters",
+]

@@ -1,0 +1,97 @@
+"""Next-token labels and the pipeline loss (a share of the whole batch's mean token loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..adapters.base import VlmAdapter, config_value
+
+__all__ = ["IGNORE_INDEX", "count_valid_tokens", "make_labels", "pipeline_loss"]
+
+#: label value ignored by the loss (padding, media placeholders, the last position).
+IGNORE_INDEX = -100
+
+
+
+def make_labels(
+    input_ids: Tensor,
+    config: Any,
+    adapter: VlmAdapter | None = None,
+    *,
+    pad_id: int | None = None,
+    attention_mask: Tensor | None = None,
+    shift: bool = True,
+) -> Tensor:
+    """Next-token labels ``[B, S]`` int64: position ``t`` is labelled with token ``t + 1``.
+
+    A label is :data:`IGNORE_INDEX` where the target token is padding (``pad_id``, default the
+    config's ``pad_token_id``, or ``attention_mask == 0``) or a media placeholder (any mask of
+    ``adapter.placeholder_masks``), and at the last position.
+
+    Args:
+        input_ids: ``[B, S]`` token ids.
+        config: the model's config.
+        adapter: the family adapter (default: looked up from ``config``).
+        pad_id: the padding id; ``None`` reads ``pad_token_id`` from the config (text config too).
+        attention_mask: ``[B, S]``, 0 marks padding.
+        shift: ``False`` returns the UNshifted targets ``[B, S]`` (the ids with ignored tokens set to
+            :data:`IGNORE_INDEX`), the form transformers' own ``labels=`` argument takes.
+    """
+    if adapter is None:
+        from ..registry import get_adapter
+
+        adapter = get_adapter(config)
+    if pad_id is None:
+        try:
+            pad_id = int(config_value(config, "pad_token_id", "text_config.pad_token_id"))
+        except AttributeError:
+            pad_id = None
+    ignore = torch.zeros_like(input_ids, dtype=torch.bool)
+    if pad_id is not None:
+        ignore |= input_ids == pad_id
+    if attention_mask is not None:
+        ignore |= attention_mask == 0
+    for mask in adapter.placeholder_masks(input_ids, config).values():
+        ignore |= mask
+    targets = input_ids.masked_fill(ignore, IGNORE_INDEX).to(torch.int64)
+    if not shift:
+        return targets
+    labels = torch.full_like(targets, IGNORE_INDEX)
+    labels[:, :-1] = targets[:, 1:]
+    return labels
+
+
+def count_valid_tokens(labels: Tensor) -> int:
+    """The number of labels that count in the loss (not :data:`IGNORE_INDEX`); one host read."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def pipeline_loss(logits: Tensor, labels: Tensor, num_valid_tokens: int | Tensor | None = None) -> Tensor:
+    """Summed token cross-entropy of a microbatch divided by the valid tokens of the WHOLE batch.
+
+    Summing it over the microbatches gives the full batch's mean token loss, so a schedule with
+    ``scale_grads=False`` accumulates exactly the full batch's gradients. Pass the whole batch's
+    count with ``schedule.step(..., loss_kwargs={"num_valid_tokens": count_valid_tokens(labels)})``.
+
+    Args:
+        logits: ``[b, S, vocab]``.
+        labels: ``[b, S]`` (already shifted, :func:`make_labels`), :data:`IGNORE_INDEX` ignored.
+        num_valid_tokens: the whole batch's valid labels; ``None`` uses this microbatch's (then the
+            per-microbatch losses are means, not parts of one mean).
+    """
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1).to(logits.device),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    if num_valid_tokens is None:
+        num_valid_tokens = (labels != IGNORE_INDEX).sum()
+    if isinstance(num_valid_tokens, Tensor):
+        return total / num_valid_tokens.clamp(min=1).to(total.dtype)
+    return total / max(int(num_valid_tokens), 1)

@@ -1,0 +1,142 @@
+"""Data parallelism around the pipeline: batch shards, gradient reduction, global-norm clipping.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .tied import TiedParameters
+
+__all__ = ["all_reduce_gradients", "clip_grad_norm", "shard_batch"]
+
+
+
+#: media keys with one entry per SAMPLE (dim 0 = batch), sliced with the samples by :func:`shard_batch`.
+_PER_SAMPLE_MEDIA_KEYS = frozenset({"num_patches"})
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    dp_rank: int,
+    dp_size: int,
+    *,
+    images_per_sample: Any = None,
+    videos_per_sample: Any = None,
+) -> dict[str, Any]:
+    """Data-parallel replica ``dp_rank``'s share of a global batch, media included.
+
+    The replica gets the samples ``torch.tensor_split(range(B), dp_size)[dp_rank]`` of every
+    ``[B, ...]`` tensor, and of every media tensor exactly its samples' images, videos and crops (cut
+    by :func:`ppmedia.split_media`, so a replica's media never hold another replica's): views of the
+    batch's tensors, no copy. Split per microbatch afterwards, on the replica's share. Per-sample count
+    keys (``n_images_per_sample``) are sliced with the samples; non-tensor values are kept as they are.
+
+    Args:
+        batch: a processor/collator batch (not modified).
+        dp_rank, dp_size: the replica and the number of replicas.
+        images_per_sample, videos_per_sample: as for :func:`ppmedia.split_media` (for the GLOBAL batch).
+
+    Raises:
+        ValueError: ``dp_rank`` out of range; anything :func:`ppmedia.split_media` refuses (e.g. a
+            non-media tensor whose dim 0 is not the batch size, named with its shape).
+    """
+    from ..split import split_media
+
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"shard_batch: dp_rank {dp_rank}; expected 0 <= dp_rank < dp_size ({dp_size})")
+    rest = dict(batch)
+    counts = {k: rest[k] for k in ("n_images_per_sample", "n_videos_per_sample") if k in rest}
+    staged = split_media(rest, dp_size, images_per_sample=images_per_sample, videos_per_sample=videos_per_sample)
+    a, b = staged.samples[dp_rank]
+    out: dict[str, Any] = {}
+    for key, value in rest.items():
+        if isinstance(value, Tensor) and value.dim() > 0:  # split_media refused any other dim 0 than B
+            value = value[a:b]
+        out[key] = value
+    for key, value in counts.items():
+        out[key] = value[a:b]
+    for field_name, key in staged.sources.items():
+        # per-sample media metadata (Step3's num_patches [B]) follows the samples, not the media rows
+        out[key] = batch[key][a:b] if key in _PER_SAMPLE_MEDIA_KEYS else staged.chunks[field_name][dp_rank]
+    return out
+
+
+def _unique_trainable(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for param in module.parameters():
+            if param.requires_grad:
+                seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> None:
+    """Sum the gradients of ``modules``' parameters across the data-parallel ``group``.
+
+    Call it on every replica after the pipeline step (and :func:`sync_tied_gradients`), with the
+    same stage modules in the same order (the replicas of one pipeline rank hold the same stages).
+    A parameter without a gradient (a replica whose share had no images leaves the vision tower's at
+    ``None``) contributes zeros and gets the sum. One flat ``all_reduce`` per dtype.
+
+    With :func:`pipeline_loss` normalised by the valid tokens of the GLOBAL batch, the sum is the
+    global batch's gradient (no division by the number of replicas).
+    """
+    import torch.distributed as dist
+
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for param in _unique_trainable(modules):
+        by_dtype.setdefault(param.dtype, []).append(param)
+    for dtype in sorted(by_dtype, key=str):
+        params = by_dtype[dtype]
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p)
+            offset += n
+
+
+def clip_grad_norm(
+    modules: Sequence[nn.Module],
+    max_norm: float,
+    *,
+    tied: Sequence[TiedParameters] = (),
+    group: Any = None,
+) -> Tensor:
+    """Clip the gradients of a pipeline to a GLOBAL L2 norm, like ``torch.nn.utils.clip_grad_norm_`` on
+    the whole model; returns the total norm before clipping (a float32 scalar, equal on every rank).
+
+    Call it after :func:`sync_tied_gradients` and :func:`all_reduce_gradients`: each rank sums the
+    squares of its stages' gradients (a tied parameter counted once, on the rank holding its first
+    name), ``group`` (the pipeline group) sums them across stages, and every gradient is scaled by
+    ``max_norm / (norm + 1e-6)`` when that is below 1. After the data-parallel reduction the replicas
+    hold equal gradients, so the pipeline group's sum is the global norm.
+    """
+    import torch.distributed as dist
+
+    params = _unique_trainable(modules)
+    skip: set[int] = set()
+    for entry in tied:
+        holders = {}
+        for module in modules:
+            named = dict(module.named_parameters(remove_duplicate=False))
+            holders.update({name: named[name] for name in entry.names if name in named})
+        if holders and entry.names[0] not in holders:
+            skip.update(id(p) for p in holders.values())
+    squares = torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu")
+    for p in params:
+        if p.grad is not None and id(p) not in skip:
+            squares += p.grad.detach().float().pow(2).sum()
+    dist.all_reduce(squares, group=group)
+    total = squares.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(scale.to(p.grad.dtype))
+    return total

@@ -1,0 +1,223 @@
+"""Schedules by torch's own name lookup, and where they place the stages (looped or V-shaped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from torch import Tensor
+
+from .loss import pipeline_loss
+
+__all__ = [
+    "SCHEDULES",
+    "SCHEDULE_ALIASES",
+    "ScheduleLayout",
+    "build_schedule",
+    "schedule_layout",
+    "schedule_names",
+    "stage_indices_for_rank",
+]
+
+#: ppmedia's short schedule names with the number of stages each rank holds (every schedule torch
+#: ships works too, by its own name: :func:`schedule_names`, :func:`schedule_layout`).
+SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+
+
+
+def stage_indices_for_rank(rank: int, world_size: int, stages_per_rank: int = 1, style: str = "loop") -> list[int]:
+    """The stages a rank holds, in increasing order.
+
+    ``style="loop"``: stage ``i`` lives on rank ``i % world_size`` (``rank, rank + world_size, ...``),
+    the layout of GPipe, 1F1B, Interleaved1F1B, LoopedBFS and InterleavedZeroBubble. ``style="v"``:
+    the stages go down the ranks and come back (2 ranks, 4 stages: rank 0 holds 0 and 3, rank 1 holds
+    1 and 2), the layout of ZBVZeroBubble and DualPipeV, whose first and last stage share rank 0.
+    The mapping is torch's own (``torch.distributed.pipelining._utils.generate_stage_to_rank_mapping``).
+    """
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    if not 0 <= rank < world_size or stages_per_rank < 1:
+        raise ValueError(
+            f"stage_indices_for_rank: got rank {rank}, world_size {world_size}, stages_per_rank "
+            f"{stages_per_rank}; expected 0 <= rank < world_size and stages_per_rank >= 1"
+        )
+    mapping = generate_stage_to_rank_mapping(world_size, world_size * stages_per_rank, style=style)
+    return sorted(stage for stage, owner in mapping.items() if owner == rank)
+
+
+#: ppmedia's short schedule names and the torch schedule each stands for.
+SCHEDULE_ALIASES: dict[str, str] = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+
+#: schedules that torch builds with a V-shaped stage placement (``generate_stage_to_rank_mapping(...,
+#: style="v")`` in their ``__init__``); torch exposes the style on no class attribute.
+_V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+@dataclass(frozen=True)
+class ScheduleLayout:
+    """How a torch schedule places stages on the ranks of a pipeline group.
+
+    Attributes:
+        name: torch's name of the schedule (``"ZBVZeroBubble"``), as
+            ``torch.distributed.pipelining.schedules.get_schedule_class`` takes it.
+        schedule_class: the class.
+        stages_per_rank: 1 for single-stage schedules (GPipe, 1F1B), else the requested number
+            (default 2; V-shaped schedules need exactly 2).
+        style: ``"loop"`` or ``"v"`` (see :func:`stage_indices_for_rank`).
+    """
+
+    name: str
+    schedule_class: type
+    stages_per_rank: int
+    style: str
+
+    @property
+    def multi_stage(self) -> bool:
+        """Whether the class takes a list of stages (``PipelineScheduleMulti``) rather than one."""
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+        return not issubclass(self.schedule_class, PipelineScheduleSingle)
+
+    def n_stages(self, pp_size: int) -> int:
+        """The pipeline length on ``pp_size`` ranks."""
+        return pp_size * self.stages_per_rank
+
+    def stage_indices(self, pp_rank: int, pp_size: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` builds, in increasing order."""
+        return stage_indices_for_rank(pp_rank, pp_size, self.stages_per_rank, self.style)
+
+
+def schedule_names() -> list[str]:
+    """Every schedule torch ships that :func:`build_schedule` can run (torch's names, e.g. ``GPipe``,
+    ``ZBVZeroBubble``): the ``Schedule*`` classes of ``torch.distributed.pipelining.schedules`` that
+    its ``get_schedule_class`` knows by name. The abstract bases (``PipelineScheduleSingle``,
+    ``PipelineScheduleMulti``) are not schedules and are left out."""
+    from torch.distributed.pipelining import schedules
+
+    names = []
+    for attr in sorted(vars(schedules)):
+        if not attr.startswith("Schedule") or not isinstance(getattr(schedules, attr), type):
+            continue
+        try:
+            if schedules.get_schedule_class(attr[len("Schedule"):]) is getattr(schedules, attr):
+                names.append(attr[len("Schedule"):])
+        except ValueError:
+            continue
+    return names
+
+
+def schedule_layout(name: str, stages_per_rank: int | None = None) -> ScheduleLayout:
+    """Resolve a schedule name (ppmedia's short ones or any of torch's, case-insensitive).
+
+    The class comes from torch's own registry (``get_schedule_class``), not a table here.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones); an abstract base class;
+            ``stages_per_rank`` other than 1 for a single-stage schedule or other than 2 for a V-shaped one.
+    """
+    from torch.distributed.pipelining import schedules
+
+    torch_name = SCHEDULE_ALIASES.get(name.lower(), name)
+    try:
+        cls = schedules.get_schedule_class(torch_name)
+    except ValueError:
+        known = ", ".join([*SCHEDULE_ALIASES, *schedule_names()])
+        raise ValueError(f"schedule: got {name!r}; expected one of {known} (case-insensitive)") from None
+    if cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        raise ValueError(
+            f"schedule {name!r}: {cls.__name__} is torch's abstract base class, not a schedule (it has no "
+            f"order of forwards and backwards to run); pick one of {', '.join(schedule_names())}"
+        )
+    single = issubclass(cls, schedules.PipelineScheduleSingle)
+    style = "v" if cls.__name__ in _V_SHAPED else "loop"
+    default = 1 if single else 2
+    per_rank = default if stages_per_rank is None else int(stages_per_rank)
+    if (single or style == "v") and per_rank != default:
+        what = "a single-stage schedule" if single else "a V-shaped schedule"
+        raise ValueError(f"schedule {cls.__name__}: stages_per_rank {per_rank}; {what} needs exactly {default}")
+    if per_rank < 1:
+        raise ValueError(f"schedule {cls.__name__}: stages_per_rank {per_rank}; expected >= 1")
+    return ScheduleLayout(cls.__name__[len("Schedule"):], cls, per_rank, style)
+
+
+def _check_first_stage_order(schedule: Any, name: str) -> None:
+    """Refuse a schedule whose first stage does not run its forwards in microbatch order.
+
+    The first stage takes its media by cursor (one chunk per forward, in call order), so microbatch
+    ``k``'s forward must be the ``k``-th forward of stage 0. Checked on the schedule's own action
+    list (runtime schedules: ``pipeline_order``); single-stage schedules run forwards in order."""
+    order = getattr(schedule, "pipeline_order", None)
+    if not order:
+        return
+    seen: list[int] = []
+
+    def visit(action: Any) -> None:
+        if action is None:
+            return
+        for sub in getattr(action, "sub_actions", None) or ():
+            visit(sub)
+        kind = getattr(getattr(action, "computation_type", None), "value", None)
+        if getattr(action, "stage_index", None) == 0 and kind == "F":
+            seen.append(action.microbatch_index)
+
+    for rank_actions in order.values():
+        for action in rank_actions:
+            visit(action)
+    if seen != sorted(seen) or len(set(seen)) != len(seen):
+        raise ValueError(
+            f"schedule {name}: the first stage runs its forwards in microbatch order {seen}; staged media "
+            f"are handed out by a cursor in call order, so they would reach the wrong microbatch"
+        )
+
+
+def build_schedule(
+    name: str,
+    stages: Sequence[Any],
+    n_microbatches: int,
+    loss_fn: Callable[..., Tensor] | None = None,
+    **schedule_kwargs: Any,
+) -> Any:
+    """A ``torch.distributed.pipelining`` schedule by name.
+
+    ``name`` is one of ppmedia's short names (``gpipe``, ``1f1b``, ``interleaved``) or any schedule
+    torch ships, case-insensitively (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``,
+    ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``: :func:`schedule_names`). ``stages``
+    are this rank's ``PipelineStage`` objects, built for the indices of :func:`schedule_layout`
+    (``layout.stage_indices(pp_rank, pp_size)``). Extra keyword arguments go to the schedule class.
+
+    Gradients are not scaled by the number of microbatches (``scale_grads=False``):
+    :func:`pipeline_loss` already divides by the valid tokens of the whole batch.
+
+    Raises:
+        ValueError: unknown or abstract schedule; stages that do not match the schedule's placement;
+            a schedule whose first stage would run microbatches out of order (the media cursor
+            would hand them the wrong media); torch's own checks (e.g. too few microbatches).
+    """
+    if not stages:
+        raise ValueError("build_schedule: got no stages; expected this rank's PipelineStage objects")
+    layout = schedule_layout(name, len(stages))
+    pp_rank, pp_size = stages[0].group_rank, stages[0].group_size
+    got = [int(st.stage_index) for st in stages]
+    want = layout.stage_indices(pp_rank, pp_size)
+    if got != want or stages[0].num_stages != layout.n_stages(pp_size):
+        raise ValueError(
+            f"schedule {layout.name}: pipeline rank {pp_rank} of {pp_size} holds stages {got} of "
+            f"{stages[0].num_stages}; this schedule places stages {want} of {layout.n_stages(pp_size)} on it "
+            f"({layout.style} layout, {layout.stages_per_rank} per rank): build them with "
+            f"schedule_layout({name!r}).stage_indices(pp_rank, pp_size)"
+        )
+    loss_fn = pipeline_loss if loss_fn is None else loss_fn
+    target = list(stages) if layout.multi_stage else stages[0]
+    schedule = layout.schedule_class(
+        target, n_microbatches, loss_fn=loss_fn, scale_grads=False, **schedule_kwargs
+    )
+    mapping = getattr(schedule, "stage_index_to_group_rank", None) or {}
+    wrong = [i for i in got if i in mapping and mapping[i] != pp_rank]
+    if wrong:  # the class placed them elsewhere than schedule_layout predicted
+        raise ValueError(
+            f"schedule {layout.name}: the schedule puts stages {wrong} on other ranks "
+            f"({mapping}); rank {pp_rank} built them"
+        )
+    _check_first_stage_order(schedule, layout.name)
+    return schedule
