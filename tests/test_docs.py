@@ -15,7 +15,8 @@ run or checked by its tag:
   and must succeed.
 * ``console``: a transcript; each ``$ ppmedia ...`` command is run (in that folder, which also holds
   the two bad batch files the command-line page shows) and must print exactly the lines after it
-  and exit with 2 for a command-line error, 1 for another error, else 0.
+  and exit with 2 for a command-line error, 1 for another error, else 0; another program's command
+  line is checked as in an ``sh`` block.
 * ``toml``: parses. ``text``, ``output`` and other tags: not run (measured figures, diagrams); an
   untagged block that holds command lines is refused, so none goes unchecked.
 
@@ -343,6 +344,10 @@ def _make_targets() -> set[str]:
     return set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
 
 
+#: shell commands around the checked ones, taken as they are
+SHELL_UTILITIES = {"cd", "export", "echo", "mkdir", "ls", "cat", "rm", "cp", "git", "unset"}
+
+
 def check_command(line: str) -> None:
     """One shell command line of a page (continuations joined, comments removed)."""
     argv = shlex.split(line, comments=True)
@@ -351,6 +356,10 @@ def check_command(line: str) -> None:
     if not argv:
         return
     program, rest = argv[0], argv[1:]
+    if program.startswith((".venv/bin/", "$(BIN)/")):
+        program = program.rsplit("/", 1)[1]
+    if program in ("python", "python3") and rest[:2] == ["-m", "pytest"]:
+        program, rest = "pytest", rest[2:]
     if program == "make":
         missing = [t for t in rest if not t.startswith("-") and t not in _make_targets()]
         assert not missing, f"make: no target {missing} in the Makefile"
@@ -364,7 +373,7 @@ def check_command(line: str) -> None:
         paths = [a.split("::")[0] for a in rest if a.startswith((".", "/", "tests", "examples"))]
         missing = [p for p in paths if not (ROOT / p).exists()]
         assert not missing, f"{program}: {missing} do not exist"
-    else:
+    elif program not in SHELL_UTILITIES:
         raise AssertionError(f"no check for a {program!r} command (known: make, ppmedia, python, torchrun, pip, pytest)")
 
 
@@ -416,7 +425,12 @@ def run_transcript(block: Block, folder: pathlib.Path) -> None:
         argv = shlex.split(command)
         if argv[:3] in (["python", "-m", "ppmedia"], ["python3", "-m", "ppmedia"]):
             argv = ["ppmedia", *argv[3:]]
-        assert argv[0] == "ppmedia", f"{block.where}: transcripts run ppmedia commands only, not {command!r}"
+        if argv[0] != "ppmedia":  # another program's transcript: its command line is checked, not run
+            try:
+                check_command(command)
+            except AssertionError as exc:
+                raise AssertionError(f"{block.where}: $ {command}\n  {exc}") from exc
+            continue
         out, err = io.StringIO(), io.StringIO()
         with as_a_script(folder), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv[1:])
@@ -613,21 +627,32 @@ def test_staged_attributes_and_media_keys_are_all_named():
         assert f"`{key}`" in split, key
 
 
-def adapter_tables() -> list[tuple[pathlib.Path, dict[str, list[str]]]]:
-    found = []
-    for page in pages():
-        for table in tables(page.read_text()):
-            if table[0][:2] == ["adapter", "model types"]:
-                found.append((page, {r[0].strip("`"): sorted(t.strip("` ") for t in r[1].split(",")) for r in table[1:]}))
-    return found
+#: pages whose adapter table lists every built-in adapter; another page's may list some
+COMPLETE_ADAPTER_TABLES = ("README.md", "docs/api.md")
+
+
+def adapter_table_problems(name: str, text: str) -> list[str]:
+    """Tables headed ``| adapter | model types | ...`` against the registry's built-in adapters."""
+    builtin = {i.name: sorted(i.model_types) for i in ppmedia.list_adapters() if "built-in" in i.provider}
+    problems = []
+    for table in tables(text):
+        if table[0][:2] != ["adapter", "model types"]:
+            continue
+        shown = {r[0].strip("`"): sorted(t.strip("` ") for t in r[1].split(",")) for r in table[1:]}
+        if name in COMPLETE_ADAPTER_TABLES and set(shown) != set(builtin):
+            problems.append(f"{name}: adapters {sorted(shown)}; the registry's built-ins are {sorted(builtin)}")
+        for adapter, types in shown.items():
+            if adapter in builtin and types != builtin[adapter]:
+                problems.append(f"{name}: {adapter} serves {builtin[adapter]}, not {types}")
+    return problems
 
 
 def test_adapter_tables_match_the_registry():
-    builtin = {i.name: sorted(i.model_types) for i in ppmedia.list_adapters() if "built-in" in i.provider}
-    found = adapter_tables()
-    assert {page.name for page, _ in found} >= {"README.md", "api.md"}
-    for page, table in found:
-        assert table == builtin, _rel(page)
+    # the README's and the API page's tables list every built-in adapter; any other page's table
+    # (a page about some families) gives each adapter it names the model types it really serves
+    for name in COMPLETE_ADAPTER_TABLES:
+        assert "| adapter | model types |" in (ROOT / name).read_text(), name
+    assert [p for page in pages() for p in adapter_table_problems(_rel(page), page.read_text())] == []
 
 
 def test_adapter_method_table_matches_vlm_adapter():
@@ -738,9 +763,24 @@ torchrun --nproc-per-node 2 train.py
 an output block after no python block
 ```
 
+```console
+$ torchrun --standalone --nproc-per-node 2 examples/train.py --bogus
+step 0: ...
+```
+
+```bash
+export PPMEDIA_PLUGINS=my_plugin
+docker run ppmedia
+```
+
 See [the API](api.md#no-such-heading), [nothing](no-such-page.md) and `ppmedia.no_such_name`.
 
 ### `split_media(batch, n)`
+
+| adapter | model types | layout |
+|---|---|---|
+| `llava_next` | `llava_next`, `llava_onevision` | a wrong model type |
+| `no_such_family` | `x` | unknown here: not checked on a page that lists some families |
 '''
 
 
@@ -762,6 +802,8 @@ def test_planted_errors_are_reported(tmp_path):
         "the block is not tests/plugin/tests/test_llava_plugin.py as it is",
         "an untagged block with command lines",
         "an output block must follow a python block",
+        "unrecognized arguments: --bogus",
+        "no check for a 'docker' command",
     ]
     assert len(blocks) == len(expected)
     for block, message in zip(blocks, expected):
@@ -777,6 +819,11 @@ def test_planted_errors_are_reported(tmp_path):
     assert broken_links(page) == [f"api.md#no-such-heading: no heading #no-such-heading in {tmp_path / 'api.md'}",
                                   "no-such-page.md: no no-such-page.md"]
     assert [m.split(":")[0] for m in missing_names(PLANTED)] == ["ppmedia.no_such_name"]
+    assert adapter_table_problems("docs/planted.md", PLANTED) == ["docs/planted.md: llava_next serves ['llava_next'], not ['llava_next', 'llava_onevision']"]
+    assert adapter_table_problems("README.md", PLANTED) == [
+        f"README.md: adapters ['llava_next', 'no_such_family']; the registry's built-ins are {sorted(i.name for i in ppmedia.list_adapters() if 'built-in' in i.provider)}",
+        "README.md: llava_next serves ['llava_next'], not ['llava_next', 'llava_onevision']",
+    ]
     assert wrong_signatures(PLANTED) == [
         "split_media(batch, n) is split_media(batch, n_microbatches, *, images_per_sample=None, "
         "videos_per_sample=None, batch_size=None, balance=False)"
