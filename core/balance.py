@@ -133,7 +133,7 @@ def balance_microbatches(
         costs: ``[B]`` per-sample costs (``>= 0``), e.g. from :func:`sample_costs`.
         n_microbatches: the schedule's ``n_microbatches``.
         order: microbatch order after assignment, one of :data:`MICROBATCH_ORDERS`. ``heavy_first``
-            (the default) starts the heaviest microbatch first (see the README's measurements).
+            (the default) starts the heaviest microbatch first (measured in docs/performance.md).
 
     Returns:
         ``permutation``, a list of ``B`` sample indices: position ``i`` of the balanced batch holds

@@ -1,4 +1,4 @@
-"""ppmedia.testing: tiny-family loading, the adapter check, golden files, the pytest plugin, the README's plugin test.
+"""ppmedia.testing: tiny-family loading, the adapter check, golden files, the pytest plugin, the docs' plugin test.
 
 The sabotaged adapters are real adapters with one deliberate bug each; the kit must name the family
 and the microbatch that shows it.
@@ -222,14 +222,16 @@ def test_kit_fixture_caches_families(ppmedia_kit, plugin_path):
     assert [i.provider for i in first.registry.list() if i.name == "llava"] == ["ppmedia_llava_plugin (FamilyKit plugins)"]
 
 
-# ---------------------------------------------------------------- README
+# ---------------------------------------------------------------- docs
 
 
-def test_readme_shows_the_plugin_test_file_as_it_is():
-    readme = (ROOT / "README.md").read_text()
+def test_docs_show_the_plugin_test_file_as_it_is():
+    # docs/adding-a-family.md shows it under a `<!-- file: ... -->` comment, which tests/test_docs.py
+    # compares with the file; here: that the page does show it, and verbatim
+    page = (ROOT / "docs" / "adding-a-family.md").read_text()
     test_file = (PLUGIN_DIR / "tests" / "test_llava_plugin.py").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-    assert test_file in blocks, "README 'Adding an architecture' must show tests/plugin/tests/test_llava_plugin.py verbatim"
+    marked = re.findall(r"<!-- file: tests/plugin/tests/test_llava_plugin.py -->\n```python\n(.*?)```", page, flags=re.S)
+    assert marked == [test_file], "docs/adding-a-family.md must show tests/plugin/tests/test_llava_plugin.py verbatim"
 
 
 def test_public_names_are_sorted_and_exported():

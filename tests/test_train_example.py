@@ -90,7 +90,7 @@ def test_train_script_matches_the_model_and_resumes_exactly(tmp_path):
 @pytest.mark.multiprocess
 def test_pipeline_across_two_torchrun_agents_matches_the_model():
     """Two torchrun agents, --nnodes 2 --nproc-per-node 1, c10d rendezvous on 127.0.0.1: the
-    multi-node command line of the README, on one machine."""
+    multi-node command line of docs/training.md, on one machine."""
     port = str(_free_port())
     cmd = [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"ppmedia-{port}", "--local-addr", "127.0.0.1",
