@@ -401,25 +401,8 @@ def test_export_refuses_an_incomplete_pipeline_and_differing_tied_copies(checkpo
 
 
 # ----------------------------------------------------------------------------------------------
-# one process group of one rank: make_pipeline_stages on meta / prebuilt modules, FSDP2 export
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    import socket
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+# one process group of one rank (conftest's world_of_one): make_pipeline_stages on meta / prebuilt
+# modules, FSDP2 export
 
 
 def test_make_pipeline_stages_takes_a_meta_model_and_prebuilt_stages_without_copies(checkpoint, world_of_one):
