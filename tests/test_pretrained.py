@@ -75,12 +75,14 @@ def build_variant(variant: str, seed: int = 0) -> torch.nn.Module:
 
 @pytest.fixture(scope="module", autouse=True)
 def quiet_transformers():
-    verbosity = transformers.logging.get_verbosity()
+    verbosity, threads = transformers.logging.get_verbosity(), torch.get_num_threads()
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)  # tiny models: more intra-op threads only spin
     yield
     transformers.logging.set_verbosity(verbosity)
     transformers.utils.logging.enable_progress_bar()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

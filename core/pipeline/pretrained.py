@@ -224,10 +224,10 @@ def _plan(model: Any, modules: Sequence[StageModule], names: _NameMap, checkpoin
     missing |= {k for k in absent - missing if k not in buffers}  # a parameter is never computed
     if missing:
         shown = ", ".join(sorted(missing)[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        where = checkpoint.index or os.path.join(checkpoint.directory, checkpoint.files[0] if checkpoint.files else "")
         raise ValueError(
-            f"{checkpoint.directory}: the checkpoint lacks {len(missing)} tensor(s) stage(s) "
-            f"{[m.stage_index for m in modules]} need: {shown} (names as the model has them; nothing is "
-            f"initialised at random)"
+            f"{where}: the checkpoint lacks {len(missing)} tensor(s) stage(s) {[m.stage_index for m in modules]} "
+            f"need: {shown} (names as the model has them; nothing is initialised at random)"
         )
     load = sorted(k for k, targets in names.targets.items() if needed.intersection(targets))
     return _Plan(load, needed, carriers, absent)
@@ -284,7 +284,8 @@ def _check_loaded(checkpoint: CheckpointFiles, plan: _Plan, names: _NameMap, inf
 
     def files_of(target: str) -> str:
         sources = [k for k in plan.load if target in names.targets[k]]
-        return ", ".join(f"{k!r} in {checkpoint.weight_map[k]}" for k in sources) or "?"
+        shown = ", ".join(f"{k!r} in {checkpoint.weight_map[k]}" for k in sources[:4]) or "?"
+        return shown + (f" and {len(sources) - 4} more" if len(sources) > 4 else "")
 
     if info.conversion_errors:
         target, message = sorted(info.conversion_errors.items())[0]

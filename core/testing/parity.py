@@ -987,8 +987,16 @@ def _checkpoint(tiny_module: Any, job: _Job, rank: int) -> Iterator[tuple[torch.
     model = build(job.seed)
     box: list[Any] = [None]
     if rank == 0:
+        from transformers.utils import logging as hf_logging
+
         box[0] = tempfile.mkdtemp(prefix="ppmedia-parity-checkpoint-")
-        model.save_pretrained(box[0], max_shard_size="40KB")
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(box[0], max_shard_size="40KB")
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
     dist.broadcast_object_list(box, src=0)
     try:
         yield model, box[0]

@@ -65,6 +65,7 @@ def build_checkpoint(directory: str) -> dict[str, Any]:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     config = transformers.Qwen2_5_VLConfig(
         text_config={
             "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
