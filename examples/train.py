@@ -6,6 +6,8 @@ Run it with torchrun; the world is ``pp x dp`` processes (gloo on CPU here, nccl
         --schedule 1f1b --steps 20 --save-dir ckpt --save-every 10
     torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 \\
         --schedule 1f1b --steps 20 --resume ckpt/step10          # continues at step 10
+    torchrun --standalone --nproc-per-node 2 examples/train.py --model hf-ckpt --family qwen2_5_vl \\
+        --pp 2 --steps 20 --export trained-hf                    # from and to a Hugging Face checkpoint
 
 Every rank sees the same global batch; replica ``r`` trains on its share (its samples, their media
 only), split into ``--microbatches`` microbatches for its pipeline. Gradients: tied embeddings summed
@@ -13,9 +15,12 @@ across the pipeline, then summed across replicas, then clipped to a global L2 no
 replicas), then AdamW. A checkpoint is one file per pipeline rank (``pp{rank}.pt``: its stages'
 parameters and its optimizer state), written by replica 0 and read by every replica.
 
-The models are ppmedia's tiny seeded ones (no download); replace ``build_model`` and ``batches`` with
-``from_pretrained`` and your DataLoader (a processor's output: ``input_ids``, ``attention_mask`` and
-the media keys).
+The models are ppmedia's tiny seeded ones (no download), or with ``--model`` a Hugging Face checkpoint
+directory, of which each rank reads only its stages' tensors (``pipeline.stages_from_pretrained``);
+``--export`` writes the trained model as a Hugging Face checkpoint at the end
+(``pipeline.save_pretrained_stages``). The batches stand in for your DataLoader (a processor's output:
+``input_ids``, ``attention_mask`` and the media keys): ``--family`` picks the tiny family's, which
+must match ``--model``'s model type.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint after every N steps")
     parser.add_argument("--resume", help="a checkpoint folder (step{N}) to continue from")
     parser.add_argument("--loss-log", help="append one JSON line per step (global loss, grad norm) here (rank 0)")
+    parser.add_argument("--model", help="a Hugging Face checkpoint directory to train (instead of the tiny family's model)")
+    parser.add_argument("--export", help="write the trained model as a Hugging Face checkpoint in this directory")
     return parser.parse_args(argv)
 
 
@@ -91,21 +98,35 @@ def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namesp
     return float(loss), float(norm)
 
 
+def stage_modules(args: argparse.Namespace, n_stages: int, indices: list[int]) -> tuple[list[Any], list[Any]]:
+    """This rank's stage modules and the model's tied parameter groups (the same on every rank).
+
+    From ``--model``: built on the meta device, only these stages loaded, from only the shards that
+    hold them. Else the tiny family's seeded model (the same weights on every rank), cut.
+    """
+    if args.model:
+        modules = pipeline.stages_from_pretrained(args.model, n_stages, stages=indices)
+        expected = tiny_models.load(args.family).MODEL_TYPE
+        if modules[0].config.model_type != expected:
+            raise ValueError(f"--model is a {modules[0].config.model_type} checkpoint; --family {args.family}'s "
+                             f"stand-in batches are for {expected}")
+        return modules, list(modules[0].tied)
+    model = tiny_models.load(args.family).build_model(args.seed)
+    tied = pipeline.tied_parameters(model)  # before the split: names that are one tensor
+    return pipeline.build_stage_modules(model, n_stages, stages=indices), tied
+
+
 def build(args: argparse.Namespace) -> dict[str, Any]:
     """Process groups, this rank's stages, the schedule and the optimizer."""
     mesh = init_device_mesh("cpu", (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
 
-    model = tiny_models.load(args.family).build_model(args.seed)  # the same weights on every rank
-    config, adapter = model.config, ppmedia.get_adapter(model)
-    tied = pipeline.tied_parameters(model)  # before the split: names that are one tensor
     layout = pipeline.schedule_layout(args.schedule)  # stages per rank and their placement (loop / V)
-    stages = pipeline.make_pipeline_stages(
-        model, layout.n_stages(args.pp), layout.stage_indices(pp_rank, args.pp), "cpu", group=pp_group
-    )
-    del model  # each rank keeps only its stages
-    modules = [stage.submod for stage in stages]
+    n_stages, indices = layout.n_stages(args.pp), layout.stage_indices(pp_rank, args.pp)
+    modules, tied = stage_modules(args, n_stages, indices)  # each rank keeps only its stages
+    config, adapter = modules[0].config, modules[0].adapter
+    stages = pipeline.make_pipeline_stages(modules, n_stages, indices, "cpu", group=pp_group)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     return {
         "pp_rank": pp_rank, "dp_rank": dp_rank, "pp_group": pp_group, "dp_group": dp_group,
@@ -158,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
                         fh.write(json.dumps({"step": step, "loss": loss, "grad_norm": norm}) + "\n")
             if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
                 save(ctx, os.path.join(args.save_dir, f"step{step + 1}"), step + 1)
+        if args.export and ctx["dp_rank"] == 0:  # one replica writes; each pipeline rank its stages' shards
+            pipeline.save_pretrained_stages(ctx["modules"], args.export, group=ctx["pp_group"])
     finally:
         dist.destroy_process_group()
 

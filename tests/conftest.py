@@ -46,3 +46,23 @@ def text_embeds(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor
     """The model's text embeddings [b, S, H] of ``input_ids``."""
     with torch.no_grad():
         return model.get_input_embeddings()(input_ids)
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A gloo process group of one rank in this process (127.0.0.1, a free port), destroyed after the
+    module: for PipelineStage, DeviceMesh and FSDP2 objects in-process."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

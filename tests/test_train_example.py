@@ -4,6 +4,9 @@ agents (two "nodes" on 127.0.0.1, c10d rendezvous).
 * The training script's losses follow a single-process AdamW run of the model itself (same batches,
   same clipping): its first-stage forward passes the attention mask and computes the mrope positions.
 * A run resumed from a checkpoint in fresh processes continues the uninterrupted run's losses exactly.
+* ``--model``/``--export``: training from a ``save_pretrained`` checkpoint (each rank loads only its
+  stages) and exporting a Hugging Face checkpoint that ``from_pretrained`` loads, equal to the trained
+  stages.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, timeout: int = 300, nproc: int = 4) -> subprocess.CompletedProcess:
     port = str(_free_port())
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "4", "--master-port", port, str(TRAIN), *args]
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "--master-port", port, str(TRAIN), *args]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result
@@ -110,3 +113,32 @@ def test_pipeline_across_two_torchrun_agents_matches_the_model():
     printed = "".join(out for _, out, _ in outs)
     assert printed.count("PASS: tolerance 1e-05, 2 processes (torchrun, 2 nodes)") == 1  # rank 0 reports
     assert "ZBVZeroBubble/static" in printed and "4/4" in printed
+
+
+def _trained_stage_tensors(folder: pathlib.Path) -> dict[str, torch.Tensor]:
+    """The stages' tensors as the script's own checkpoint of that step holds them (every pipeline rank's file)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("pp*.pt")):
+        for state in torch.load(file, weights_only=True)["stages"].values():
+            tensors.update(state)
+    return tensors
+
+
+@pytest.mark.multiprocess
+def test_train_from_a_checkpoint_and_export_one(tmp_path):
+    """Gemma 3: its lm_head (last stage) is tied to the embedding (first stage), so each rank's load
+    reads the tie from the checkpoint, and the export writes the embedding once."""
+    import transformers
+
+    source, export, saved = tmp_path / "source", tmp_path / "export", tmp_path / "saved"
+    tiny.load("gemma3").build_model(0).save_pretrained(source, max_shard_size="40KB")
+    _torchrun("--model", str(source), "--family", "gemma3", "--pp", "2", "--steps", "2", "--save-dir", str(saved),
+              "--save-every", "2", "--export", str(export), nproc=2)
+    assert len(list(export.glob("model-0000?-of-00002.safetensors"))) == 2  # one file per pipeline rank
+    model, info = transformers.Gemma3ForConditionalGeneration.from_pretrained(export, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    exported, trained = model.state_dict(), _trained_stage_tensors(saved / "step2")
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
+    initial = transformers.Gemma3ForConditionalGeneration.from_pretrained(source).state_dict()
+    assert sum(not torch.equal(initial[k], exported[k]) for k in exported) > len(exported) // 2  # it trained

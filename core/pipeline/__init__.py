@@ -55,11 +55,17 @@ The package, one module per concern (every public name is importable from ``ppme
 ``loss``            :func:`make_labels`, :func:`count_valid_tokens`, :func:`pipeline_loss`
 ``tied``            tied parameters across stages
 ``parallel``        data parallelism: :func:`shard_batch`, gradient reduction, global-norm clipping
+``pretrained``      :func:`stages_from_pretrained`: a rank's stages from a Hugging Face checkpoint
+                    (built on meta, only the stage's tensors read, from only their shard files)
+``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
+``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
 ==================  ===========================================================================
 """
 
+from .export import save_pretrained_stages
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
+from .pretrained import stages_from_pretrained
 from .schedules import (
     SCHEDULE_ALIASES,
     SCHEDULES,
@@ -90,10 +96,12 @@ __all__ = [
     "make_labels",
     "make_pipeline_stages",
     "pipeline_loss",
+    "save_pretrained_stages",
     "schedule_layout",
     "schedule_names",
     "shard_batch",
     "stage_indices_for_rank",
+    "stages_from_pretrained",
     "static_stage_args",
     "sync_tied_gradients",
     "tied_parameters",

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from ..adapters.base import VlmAdapter, WireTensor, config_value
 from ..chunk import next_vlm_media_chunk
 from .surgery import _child_name, _get_path, _layer_ranges, _stage_tree, find_language_model
+from .tied import TiedParameters, tied_parameters
 
 __all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "static_stage_args"]
 
@@ -29,6 +30,8 @@ class StageModule(nn.Module):
         adapter: the family adapter (first stage: merge and positions).
         config: the full model's config (plain attribute, read by the adapter).
         language_model_path: dotted path of the language model (``model.language_model``).
+        tied: the FULL model's tied parameter groups (the same on every rank; pass them to
+            :func:`sync_tied_gradients`), found before the split.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class StageModule(nn.Module):
         self.is_last = stage_index == n_stages - 1
         self.language_model_path = language_model_path
         self.head_name = head_name
+        self.tied: tuple[TiedParameters, ...] = ()
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -209,6 +213,7 @@ def build_stage_modules(
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
     head_name = _child_name(model, head, "output head (lm_head)")
     path = lm_path.split(".")
+    tied = tuple(tied_parameters(model))
 
     modules = []
     for s in wanted:
@@ -243,6 +248,7 @@ def build_stage_modules(
                 head_name=head_name,
             )
         )
+        modules[-1].tied = tied
     return modules
 
 
@@ -311,10 +317,51 @@ def static_stage_args(
     return inputs, outputs
 
 
+def _stage_modules(
+    model: nn.Module | Sequence[StageModule],
+    n_stages: int | None,
+    stage_indices: Sequence[int] | None,
+    layers_per_stage: Sequence[int] | None,
+    adapter: VlmAdapter | None,
+) -> tuple[list[StageModule], int, list[int]]:
+    """``make_pipeline_stages``' modules: ``model`` cut, or the prebuilt ones checked."""
+    if isinstance(model, nn.Module) and not isinstance(model, StageModule):
+        if n_stages is None or stage_indices is None:
+            raise TypeError("make_pipeline_stages(model, n_stages, stage_indices, ...): a model needs both")
+        built = build_stage_modules(
+            model, n_stages, stages=stage_indices, layers_per_stage=layers_per_stage, adapter=adapter
+        )
+        return built, n_stages, list(stage_indices)
+    modules = [model] if isinstance(model, StageModule) else list(model)
+    if not modules or not all(isinstance(m, StageModule) for m in modules):
+        raise TypeError(
+            f"make_pipeline_stages: got {type(model).__name__}; expected a model or StageModule objects "
+            f"(build_stage_modules / stages_from_pretrained)"
+        )
+    if layers_per_stage is not None or adapter is not None:
+        raise TypeError("make_pipeline_stages: layers_per_stage and adapter apply when cutting a model; these modules are cut")
+    indices = [m.stage_index for m in modules]
+    lengths = {m.n_stages for m in modules}
+    if len(lengths) != 1 or (n_stages is not None and lengths != {n_stages}):
+        raise ValueError(f"n_stages: got {n_stages}; the modules belong to pipelines of {sorted(lengths)} stages")
+    if stage_indices is not None and list(stage_indices) != indices:
+        raise ValueError(f"stage_indices: got {list(stage_indices)}; the modules are stages {indices}")
+    return modules, lengths.pop(), indices
+
+
+def _to_device(module: nn.Module, device: torch.device) -> None:
+    """Move ``module`` to ``device`` unless it is there already or holds meta tensors (left as they
+    are: materialise them yourself, e.g. ``to_empty`` and a load); no data is copied needlessly."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.is_meta for t in tensors) or all(t.device == device for t in tensors):
+        return
+    module.to(device)
+
+
 def make_pipeline_stages(
-    model: nn.Module,
-    n_stages: int,
-    stage_indices: Sequence[int],
+    model: nn.Module | Sequence[StageModule],
+    n_stages: int | None = None,
+    stage_indices: Sequence[int] | None = None,
     device: torch.device | str = "cpu",
     *,
     group: Any = None,
@@ -325,15 +372,20 @@ def make_pipeline_stages(
     """``PipelineStage`` objects for the stages a rank owns (see :func:`build_stage_modules`).
 
     Args:
-        model: the full model (each rank builds the same one; its modules are then pruned per stage).
-        n_stages: pipeline length.
-        stage_indices: the stages of this rank (:func:`stage_indices_for_rank`).
-        device: where the stages run.
+        model: the full model (each rank builds the same one; its modules are then pruned per stage),
+            possibly built on the meta device; or this rank's prebuilt :class:`StageModule` objects
+            (:func:`build_stage_modules`, :func:`stages_from_pretrained`), used as they are.
+        n_stages: pipeline length (required with a model; checked against prebuilt modules).
+        stage_indices: the stages of this rank (:func:`stage_indices_for_rank`; required with a
+            model, checked against prebuilt modules).
+        device: where the stages run. Modules elsewhere are moved there; modules already there, or
+            holding meta tensors, are left as they are (no copy).
         group: the pipeline process group (default: the world).
-        layers_per_stage: decoder layers per stage.
+        layers_per_stage: decoder layers per stage (with a model only).
         static_microbatch: ``(microbatch_size, seq_len)``: give every stage static
             ``input_args``/``output_args`` (no shape-inference forward); ``None`` infers shapes on the
             first step (pass the first stage to :func:`ppmedia.stage_media` so it costs no chunk).
+        adapter: the family adapter (with a model only; default: the registry's).
 
     Returns:
         One ``torch.distributed.pipelining.PipelineStage`` per index, in order; ``stage.submod`` is
@@ -341,13 +393,11 @@ def make_pipeline_stages(
     """
     from torch.distributed.pipelining import PipelineStage
 
-    modules = build_stage_modules(
-        model, n_stages, stages=stage_indices, layers_per_stage=layers_per_stage, adapter=adapter
-    )
+    modules, n_stages, indices = _stage_modules(model, n_stages, stage_indices, layers_per_stage, adapter)
     device = torch.device(device)
     stages = []
-    for index, module in zip(stage_indices, modules):
-        module.to(device)
+    for index, module in zip(indices, modules):
+        _to_device(module, device)
         kwargs: dict[str, Any] = {}
         if static_microbatch is not None:
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)

@@ -15,7 +15,10 @@ Each worker builds the same tiny seeded model (``ppmedia.testing.tiny_models``),
 
 A scenario (:class:`Scenario`) picks the schedule (any torch ships), inferred or static shapes, the
 ``dp x pp`` layout (``pp = world_size // dp``; rank ``= dp_rank * pp + pp_rank``), the model's own
-activation checkpointing, bfloat16 parameters and global-norm clipping.
+activation checkpointing, bfloat16 parameters and global-norm clipping, or stages loaded from a
+checkpoint (``pretrained``: rank 0 writes the tiny model with ``save_pretrained`` once per family, in
+many small shards, and every rank builds only its stages with
+:func:`ppmedia.pipeline.stages_from_pretrained`; the ranks need a file system they share).
 
 The reference is computed in the same worker, single-process, on the full batch, by the model's OWN
 forward (``model(**reference_inputs(batch), labels=...)``, transformers' own loss: the mean token
@@ -50,7 +53,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -127,6 +130,10 @@ class Scenario:
             parameter outside the language model (``requires_grad=False``) on both sides.
         balance: reorder the samples for an even vision load (``split_media(balance=...)`` with the
             adapter's ``image_costs``); the reference still runs the original order.
+        pretrained: build the stages from a checkpoint of the tiny model
+            (:func:`~ppmedia.pipeline.stages_from_pretrained`, each rank only its stages) instead of
+            cutting the model in memory; the tiny module's ``build_checkpoint_model`` (if it has one)
+            is the model written and the reference.
     """
 
     schedule: str
@@ -139,6 +146,7 @@ class Scenario:
     layers: tuple[int, ...] | None = None
     variant: str | None = None
     balance: bool = False
+    pretrained: bool = False
 
     def __post_init__(self) -> None:
         from ..pipeline import schedule_layout
@@ -175,7 +183,7 @@ def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
         parts.append("layers=" + "+".join(str(n) for n in sc.layers))
     if sc.variant is not None:
         parts.append(sc.variant)
-    return "/".join(parts + ["balanced"] * sc.balance)
+    return "/".join(parts + ["balanced"] * sc.balance + ["pretrained"] * sc.pretrained)
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -187,7 +195,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -217,10 +225,12 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["variant"] = token
             elif token == "balanced":
                 kwargs["balance"] = True
+            elif token == "pretrained":
+                kwargs["pretrained"] = True
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced]"
+                    f"schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -335,6 +345,7 @@ class ScenarioResult:
     layers: list[int] | None = None  # the scenario's explicit layers_per_stage, if any
     variant: str | None = None
     balance: bool = False
+    pretrained: bool = False
 
     @property
     def name(self) -> str:
@@ -625,15 +636,38 @@ def _build_batch(tiny_module: Any, scenario: Scenario, seed: int) -> dict[str, A
     return dict(tiny_module.build_batch(seed))
 
 
-def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module, tiny_module: Any) -> _Built:
-    from ..pipeline import (
-        build_schedule,
-        default_layer_split,
-        find_language_model,
-        make_pipeline_stages,
-        schedule_layout,
-        tied_parameters,
+def _stages(
+    scenario: Scenario, pristine: torch.nn.Module, n_stages: int, indices: list[int], g: _Groups,
+    layers_per_stage: list[int], static: tuple[int, int] | None, checkpoint: str | None,
+) -> tuple[list[Any], list[Any]]:
+    """This rank's PipelineStages and the tied parameter groups: cut from a copy of ``pristine``, or
+    loaded from ``checkpoint`` (the ``pretrained`` scenarios)."""
+    from ..pipeline import make_pipeline_stages, stages_from_pretrained, tied_parameters
+
+    if scenario.pretrained:
+        assert checkpoint is not None
+        dtype = torch.bfloat16 if scenario.dtype == "bfloat16" else None
+        modules = stages_from_pretrained(checkpoint, n_stages, stages=indices, layers_per_stage=layers_per_stage, dtype=dtype)
+        stages = make_pipeline_stages(modules, n_stages, indices, "cpu", group=g.pp_group, static_microbatch=static)
+        return stages, list(modules[0].tied)
+    model = copy.deepcopy(pristine)
+    if scenario.dtype == "bfloat16":
+        model.to(torch.bfloat16)
+    if scenario.checkpointing:
+        enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable")
+        enable()
+        model.train()
+    tied = tied_parameters(model)
+    stages = make_pipeline_stages(
+        model, n_stages, indices, "cpu", group=g.pp_group, layers_per_stage=layers_per_stage, static_microbatch=static
     )
+    return stages, tied  # the model itself is dropped: this rank keeps only its stages' modules
+
+
+def _build(
+    scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module, tiny_module: Any, checkpoint: str | None = None
+) -> _Built:
+    from ..pipeline import build_schedule, default_layer_split, find_language_model, schedule_layout
 
     layout = schedule_layout(scenario.schedule)
     n_stages = layout.n_stages(g.pp)
@@ -643,20 +677,9 @@ def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module,
     else:
         layers_per_stage = default_layer_split(len(lm.layers), n_stages)
     indices = layout.stage_indices(g.pp_rank, g.pp)
-    model = copy.deepcopy(pristine)
-    if scenario.dtype == "bfloat16":
-        model.to(torch.bfloat16)
-    if scenario.checkpointing:
-        enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable")
-        enable()
-        model.train()
-    tied = tied_parameters(model)
     B, S = _build_batch(tiny_module, scenario, job.seed)["input_ids"].shape
     static = (B // g.dp // job.n_microbatches, S) if scenario.shapes == "static" else None
-    stages = make_pipeline_stages(
-        model, n_stages, indices, "cpu", group=g.pp_group, layers_per_stage=layers_per_stage, static_microbatch=static
-    )
-    del model  # this rank keeps only its stages' modules
+    stages, tied = _stages(scenario, pristine, n_stages, indices, g, layers_per_stage, static, checkpoint)
     modules = [st.submod for st in stages]
     schedule = build_schedule(scenario.schedule, stages, job.n_microbatches)
     owned: dict[str, tuple[torch.nn.Parameter, bool]] = {}
@@ -850,7 +873,8 @@ def _splits_backward(schedule: Any) -> bool:
 
 
 def _run_scenario(
-    family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any
+    family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any,
+    checkpoint: str | None = None,
 ) -> dict[str, Any]:
     from ..pipeline import count_valid_tokens, make_labels, shard_batch
     from ..registry import get_adapter
@@ -858,7 +882,7 @@ def _run_scenario(
     n = job.n_microbatches
     adapter, config = get_adapter(pristine), pristine.config
     g = _groups(world, rank, scenario.dp)
-    built = _build(scenario, job, g, pristine, tiny_module)
+    built = _build(scenario, job, g, pristine, tiny_module, checkpoint)
     probe = _Probe(built)
     step_results = []
     try:
@@ -932,9 +956,13 @@ def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]
 
     dp = max((spec.get("dp", 1) for spec in job.scenarios), default=1)
     infos = _microbatch_infos(get_adapter(pristine), pristine.config, dict(batch), job.n_microbatches, dp)
-    results = [
-        _run_scenario(family, Scenario(**spec), job, rank, world, pristine, module) for spec in job.scenarios
-    ]
+    wants_checkpoint = any(spec.get("pretrained") for spec in job.scenarios)
+    with _checkpoint(module, job, rank) if wants_checkpoint else contextlib.nullcontext((pristine, None)) as (written, path):
+        results = [
+            _run_scenario(family, Scenario(**spec), job, rank, world, written if spec.get("pretrained") else pristine,
+                          module, path)
+            for spec in job.scenarios
+        ]
     return {
         "family": family,
         "model_type": pristine.config.model_type,
@@ -944,6 +972,38 @@ def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]
         "microbatches": [asdict(i) for i in infos],
         "scenarios": results,
     }
+
+
+@contextlib.contextmanager
+def _checkpoint(tiny_module: Any, job: _Job, rank: int) -> Iterator[tuple[torch.nn.Module, str]]:
+    """Rank 0 writes the tiny model (``build_checkpoint_model`` if the module has one, else
+    ``build_model``) with ``save_pretrained`` in 40 KB shards; yields ``(model, directory)`` on every
+    rank and removes the directory afterwards (collective: every rank enters)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    build = getattr(tiny_module, "build_checkpoint_model", tiny_module.build_model)
+    model = build(job.seed)
+    box: list[Any] = [None]
+    if rank == 0:
+        from transformers.utils import logging as hf_logging
+
+        box[0] = tempfile.mkdtemp(prefix="ppmedia-parity-checkpoint-")
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(box[0], max_shard_size="40KB")
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+    dist.broadcast_object_list(box, src=0)
+    try:
+        yield model, box[0]
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
 
 
 def _merge_step(k: int, rows: list[dict[str, Any]]) -> StepResult:
@@ -996,6 +1056,7 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         layers=None if sc.get("layers") is None else list(sc["layers"]),
         variant=sc.get("variant"),
         balance=sc.get("balance", False),
+        pretrained=sc.get("pretrained", False),
         stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0],
     )
 
@@ -1153,6 +1214,8 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
                     raise ValueError(f"{sc.name}: the tiny {family} batch has no text_only_first order")
         if sc.balance and (sc.dp != 1 or sc.fault is not None):
             raise ValueError(f"{sc.name}: balancing is run with one replica and no fault")
+        if sc.pretrained and sc.checkpointing:
+            raise ValueError(f"{sc.name}: a scenario loads its stages from a checkpoint or checkpoints activations, not both")
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")
 
@@ -1243,7 +1306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
     parser.add_argument(
         "--scenario", action="append",
-        help="schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        help="schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
         "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
     )
     parser.add_argument("--steps", type=int, default=2)
