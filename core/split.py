@@ -53,10 +53,11 @@ MEDIA_KEYS: tuple[str, ...] = (
     "patch_newline_mask",
     "n_images_per_sample",
     "n_videos_per_sample",
+    "num_chunks_per_video",
 )
 _MEDIA_KEY_SET = frozenset(MEDIA_KEYS)
 # may also be sequences: seconds per video, counts per sample (checked where they are read)
-_NOT_TENSORS = frozenset({"second_per_grid_ts", "n_images_per_sample", "n_videos_per_sample"})
+_NOT_TENSORS = frozenset({"second_per_grid_ts", "n_images_per_sample", "n_videos_per_sample", "num_chunks_per_video"})
 _FIELDS = tuple(f.name for f in fields(VlmMediaChunk))
 _ORDER = {name: i for i, name in enumerate(_FIELDS)}
 Range = tuple[int, int]
@@ -213,7 +214,10 @@ def split_media(
     ``video_grid_thw`` ``[videos, 3]`` and ``second_per_grid_ts`` ``[videos]`` (a tensor, or a list of
     seconds that becomes one new host tensor); Step3's ``patch_pixel_values`` ``[patches, C, h, w]``,
     ``num_patches`` ``[B]`` and ``patch_newline_mask`` ``[patches]``; the counts
-    ``n_images_per_sample`` / ``n_videos_per_sample`` ``[B]``.
+    ``n_images_per_sample`` / ``n_videos_per_sample`` ``[B]``; ``num_chunks_per_video`` ``[videos]``
+    (MiniMax-M3-VL, Kimi-K2.5: how many ``video_grid_thw`` rows each video spans; the models do not
+    read it and nothing stages it: a grid row is one video here, and those adapters' ``media_counts``
+    check it against the samples).
 
     Rows of ``pixel_values`` per image: with ``image_grid_thw``/``image_grid_hws``, the grid's product
     (flat patch rows ``[patches, D]``, patch-major ``[patches, C, ph, pw]``) when the products add up to
