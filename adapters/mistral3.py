@@ -166,12 +166,21 @@ class Mistral3Adapter(VlmAdapter):
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The model's own ``get_image_features``: ``{"image": [tokens, text_hidden]}`` in image order,
-        with the sizes read in :meth:`check_counts` (no second host read)."""
+        with the sizes read in :meth:`check_counts` (no second host read).
+
+        transformers 5.23's ``get_image_features`` (Mistral 3, Mistral Large 4, LLaVA) squeezes its
+        ``[1, tokens, H]`` features before splitting them per image, which fails when a call has ONE
+        feature row (a microbatch whose only image is one token): then the image goes in twice and
+        the first copy's row is kept (the second copy gets no gradient)."""
         if chunk.pixel_values is None:
             return {}
-        inner = inner_model(model, "get_image_features", "a Mistral3ForConditionalGeneration or Mistral3Model")
+        inner = inner_model(model, "get_image_features", f"a {self.name} model (...ForConditionalGeneration or its inner model)")
         # a list of [h, w]: the tower and the patch merger index it per image without a host read each
         sizes = host.rows("image_sizes", 2)
         pixels = as_tower_dtype(chunk.pixel_values, inner.vision_tower)
+        single = host.total("image") == 1
+        if single:
+            pixels, sizes = torch.cat([pixels, pixels]), sizes + sizes
         out = inner.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True)
-        return {"image": torch.cat(list(out.pooler_output), dim=0)}
+        features = torch.cat(list(out.pooler_output), dim=0)
+        return {"image": features[:1] if single else features}

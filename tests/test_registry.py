@@ -62,11 +62,12 @@ def test_every_declared_model_type_and_alias_resolves():
                 "step3p7": "step3", "kimi_vl": "kimi_vl", "kimi_k25": "kimi_vl", "qwen2_5_vl_text": "qwen2_5_vl",
                 "kimi-vl": "kimi_vl", "llava-next": "llava_next", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
                 "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "gemma3": "gemma3", "mistral3": "mistral3",
-                "mistral_large4": "mistral_large4", "llava": "llava"}
+                "mistral_large4": "mistral_large4", "llava": "llava", "minimax_m3_vl": "minimax_m3_vl",
+                "inkling2": "inkling2"}
     for model_type, name in expected.items():
         assert registry.get(model_type).name == name, model_type
     assert [i.name for i in registry.list()] == ["qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3",
-                                                 "mistral3", "mistral_large4", "llava"]
+                                                 "mistral3", "mistral_large4", "llava", "minimax_m3_vl", "inkling2"]
     assert {i.provider for i in registry.list()} == {"ppmedia (built-in)"}
 
 

@@ -1,9 +1,9 @@
 """Tiny seeded Mistral Large 4 (``mistral_large4``): Pixtral tower, 3 x 3 patch merger, a DSA text model
 whose layers hand top-k indices and latent KV to later layers.
 
-Geometry: Pixtral cuts images into 8 x 8 patches (at most 96 x 96 pixels); the patch merger joins
+Geometry: Pixtral cuts images into 4 x 4 patches (at most 48 x 48 pixels); the patch merger joins
 3 x 3 patches (``spatial_merge_size = 3``, as the released model), so an image of true size ``H x W``
-(multiples of 24) gives ``(H / 24) x (W / 24)`` ``[IMG]`` tokens, written as Mistral 3's (rows of
+(multiples of 12) gives ``(H / 12) x (W / 12)`` ``[IMG]`` tokens, written as Mistral 3's (rows of
 ``[IMG]``, ``[IMG_BREAK]`` between rows, ``[IMG_END]`` last; ids 10, 12, 13).
 
 The text model has 4 layers, so the default 2-stage split (2 + 2) cuts through every cross-layer
@@ -28,14 +28,14 @@ The batch (the same layout for every seed):
 ======  ==========================  =====  ============
 sample  image sizes                 rows   image tokens
 ======  ==========================  =====  ============
-0       (48, 72)                    1      6
-1       (24, 24), (72, 48)          2      1 + 6
-2       (72, 96)                    1      12
-3       (48, 48)                    1      4
+0       (24, 36)                    1      6
+1       (12, 12), (36, 24)          2      1 + 6
+2       (36, 48)                    1      12
+3       (24, 24)                    1      4
 4       text only                   0      0
 5       text only                   0      0
-6       (24, 96), (48, 24)          2      4 + 2
-7       (96, 96)                    1      16
+6       (12, 48), (24, 12)          2      4 + 2
+7       (48, 48)                    1      16
 ======  ==========================  =====  ============
 """
 
@@ -70,14 +70,14 @@ PAD_TOKEN_ID = 0
 IMAGE_TOKEN_ID = 10
 IMAGE_BREAK_TOKEN_ID = 12
 IMAGE_END_TOKEN_ID = 13
-PATCH_SIZE = 8
+PATCH_SIZE = 4
 MERGE = 3
-MAX_SIZE = 96
+MAX_SIZE = 48
 
 LAYOUT = PixtralLayout(
     step=PATCH_SIZE * MERGE, max_size=MAX_SIZE, vocab=VOCAB_SIZE, first_text_id=14,
     image=IMAGE_TOKEN_ID, image_break=IMAGE_BREAK_TOKEN_ID, image_end=IMAGE_END_TOKEN_ID, pad=PAD_TOKEN_ID,
-    sizes=(((48, 72),), ((24, 24), (72, 48)), ((72, 96),), ((48, 48),), (), (), ((24, 96), (48, 24)), ((96, 96),)),
+    sizes=(((24, 36),), ((12, 12), (36, 24)), ((36, 48),), ((24, 24),), (), (), ((12, 48), (24, 12)), ((48, 48),)),
     prefix=(3, 2, 5, 2, 9, 6, 2, 3),
     suffix=(4, 3, 6, 4, 0, 0, 2, 5),
 )
@@ -143,7 +143,7 @@ def build_model(seed: int = 0, **text_overrides: Any) -> torch.nn.Module:
 
 
 def build_batch(seed: int = 0) -> dict[str, Tensor]:
-    """``input_ids`` / ``attention_mask`` ``[8, S]``, ``pixel_values`` ``[8, 3, 96, 96]`` (zero past each
+    """``input_ids`` / ``attention_mask`` ``[8, S]``, ``pixel_values`` ``[8, 3, 48, 48]`` (zero past each
     image's true size), ``image_sizes`` ``[8, 2]``."""
     return pixtral_batch(LAYOUT, seed)
 
