@@ -66,7 +66,10 @@ class KimiVLAdapter(VlmAdapter):
 
     name = "kimi_vl"
     model_types = ("kimi_vl", "kimi_k25")
-    layout = "patch-major patches [patches, C, ph, pw] with grid [images, 2] (h, w) or [images, 3] (t, h, w)"
+    layout = (
+        "patch-major patches [patches, C, ph, pw] with grid [images, 2] (h, w) or [images, 3] (t, h, w); "
+        "Kimi-K2.5 videos likewise, one grid row (t, h, w) per chunk of t frames"
+    )
 
     # -- config ----------------------------------------------------------------------------
     @staticmethod

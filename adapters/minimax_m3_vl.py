@@ -56,8 +56,9 @@ class MiniMaxM3VLAdapter(Qwen3VLAdapter):
         "(num_chunks_per_video), one token block per temporal step; 1-D positions on every stage"
     )
 
-    # the language model's own 1-D positions, no wire tensors: the base protocol's defaults
-    position_ids = VlmAdapter.position_ids
+    # the language model's own 1-D positions, no wire tensors: the base protocol's defaults (whose
+    # position_ids returns None, "the language model's default", where Qwen3-VL's always returns mrope)
+    position_ids = VlmAdapter.position_ids  # type: ignore[assignment]
     wire_tensors = VlmAdapter.wire_tensors
     first_stage = VlmAdapter.first_stage
     decoder_kwargs = VlmAdapter.decoder_kwargs

@@ -179,3 +179,28 @@ def test_bad_image_sizes_name_this_family(model, batch, adapter):
     ids = batch["input_ids"][:1]
     with pytest.raises(ValueError, match=r"mistral_large4 image_sizes: row 0 of the microbatch is \[60, 12\]"):
         adapter.merge(model, ids, model.get_input_embeddings()(ids), chunk)
+
+
+class _Forgetful(MistralLarge4Adapter):
+    """Declares the state but stores none of it (its hooks only read)."""
+
+    def stage_hooks(self, stage, layers, state):
+        return super().stage_hooks(stage, layers, state)[:1]
+
+
+def test_state_declared_but_not_made_is_an_error_naming_it(model, batch):
+    with pytest.raises(TypeError, match=r"stage 0: _Forgetful.wire_tensors declares 'topk_indices' for stage 1, but "
+                                        r"this stage does not hold it \(it has \[\]\)"):
+        check_stage_splits(tiny, [(2, 2)], adapter=_Forgetful(), model=model, batch=batch)
+
+
+def test_the_hooks_are_gone_after_each_forward(model, batch):
+    """The stages share their layers with the model: no hook of a stage stays on them."""
+    from ppmedia.testing.stages import stage_run
+
+    def hooks():
+        return {name: (len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in model.named_modules()}
+
+    before = hooks()  # transformers' own output-capturing hooks
+    stage_run(model, batch, (1, 1, 2))
+    assert hooks() == before

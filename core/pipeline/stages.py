@@ -25,7 +25,8 @@ class StageModule(nn.Module):
         layer_range: ``(start, stop)`` of the decoder layers it runs (full-model indices).
         is_first, is_last: whether it embeds and merges media / produces logits.
         wire_in, wire_out: the extra tensors it receives / sends (besides hidden states and mask), as the
-            adapter declares them for its first layer / its successor's first layer.
+            adapter declares them for its first layer / its successor's first layer; each one sent is
+            either received or made by the stage's layers (``adapter.stage_hooks``).
         adapter: the family adapter (first stage: merge and positions).
         config: the full model's config (plain attribute, read by the adapter).
         language_model_path: dotted path of the language model (``model.language_model``).
