@@ -270,6 +270,7 @@ def split_media(
     bounds, at, samples = _cached_bounds(B, _microbatches(n_microbatches, B))
     ctx = Context(B, bounds, at)
     _check_left_over(batch, B)
+    _check_chunks_per_video(media)
     images = plan_images(ctx, media, images_per_sample)
     videos = plan_videos(ctx, media, videos_per_sample)
     crops = plan_step3(ctx, media)
@@ -293,6 +294,24 @@ def _media_of(batch: MutableMapping[str, Any]) -> dict[str, Any]:
         if value is not None:
             media[key] = value if key in _NOT_TENSORS else require_tensor(key, value)
     return media
+
+
+def _check_chunks_per_video(media: dict[str, Any]) -> None:
+    """``num_chunks_per_video``, when present: a 1-D integer tensor or a sequence of ints, one per video
+    (shape only: its values are the adapters' to check against the samples)."""
+    value = media.get("num_chunks_per_video")
+    if value is None:
+        return
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(
+                f"num_chunks_per_video: shape {shape_of(value)}, dtype {value.dtype}; expected a 1-D integer "
+                f"tensor [videos] (video_grid_thw rows per video)"
+            )
+    elif not isinstance(value, Sequence) or not all(type(v) is int for v in value):
+        raise TypeError(
+            f"num_chunks_per_video: got {type(value).__name__}; expected a [videos] integer tensor or a sequence of ints"
+        )
 
 
 def _microbatches(n: object, batch_size: int) -> int:

@@ -112,3 +112,12 @@ def test_video_chunk_without_grid_is_refused(model, batch, adapter):
     ids = batch["input_ids"][2:4]
     with pytest.raises(ValueError, match=r"video: the grid \[1, 3\] covers 32 patches but the chunk has 56 patch rows"):
         adapter.merge(model, ids, model.get_input_embeddings()(ids), broken)
+
+
+def test_split_media_refuses_a_malformed_num_chunks_per_video(batch):
+    for bad, match in ((torch.tensor([[2, 1, 2, 1]]), r"num_chunks_per_video: shape \[1, 4\], dtype torch.int64; expected a 1-D"),
+                       (torch.tensor([2.0, 1.0]), r"dtype torch.float32"), ("2121", r"got str")):
+        broken = dict(batch, num_chunks_per_video=bad)
+        with pytest.raises(TypeError, match=match):
+            ppmedia.split_media(broken, 4, images_per_sample=IMAGES, videos_per_sample=CHUNKS)
+        assert set(broken) == set(batch)  # nothing popped
