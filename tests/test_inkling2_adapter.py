@@ -118,3 +118,11 @@ def test_bad_pixels_are_refused_before_the_tower(model, batch, adapter):
         adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(pixels.permute(0, 3, 1, 2), grid, None, None))
     with pytest.raises(ValueError, match=r"inkling2 image_grid_thw \[1, 3\] covers 4 tiles but pixel_values \[3, 8, 8, 3\] has 3 rows"):
         adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(pixels[:3], grid, None, None))
+
+
+def test_with_the_models_own_activation_checkpointing():
+    model = tiny.build_model(0)
+    model.gradient_checkpointing_enable()
+    model.train()
+    (check,) = check_stage_splits(tiny, [(1, 2, 1)], model=model)
+    assert check.max_logit_diff <= ATOL and check.max_grad_diff <= ATOL

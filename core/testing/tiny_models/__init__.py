@@ -12,7 +12,10 @@ Each family module defines:
 * ``build_batch(seed=0)``: a processor-style batch of 8 samples, ``input_ids`` ``[8, S]`` plus the
   media keys :func:`ppmedia.split_media` reads; split in 4 microbatches, microbatch 2 (samples 4 and
   5) is text-only;
-* ``reference_inputs(batch)``: the keyword arguments of the model's own full-batch forward.
+* ``reference_inputs(batch)``: the keyword arguments of the model's own full-batch forward;
+* optionally ``ADAPTER``: the name of the adapter serving the model, when it is not the family's name
+  (a variant: ``mistral_small4`` is served by ``mistral3``, ``llava_pixtral`` by ``llava``,
+  ``kimi_k25_video`` by ``kimi_vl``).
 
 A plugin's own tiny-family module follows the same protocol (:data:`PROTOCOL`); the parity harness
 needs its ``build_batch`` to hold 8 samples, like the built-ins'.
