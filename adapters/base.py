@@ -13,13 +13,28 @@ microbatch's media and scatters the features into that microbatch's placeholder 
 
 A family supplies the four abstract methods (and :meth:`VlmAdapter.host_inputs` when it needs chunk
 metadata on the host); :mod:`ppmedia.adapters._helpers` holds what the built-ins share.
+
+**State that crosses stage boundaries.** Between pipeline stages travel the hidden states, the
+attention mask and the tensors the adapter declares for the receiving stage
+(:meth:`VlmAdapter.wire_tensors`, each a :class:`WireTensor`). A wire tensor is made either by the
+first stage (:meth:`VlmAdapter.first_stage`: positions, deepstack features) or by a decoder layer on
+any stage: state one layer hands to a later one (Mistral Large 4's DSA top-k indices and shared
+latent KV, Inkling 2's attention-residual block states). For the latter a stage runs its layers with
+the hooks of :meth:`VlmAdapter.stage_hooks` (:class:`LayerHook`), which read what the stage received
+from ``state`` and hand it to the model's own code where that code expects it, and store into
+``state`` what the stage's layers made; the stage then sends every tensor of ``wire_tensors(config,
+its_stop)`` from ``state``. :meth:`VlmAdapter.decoder_kwargs` turns the received tensors into the
+language model's keyword arguments, :meth:`VlmAdapter.prune_stage` edits a stage's copy of the
+language model (modules only the last stage runs), :meth:`VlmAdapter.logits` is the last stage's head.
+The worked examples: ``ppmedia.adapters.qwen3_vl`` (made on the first stage) and
+``ppmedia.adapters.mistral_large4`` (made by layers), documented in ``docs/state-families.md``.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, MutableMapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -30,7 +45,16 @@ from ..hostreads import HostReader
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["HostValues", "VlmAdapter", "WireTensor", "config_get", "config_value", "inner_model", "read_host"]
+__all__ = [
+    "HostValues",
+    "LayerHook",
+    "VlmAdapter",
+    "WireTensor",
+    "config_get",
+    "config_value",
+    "inner_model",
+    "read_host",
+]
 
 
 def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> Any:
@@ -89,14 +113,44 @@ class WireTensor:
             :meth:`VlmAdapter.decoder_kwargs` reads (``"position_ids"``, ``"deepstack_1"``).
         shape: batch first; each dim an ``int`` or one of ``"b"`` (microbatch rows), ``"S"`` (sequence
             length), ``"H"`` (the text hidden size). Static: the same for every microbatch.
-        floating: ``True``: the hidden states' dtype, and its gradient flows back to the first stage
-            (e.g. deepstack features, so the vision tower gets their gradient); ``False``: int64, no
-            gradient (positions, masks, token types).
+        floating: ``True``: the hidden states' dtype, and its gradient flows back to the stage that
+            made it (deepstack features: the first stage, so the vision tower gets their gradient;
+            shared KV or block states: the stage of the layer that made them); ``False``: int64, no
+            gradient (positions, masks, token types, top-k indices).
     """
 
     name: str
     shape: tuple[Union[int, str], ...]
     floating: bool = False
+
+
+#: ``before(module, args, kwargs) -> (args, kwargs) | None``: torch's forward pre-hook with kwargs.
+BeforeHook = Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], Optional[tuple[tuple[Any, ...], dict[str, Any]]]]
+#: ``after(module, args, kwargs, output) -> output | None``: torch's forward hook with kwargs.
+AfterHook = Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], Any]
+
+
+@dataclass(frozen=True)
+class LayerHook:
+    """A hook a stage puts on one of its modules while its language model runs one microbatch
+    (:meth:`VlmAdapter.stage_hooks`), then removes.
+
+    Attributes:
+        module: a module of the stage, usually one of its decoder layers
+            (``stage.stage_language_model.layers``), or another child of its language model.
+        before: called before ``module`` runs, with the positional and keyword arguments the language
+            model's own ``forward`` passes it; returns replacements ``(args, kwargs)`` or ``None``
+            (registered with ``register_forward_pre_hook(..., with_kwargs=True)``).
+        after: called after it ran, with the same arguments and its output; returns a replacement
+            output or ``None`` (``register_forward_hook(..., with_kwargs=True)``).
+
+    The hooks sit outside transformers' activation checkpointing (it checkpoints ``forward``, not
+    ``__call__``), so a recomputed layer sees the arguments the hook gave it on the forward.
+    """
+
+    module: torch.nn.Module
+    before: BeforeHook | None = None
+    after: AfterHook | None = None
 
 
 def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> HostValues:
@@ -396,10 +450,11 @@ class VlmAdapter(abc.ABC):
         """The tensors a stage whose first decoder layer is ``first_layer`` needs from earlier stages.
 
         Besides the hidden states and attention mask, in send order. ``first_layer`` is a full-model
-        layer index (a stage with no layers passes its successor's). ``wire_tensors(config, k)`` must
-        be a subset of ``wire_tensors(config, j)`` for ``j <= k``: a stage passes on a subset of what
-        it got. Default: the mrope positions ``[b, 3, S]`` for adapters that override
-        :meth:`position_ids`, else nothing.
+        layer index (a stage with no layers passes its successor's). A stage whose layers are
+        ``j .. k-1`` sends ``wire_tensors(config, k)``: each of them it either received
+        (``wire_tensors(config, j)``) or its layers made (stored by :meth:`stage_hooks`); without
+        stage hooks that means a subset of what it got. Default: the mrope positions ``[b, 3, S]``
+        for adapters that override :meth:`position_ids`, else nothing.
         """
         if type(self).position_ids is VlmAdapter.position_ids:
             return ()
@@ -455,6 +510,62 @@ class VlmAdapter(abc.ABC):
         if "position_ids" in wire:
             return {"position_ids": wire["position_ids"].transpose(0, 1)}
         return {}
+
+    def stage_hooks(
+        self, stage: torch.nn.Module, layers: range, state: MutableMapping[str, Tensor]
+    ) -> Sequence[LayerHook]:
+        """Hooks on the stage's modules for one run of its language model (one microbatch): how state
+        that one decoder layer hands to a later one crosses stage boundaries.
+
+        Called on every stage that runs its language model (all but a middle stage without decoder
+        layers), once per forward, before it runs; the stage registers the hooks, runs the language
+        model, removes them.
+
+        Args:
+            stage: the stage module (``stage.config``, ``stage.stage_language_model`` whose ``layers``
+                are the stage's decoder layers in order, ``stage.is_first`` / ``is_last``).
+            layers: the full-model indices of those layers (contiguous; empty on a last stage
+                without decoder layers, which still runs the final norm).
+            state: this microbatch's wire tensors by name: on entry what the stage received
+                (``wire_tensors(config, layers.start)``; the first stage: what :meth:`first_stage`
+                made); the hooks read it to hand the model's own code what earlier stages' layers
+                made (a ``before`` hook replacing a layer's argument), and store into it what this
+                stage's layers make (an ``after`` hook reading a layer's output, or a ``before``
+                hook reading a container the language model passes every layer). After the run the
+                stage sends ``wire_tensors(config, layers.stop)`` from ``state``; a name there that
+                is neither received nor stored is a ``TypeError`` naming it. Store floating state as
+                the graph gives it (its gradient flows back to the layer that made it).
+
+        Returns:
+            :class:`LayerHook` objects; default none (no state made by layers).
+        """
+        return ()
+
+    def prune_stage(self, language_model: torch.nn.Module, *, layers: range, first: bool, last: bool) -> None:
+        """Edit a stage's copy of the language model in place, after ppmedia kept its decoder layers
+        (under their original indices), removed the embedding from later stages and replaced the final
+        norm by ``Identity`` on all but the last.
+
+        Override it when the language model's ``forward`` runs another module only the last stage
+        should (Inkling 2's final block-attention residual): replace it by a parameter-free stand-in
+        on the other stages (``language_model._modules[name] = ...``). The copy shares its modules with
+        the model; do not modify them, replace entries. Default: nothing.
+        """
+
+    def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:
+        """The last stage's output: logits ``[b, S, vocab]`` from the final hidden states ``[b, S, H]``.
+
+        Default: the model's output head (``lm_head``). Override it when the model's own forward does
+        more after the head (logit soft-capping, slicing a padded vocabulary); then also
+        :meth:`logits_width` if the width changes.
+        """
+        head: Any = getattr(stage, "_modules")[getattr(stage, "head_name")]
+        return head(hidden)
+
+    def logits_width(self, config: Any, head_width: int) -> int:
+        """The vocabulary width of :meth:`logits` for a head of ``head_width`` outputs (static shapes).
+        Default: ``head_width``."""
+        return head_width
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, model_types={self.model_types!r})"

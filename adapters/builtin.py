@@ -25,6 +25,10 @@ ADAPTERS: dict[str, str] = {
     "qwen3_5_moe": "ppmedia.adapters.qwen3_vl:Qwen3VLAdapter",
     "gemma3": "ppmedia.adapters.gemma3:Gemma3Adapter",
     "mistral3": "ppmedia.adapters.mistral3:Mistral3Adapter",
+    "mistral_large4": "ppmedia.adapters.mistral_large4:MistralLarge4Adapter",
+    "llava": "ppmedia.adapters.llava:LlavaAdapter",
+    "minimax_m3_vl": "ppmedia.adapters.minimax_m3_vl:MiniMaxM3VLAdapter",
+    "inkling2": "ppmedia.adapters.inkling2:Inkling2Adapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.

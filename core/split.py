@@ -53,10 +53,11 @@ MEDIA_KEYS: tuple[str, ...] = (
     "patch_newline_mask",
     "n_images_per_sample",
     "n_videos_per_sample",
+    "num_chunks_per_video",
 )
 _MEDIA_KEY_SET = frozenset(MEDIA_KEYS)
 # may also be sequences: seconds per video, counts per sample (checked where they are read)
-_NOT_TENSORS = frozenset({"second_per_grid_ts", "n_images_per_sample", "n_videos_per_sample"})
+_NOT_TENSORS = frozenset({"second_per_grid_ts", "n_images_per_sample", "n_videos_per_sample", "num_chunks_per_video"})
 _FIELDS = tuple(f.name for f in fields(VlmMediaChunk))
 _ORDER = {name: i for i, name in enumerate(_FIELDS)}
 Range = tuple[int, int]
@@ -213,7 +214,10 @@ def split_media(
     ``video_grid_thw`` ``[videos, 3]`` and ``second_per_grid_ts`` ``[videos]`` (a tensor, or a list of
     seconds that becomes one new host tensor); Step3's ``patch_pixel_values`` ``[patches, C, h, w]``,
     ``num_patches`` ``[B]`` and ``patch_newline_mask`` ``[patches]``; the counts
-    ``n_images_per_sample`` / ``n_videos_per_sample`` ``[B]``.
+    ``n_images_per_sample`` / ``n_videos_per_sample`` ``[B]``; ``num_chunks_per_video`` ``[videos]``
+    (MiniMax-M3-VL, Kimi-K2.5: how many ``video_grid_thw`` rows each video spans; the models do not
+    read it and nothing stages it: a grid row is one video here, and those adapters' ``media_counts``
+    check it against the samples).
 
     Rows of ``pixel_values`` per image: with ``image_grid_thw``/``image_grid_hws``, the grid's product
     (flat patch rows ``[patches, D]``, patch-major ``[patches, C, ph, pw]``) when the products add up to
@@ -266,6 +270,7 @@ def split_media(
     bounds, at, samples = _cached_bounds(B, _microbatches(n_microbatches, B))
     ctx = Context(B, bounds, at)
     _check_left_over(batch, B)
+    _check_chunks_per_video(media)
     images = plan_images(ctx, media, images_per_sample)
     videos = plan_videos(ctx, media, videos_per_sample)
     crops = plan_step3(ctx, media)
@@ -289,6 +294,24 @@ def _media_of(batch: MutableMapping[str, Any]) -> dict[str, Any]:
         if value is not None:
             media[key] = value if key in _NOT_TENSORS else require_tensor(key, value)
     return media
+
+
+def _check_chunks_per_video(media: dict[str, Any]) -> None:
+    """``num_chunks_per_video``, when present: a 1-D integer tensor or a sequence of ints, one per video
+    (shape only: its values are the adapters' to check against the samples)."""
+    value = media.get("num_chunks_per_video")
+    if value is None:
+        return
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(
+                f"num_chunks_per_video: shape {shape_of(value)}, dtype {value.dtype}; expected a 1-D integer "
+                f"tensor [videos] (video_grid_thw rows per video)"
+            )
+    elif not isinstance(value, Sequence) or not all(type(v) is int for v in value):
+        raise TypeError(
+            f"num_chunks_per_video: got {type(value).__name__}; expected a [videos] integer tensor or a sequence of ints"
+        )
 
 
 def _microbatches(n: object, batch_size: int) -> int:

@@ -686,8 +686,7 @@ def test_demo_names_every_family():
     commands = section((DOCS / "cli.md").read_text(), "Subcommands")
     for family in FAMILIES:
         assert f"`{family}`" in commands, family
-    count = ["one", "two", "three", "four", "five", "six", "seven", "eight"][len(FAMILIES) - 1]
-    assert f"the {count} tiny model families" in README.read_text()
+    assert "runs every tiny model family through" in README.read_text()  # no count to go stale
 
 
 def test_quoted_plan_figures_are_the_printed_ones():

@@ -25,12 +25,19 @@ the ``[3, b, S]`` positions transposed) for adapters that override ``position_id
 Qwen3-VL adds its visual position mask ``[b, S]`` and one ``[b, S, H]`` tensor per deepstack level
 still ahead (the level's features scattered to the visual positions, zeros elsewhere), so features of
 decoder layers on later stages cross the boundary and their gradients flow back to the vision tower.
-The first stage builds every wire tensor (``adapter.first_stage``); each stage turns what it holds into
-its language model's keyword arguments (``adapter.decoder_kwargs``) and passes on what later stages need.
+The first stage builds the wire tensors that come from the media (``adapter.first_stage``); state one
+decoder layer hands to a later one (Mistral Large 4's top-k indices and shared KV, Inkling 2's block
+states) is made by the layers of whichever stage holds them: each stage runs its language model with
+the adapter's hooks on its modules (``adapter.stage_hooks``: hand the model's own code what the stage
+received, store what its layers made). Each stage turns what it holds into its language model's
+keyword arguments (``adapter.decoder_kwargs``) and sends on what later stages need, received or made
+(see ``docs/state-families.md``). The last stage's output is ``adapter.logits`` (``lm_head``, plus
+what the model's own forward does after it, e.g. soft-capping).
 
 A stage module keeps only what its stage runs: the first stage the vision tower, projector and
 embedding; every stage its decoder layers (under their ORIGINAL indices) and the language model's
-rotary embedding; the last stage the final norm and ``lm_head`` (the norm is ``Identity`` elsewhere).
+rotary embedding; the last stage the final norm and ``lm_head`` (the norm is ``Identity`` elsewhere;
+``adapter.prune_stage`` may replace other last-stage-only modules of the language model likewise).
 Parameter names are the full model's (``model.language_model.layers.3.mlp.up_proj.weight`` stays
 that on whichever stage holds layer 3), so gradients compare one to one with the full model.
 The modules share parameters with ``model``; drop your reference to ``model`` to free the rest.

@@ -26,7 +26,8 @@ class StageModule(nn.Module):
         layer_range: ``(start, stop)`` of the decoder layers it runs (full-model indices).
         is_first, is_last: whether it embeds and merges media / produces logits.
         wire_in, wire_out: the extra tensors it receives / sends (besides hidden states and mask), as the
-            adapter declares them for its first layer / its successor's first layer.
+            adapter declares them for its first layer / its successor's first layer; each one sent is
+            either received or made by the stage's layers (``adapter.stage_hooks``).
         adapter: the family adapter (first stage: merge and positions).
         config: the full model's config (plain attribute, read by the adapter).
         language_model_path: dotted path of the language model (``model.language_model``).
@@ -127,9 +128,9 @@ class StageModule(nn.Module):
                 )
             hidden, attention_mask = args[0], args[1]
             wire = {spec.name: tensor for spec, tensor in zip(specs, args[2:])}
-        hidden = self._decode(hidden, attention_mask, wire)
+        hidden, wire = self._decode(hidden, attention_mask, wire)
         if self.is_last:
-            return self._modules[self.head_name](hidden)  # type: ignore[misc]
+            return self.adapter.logits(self, hidden)
         out = [hidden.contiguous(), attention_mask.contiguous()]
         for spec in self.wire_out:
             tensor = wire.get(spec.name)
@@ -137,7 +138,8 @@ class StageModule(nn.Module):
                 raise TypeError(
                     f"stage {self.stage_index}: {type(self.adapter).__name__}.wire_tensors declares "
                     f"{spec.name!r} for stage {self.stage_index + 1}, but this stage does not hold it "
-                    f"(it has {sorted(wire)}); a later stage may only need a subset of an earlier one's"
+                    f"(it has {sorted(wire)}): a stage sends what it received or what its layers "
+                    f"stored through {type(self.adapter).__name__}.stage_hooks"
                 )
             if spec.floating and not tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
                 # e.g. a text-only microbatch's zero deepstack features: keep a gradient slot, so the
@@ -165,14 +167,30 @@ class StageModule(nn.Module):
                 )
         return hidden, wire
 
-    def _decode(self, hidden: Tensor, attention_mask: Tensor, wire: Mapping[str, Tensor]) -> Tensor:
+    def _decode(
+        self, hidden: Tensor, attention_mask: Tensor, wire: Mapping[str, Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Run the stage's layers; returns the hidden states and the wire tensors after them (what the
+        stage received or made, plus what its layers stored through ``adapter.stage_hooks``)."""
+        state = dict(wire)
         if self.num_layers == 0 and not self.is_last:
             # Nothing to run; a fresh tensor keeps the stage's output distinct from its input.
-            return hidden if self.is_first else hidden.clone()
+            return (hidden if self.is_first else hidden.clone()), state
+        layers = range(*self.layer_range)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask}
-        kwargs.update(self.adapter.decoder_kwargs(self, range(*self.layer_range), hidden, attention_mask, wire))
-        out = self.stage_language_model(inputs_embeds=hidden, use_cache=False, **kwargs)
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        kwargs.update(self.adapter.decoder_kwargs(self, layers, hidden, attention_mask, wire))
+        handles = []
+        try:
+            for hook in self.adapter.stage_hooks(self, layers, state):
+                if hook.before is not None:
+                    handles.append(hook.module.register_forward_pre_hook(hook.before, with_kwargs=True))
+                if hook.after is not None:
+                    handles.append(hook.module.register_forward_hook(hook.after, with_kwargs=True))
+            out = self.stage_language_model(inputs_embeds=hidden, use_cache=False, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]), state
 
 
 def build_stage_modules(
@@ -235,20 +253,20 @@ def build_stage_modules(
                 children[name] = child
         if first:
             parameters = {k: v for k, v in model._parameters.items() if v is not None}
-        modules.append(
-            StageModule(
-                children,
-                parameters,
-                config=model.config,
-                adapter=adapter,
-                stage_index=s,
-                n_stages=n_stages,
-                layer_range=(start, stop),
-                language_model_path=lm_path,
-                head_name=head_name,
-            )
+        module = StageModule(
+            children,
+            parameters,
+            config=model.config,
+            adapter=adapter,
+            stage_index=s,
+            n_stages=n_stages,
+            layer_range=(start, stop),
+            language_model_path=lm_path,
+            head_name=head_name,
         )
-        modules[-1].tied = tied
+        module.tied = tied
+        adapter.prune_stage(module.stage_language_model, layers=range(start, stop), first=first, last=last)
+        modules.append(module)
     return modules
 
 
@@ -298,6 +316,7 @@ def static_stage_args(
     head = module._modules.get(module.head_name) if module.is_last else None
     if isinstance(head, nn.Linear):
         vocab = head.out_features
+    vocab = module.adapter.logits_width(module.config, vocab)
 
     def ints(*shape: int) -> Tensor:
         return torch.zeros(shape, dtype=torch.int64, device=device)

@@ -6,6 +6,7 @@
     llava.check_adapter(microbatches=[1, 2, 4])          # split -> stage -> consume -> merge vs the model
     llava.check_goldens("tests/goldens/llava")           # golden files regenerate; the adapter matches them
     llava.check_pipeline_parity(["gpipe", "1f1b"])      # real 2-process pipeline vs the model's own loss/grads
+    llava.check_stage_splits([(1, 1), (2, 0)])           # stage modules in one process vs the model's grads
 
 A :class:`FamilyKit` builds the tiny model, batch and reference once and keeps them.
 """
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from ..adapters.base import VlmAdapter
     from ..registry import AdapterRegistry
     from .parity import ParityReport, Scenario
+    from .stages import StageSplitCheck
 
 __all__ = ["FamilyKit", "Kit", "check_pipeline_parity"]
 
@@ -190,6 +192,16 @@ class FamilyKit:
         check_goldens(
             self.module, folder, adapter=self.adapter, microbatches=microbatches, seed=self.seed, atol=atol,
             regeneration_atol=regeneration_atol, bit_identical=bit_identical,
+        )
+
+    def check_stage_splits(self, splits: Iterable[Sequence[int]], *, n_microbatches: int = 4, atol: float = 1e-5) -> list[StageSplitCheck]:
+        """:func:`~ppmedia.testing.stages.check_stage_splits` on this family's model and batch (the
+        model's gradients are cleared after each run)."""
+        from .stages import check_stage_splits
+
+        return check_stage_splits(
+            self.module, splits, adapter=self.adapter, n_microbatches=n_microbatches, atol=atol,
+            model=self.model, batch=self.batch,
         )
 
     def check_pipeline_parity(self, scenarios: Iterable[str | Scenario] = ("gpipe", "1f1b"), **kwargs: Any) -> ParityReport:
