@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from ..adapters.base import VlmAdapter, WireTensor, config_value
-from ..chunk import next_vlm_media_chunk
-from .surgery import _child_name, _get_path, _layer_ranges, _stage_tree, find_language_model
+from ..chunk import CURSOR_ATTRIBUTE, next_vlm_media_chunk
+from .surgery import _child_name, _get_path, _layer_ranges, _stage_children, find_language_model, find_output_head
 
 __all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "static_stage_args"]
 
@@ -29,6 +29,7 @@ class StageModule(nn.Module):
         adapter: the family adapter (first stage: merge and positions).
         config: the full model's config (plain attribute, read by the adapter).
         language_model_path: dotted path of the language model (``model.language_model``).
+        head_name: dotted path of the output head (``lm_head``; Llama 4: ``language_model.lm_head``).
     """
 
     def __init__(
@@ -68,18 +69,23 @@ class StageModule(nn.Module):
         return module
 
     @property
+    def output_head(self) -> Any:
+        """The output head (last stage only)."""
+        return _get_path(self, self.head_name)
+
+    @property
     def wire_in(self) -> tuple[WireTensor, ...]:
         """The extra tensors this stage receives after hidden states and mask (none on the first stage)."""
         if self.is_first:
             return ()
-        return tuple(self.adapter.wire_tensors(self.config, self.layer_range[0]))
+        return self.adapter.stage_wire_tensors(self.config, self.layer_range[0])
 
     @property
     def wire_out(self) -> tuple[WireTensor, ...]:
         """The extra tensors this stage sends after hidden states and mask (none on the last stage)."""
         if self.is_last:
             return ()
-        return tuple(self.adapter.wire_tensors(self.config, self.layer_range[1]))
+        return self.adapter.stage_wire_tensors(self.config, self.layer_range[1])
 
     @property
     def carries_position_ids(self) -> bool:
@@ -125,7 +131,7 @@ class StageModule(nn.Module):
             wire = {spec.name: tensor for spec, tensor in zip(specs, args[2:])}
         hidden = self._decode(hidden, attention_mask, wire)
         if self.is_last:
-            return self._modules[self.head_name](hidden)  # type: ignore[misc]
+            return self.output_head(hidden)
         out = [hidden.contiguous(), attention_mask.contiguous()]
         for spec in self.wire_out:
             tensor = wire.get(spec.name)
@@ -149,8 +155,11 @@ class StageModule(nn.Module):
         embeds = lm.get_input_embeddings()(input_ids)  # [b, S, H]
         chunk = next_vlm_media_chunk(self)
         hidden, wire = self.adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
+        if self.adapter.sample_inputs:
+            cursor = self.__dict__.get(CURSOR_ATTRIBUTE)
+            self.adapter.add_sample_inputs(wire, chunk, f" for microbatch {cursor - 1}" if isinstance(cursor, int) else "")
         b, S = input_ids.shape
-        for spec in self.adapter.wire_tensors(self.config, 0):
+        for spec in self.adapter.stage_wire_tensors(self.config, 0):
             tensor = wire.get(spec.name)
             expected = _wire_shape(spec, b, S, hidden.shape[-1])
             if tensor is None or list(tensor.shape) != expected:
@@ -166,6 +175,9 @@ class StageModule(nn.Module):
             # Nothing to run; a fresh tensor keeps the stage's output distinct from its input.
             return hidden if self.is_first else hidden.clone()
         kwargs: dict[str, Any] = {"attention_mask": attention_mask}
+        for spec in self.adapter.sample_inputs:  # per-sample inputs the language model takes as keywords
+            if spec.kwarg is not None:
+                kwargs[spec.kwarg] = wire[spec.key]
         kwargs.update(self.adapter.decoder_kwargs(self, range(*self.layer_range), hidden, attention_mask, wire))
         out = self.stage_language_model(inputs_embeds=hidden, use_cache=False, **kwargs)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
@@ -196,7 +208,7 @@ def build_stage_modules(
         from ..registry import get_adapter
 
         adapter = get_adapter(model)
-    lm_path, lm = find_language_model(model)
+    lm_path, lm = find_language_model(model, adapter)
     num_layers = len(lm.layers)
     ranges = _layer_ranges(num_layers, n_stages, layers_per_stage)
     wanted = list(range(n_stages)) if stages is None else [int(s) for s in stages]
@@ -206,30 +218,15 @@ def build_stage_modules(
 
     embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
     norm_name = "norm" if isinstance(lm._modules.get("norm"), nn.Module) else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
-    head_name = _child_name(model, head, "output head (lm_head)")
-    path = lm_path.split(".")
+    head_name = find_output_head(model, lm_path)
 
     modules = []
     for s in wanted:
         first, last = s == 0, s == n_stages - 1
         start, stop = ranges[s]
-        node = _stage_tree(model, lm, lm_path, (start, stop), first=first, last=last, embed_name=embed_name,
-                           norm_name=norm_name)
-        children: dict[str, nn.Module] = {}
-        parameters: dict[str, nn.Parameter] = {}
-        for name, child in model._modules.items():
-            if child is None:
-                continue
-            if name == path[0]:
-                children[name] = node
-            elif name == head_name:
-                if last:
-                    children[name] = child
-            elif first:
-                children[name] = child
-        if first:
-            parameters = {k: v for k, v in model._parameters.items() if v is not None}
+        children = _stage_children(model, lm, lm_path, head_name, (start, stop), first=first, last=last,
+                                   embed_name=embed_name, norm_name=norm_name)
+        parameters = {k: v for k, v in model._parameters.items() if v is not None} if first else {}
         modules.append(
             StageModule(
                 children,
@@ -289,7 +286,7 @@ def static_stage_args(
     """
     b, S = microbatch_size, seq_len
     hidden_size, vocab = _text_dims(module.config)
-    head = module._modules.get(module.head_name) if module.is_last else None
+    head = module.output_head if module.is_last else None
     if isinstance(head, nn.Linear):
         vocab = head.out_features
 

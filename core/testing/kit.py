@@ -52,7 +52,7 @@ def _plugins_in_environment(plugins: Sequence[str]) -> Iterator[None]:
 
 
 def check_pipeline_parity(
-    family: str | ModuleType,
+    family: str | ModuleType | Sequence[str | ModuleType],
     scenarios: Iterable[str | Scenario] = ("gpipe", "1f1b"),
     *,
     plugins: Sequence[str] = (),
@@ -68,7 +68,8 @@ def check_pipeline_parity(
 
     Args:
         family: a built-in name, or a plugin's tiny-family module or dotted name (the workers import it
-            by name, so it must be importable from ``sys.path``).
+            by name, so it must be importable from ``sys.path``); or a list of them, run in ONE set of
+            worker processes (starting a pair costs seconds).
         scenarios: ``"schedule[/shapes]"`` strings or :class:`~ppmedia.testing.parity.Scenario`.
         plugins: dotted names of plugin modules the workers load (``PPMEDIA_PLUGINS``), for a plugin
             that is importable but not installed; an installed plugin is found by its entry point.
@@ -83,11 +84,13 @@ def check_pipeline_parity(
     """
     from .parity import ParityError, run_parity
 
-    name = tiny_models.family_name(family)
+    families = [family] if isinstance(family, (str, ModuleType)) else list(family)
+    names = [tiny_models.family_name(f) for f in families]
+    name = ", ".join(names)
     with _plugins_in_environment(plugins):
         try:
             report = run_parity(
-                [name], scenarios, steps=steps, n_microbatches=n_microbatches, seed=seed,
+                names, scenarios, steps=steps, n_microbatches=n_microbatches, seed=seed,
                 tolerance=tolerance, world_size=world_size,
             )
         except ParityError as exc:
@@ -174,6 +177,7 @@ class FamilyKit:
         return check_adapter(
             self.module, adapter=self.adapter, microbatches=microbatches, atol=atol,
             model=self.model, batch=self.batch, reference=self.reference, positions=self.positions,
+            layouts=self.registry.media_layouts(),
         )
 
     def write_goldens(self, folder: str | pathlib.Path) -> dict[str, int]:
@@ -189,7 +193,7 @@ class FamilyKit:
             self.write_goldens(folder)
         check_goldens(
             self.module, folder, adapter=self.adapter, microbatches=microbatches, seed=self.seed, atol=atol,
-            regeneration_atol=regeneration_atol, bit_identical=bit_identical,
+            regeneration_atol=regeneration_atol, bit_identical=bit_identical, layouts=self.registry.media_layouts(),
         )
 
     def check_pipeline_parity(self, scenarios: Iterable[str | Scenario] = ("gpipe", "1f1b"), **kwargs: Any) -> ParityReport:
