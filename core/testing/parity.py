@@ -1178,7 +1178,7 @@ def _refuse_idle_ranks(family: str, sc: Scenario, pp: int) -> None:
                 f"{sc.name}: {n_stages} pipeline stages ({pp} ranks x {layout.stages_per_rank}) for the {num_layers} decoder "
                 f"layers of {family} (per stage {layers}): pipeline rank {rank} would hold only stages {indices}, "
                 f"without a layer; use at most {max(1, (num_layers + 2) // layout.stages_per_rank)} pipeline ranks for "
-                f"{sc.schedule}" + (", or a schedule with one stage per rank" if layout.stages_per_rank > 1 else "")
+                f"{layout.name}" + (", or a schedule with one stage per rank" if layout.stages_per_rank > 1 else "")
             )
 
 
