@@ -435,7 +435,7 @@ class VlmAdapter(abc.ABC):
             ValueError: before the encoder runs, when the chunk does not fit its placeholders (see
                 :meth:`check_counts` and :meth:`feature_counts`).
         """
-        if chunk is not None and not chunk.has_media:  # only per-sample inputs: a text-only microbatch
+        if chunk is not None and chunk.extras is not None and not chunk.has_media:  # only per-sample inputs: text-only
             chunk = None
         masks, host = self.check_counts(input_ids, chunk, model.config)
         if chunk is None:

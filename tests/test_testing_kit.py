@@ -193,7 +193,7 @@ def test_goldens_that_do_not_regenerate_are_named(llava, tmp_path):
 
 def test_pytest_plugin_loads_by_entry_point_without_transformers(tmp_path):
     (tmp_path / "test_uses_kit.py").write_text(
-        "import sys\n"
+        "import sys\nimport pytest\n"
         "def test_fixture(ppmedia_kit, ppmedia_host_reads, tmp_path):\n"
         "    assert 'ppmedia.testing.pytest_plugin' in sys.modules\n"
         "    assert not [m for m in sys.modules if m.startswith('transformers')]\n"
@@ -201,9 +201,12 @@ def test_pytest_plugin_loads_by_entry_point_without_transformers(tmp_path):
         "    import torch\n"
         "    torch.ones(2).sum().item()\n"
         "    assert ppmedia_host_reads.total == 1\n"
+        "@pytest.mark.multiprocess\n"  # registered by the plugin: --strict-markers accepts it
+        "def test_marked():\n"
+        "    pass\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--ppmedia-write-goldens", str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--strict-markers", "--ppmedia-write-goldens", str(tmp_path)],
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -271,28 +274,29 @@ def test_encode_returning_what_feature_counts_did_not_promise_is_caught(llava, b
 # ---------------------------------------------------------------- the harness, the marker, the demo
 
 
-def test_parity_refuses_a_rank_without_layers_in_one_line():
-    from ppmedia.testing.parity import run_parity
+def test_parity_refuses_a_rank_without_layers_in_one_line(capsys):
+    from ppmedia.testing.parity import main, run_parity
 
     with pytest.raises(ValueError, match=r"^ZBVZeroBubble/static: 8 pipeline stages \(4 ranks x 2\) for the 2 decoder layers of "
                        r"llava_next \(per stage \[0, 1, 1, 0, 0, 0, 0, 0\]\): pipeline rank 3 would hold only stages \[3, 4\], "
                        r"without a layer; use at most 2 pipeline ranks for ZBVZeroBubble, or a schedule with one stage per rank$"):
         run_parity("llava_next", ["ZBVZeroBubble/static"], world_size=4)
-    result = subprocess.run([sys.executable, "-m", "ppmedia.testing.parity", "llava_next", "--scenario", "1f1b/static",
-                             "--world-size", "5"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and result.stdout == "", result.stderr
-    assert result.stderr.splitlines() == [
+    with pytest.raises(SystemExit) as exit_:  # the command line: one error line, exit status 2, nothing spawned
+        main(["llava_next", "--scenario", "1f1b/static", "--world-size", "5"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert err.splitlines() == [
         "python -m ppmedia.testing.parity: error: 1f1b/static: 5 pipeline stages (5 ranks x 1) for the 2 decoder layers of "
         "llava_next (per stage [0, 1, 1, 0, 0]): pipeline rank 3 would hold only stages [3], without a layer; use at most 4 "
         "pipeline ranks for 1F1B"]
 
 
 def test_the_pytest_plugin_registers_the_multiprocess_marker(tmp_path):
+    # with the plugin the marker is known (test_pytest_plugin_loads_by_entry_point_without_transformers runs the
+    # same file with --strict-markers and passes); without it, --strict-markers refuses it
     (tmp_path / "test_marked.py").write_text("import pytest\n\n@pytest.mark.multiprocess\ndef test_spawns():\n    pass\n")
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--strict-markers", str(tmp_path)]
-    on = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert on.returncode == 0, on.stdout + on.stderr
-    off = subprocess.run([*args, "-p", "no:ppmedia"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    off = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:ppmedia", "--strict-markers",
+                          str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert off.returncode != 0 and "'multiprocess' not found in `markers` configuration option" in off.stdout
 
 
