@@ -126,6 +126,10 @@ class Selection(NamedTuple):
     layouts: tuple[MediaLayout, ...]  # registration order
     orphans: tuple[Orphan, ...]
     error: str | None  # ambiguity: the message of the ValueError every split of such a batch raises
+    #: per selected layout: (layout, its counts batch key, its counts argument), keys ``None`` when not counted
+    plans: tuple[tuple[MediaLayout, str | None, str | None], ...] = ()
+    #: the counted modalities no selected layout serves: (modality, counts key, argument); their counts must be 0
+    unplanned: tuple[tuple[str, str, str], ...] = ()
 
 
 def check_layout(layout: Any) -> MediaLayout:
@@ -235,7 +239,10 @@ class LayoutSet:
                 owner = next(layout for layout in self.layouts if key in layout.keys)
                 missing = tuple(k for k in owner.requires if k not in present)
                 orphans.append(Orphan(key, owner, missing, key in owner.optional))
-        return Selection(tuple(chosen), tuple(orphans), error)
+        plans = tuple((layout, layout.counts_key, layout.counts_argument) for layout in chosen)
+        planned = {layout.modality for layout in chosen if layout.counted}
+        unplanned = tuple((m, key, arg) for m, (key, arg) in self.counted.items() if m not in planned)
+        return Selection(tuple(chosen), tuple(orphans), error, plans, unplanned)
 
 
 def _dominates(winner: MediaLayout, loser: MediaLayout, present: frozenset[str]) -> bool:

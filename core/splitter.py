@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .chunk import STAGED_ATTRIBUTES
-from .layouts import LayoutSet, MediaLayout
+from .layouts import LayoutSet, MediaLayout, Selection
 from .planners import (
     FIELD_KINDS,
     Context,
@@ -38,11 +38,18 @@ SampleInputsArgument = Mapping[str, "Tensor | None"] | Sequence[str] | None
 _ORDER = {name: i for i, name in enumerate(STAGED_ATTRIBUTES)}
 
 
+_registry: Any = None  # ppmedia.registry.default_registry, imported on first use (the registry imports this module's layouts)
+
+
 def default_layouts() -> LayoutSet:
     """The process-wide registry's layouts: the built-ins, installed plugins' and ``PPMEDIA_PLUGINS``'."""
-    from .registry import default_registry
+    global _registry
+    if _registry is None:
+        from .registry import default_registry
 
-    return default_registry().media_layouts()
+        _registry = default_registry
+    layouts: LayoutSet = _registry().media_layouts()
+    return layouts
 
 
 @dataclass
@@ -171,8 +178,8 @@ def _inputs_part(ctx: Context, inputs: Mapping[str, Tensor]) -> Part:
     return Part(fields, zero, zero)
 
 
-def _check_orphans(layouts: LayoutSet, media: Mapping[str, Any], present: frozenset[str]) -> list[MediaLayout]:
-    selection = layouts.select(present)
+def _checked_selection(layouts: LayoutSet, media: Mapping[str, Any]) -> Selection:
+    selection = layouts.select(frozenset(media))
     if selection.error is not None:
         raise ValueError(selection.error)
     for orphan in selection.orphans:
@@ -182,23 +189,31 @@ def _check_orphans(layouts: LayoutSet, media: Mapping[str, Any], present: frozen
         seen = f"shape {shape_of(value)}" if isinstance(value, Tensor) else f"a {type(value).__name__}"
         if orphan.missing:
             raise ValueError(f"{orphan.key}: {seen} given without {' and '.join(orphan.missing)}")
+        present = frozenset(media)
         winners = [layout.name for layout in selection.layouts if set(layout.keys) & set(orphan.owner.keys) & present]
         raise ValueError(
             f"{orphan.key}: {seen}; only media layout {orphan.owner.name!r} reads it, and the batch's keys select "
             f"{' and '.join(map(repr, winners)) or 'another layout'} instead; expected the keys of one layout"
         )
-    return list(selection.layouts)
+    return selection
 
 
 def _count_arguments(layouts: LayoutSet, images: CountsArgument, videos: CountsArgument,
                      counts: Mapping[str, CountsArgument] | None) -> dict[str, CountsArgument]:
-    given: dict[str, CountsArgument] = {"image": images, "video": videos}
+    """``{modality: counts argument}`` of the arguments given (``None`` ones left out), each for a counted modality."""
+    given: dict[str, CountsArgument] = {}
+    if images is not None:
+        given["image"] = images
+    if videos is not None:
+        given["video"] = videos
     for modality, value in (counts or {}).items():
-        if given.get(modality) is not None and value is not None:
+        if value is None:
+            continue
+        if modality in given:
             raise ValueError(f"counts[{modality!r}]: given both as counts= and as {modality}s_per_sample=; expected one")
         given[modality] = value
-    for modality, value in given.items():
-        if value is not None and modality not in layouts.counted:
+    for modality in given:
+        if modality not in layouts.counted:
             raise ValueError(
                 f"{modality}s_per_sample: counts for {modality!r} items, but no registered media layout counts "
                 f"{modality} items (modalities with counts: {', '.join(layouts.counted) or 'none'})"
@@ -230,20 +245,17 @@ def plan_split(
     ctx = Context(B, bounds, at)
     _check_left_over(batch, B, popped)
     arguments = _count_arguments(layouts, images_per_sample, videos_per_sample, counts)
-    chosen = _check_orphans(layouts, media, frozenset(media))
+    selection = _checked_selection(layouts, media)
     finishers: list[tuple[MediaLayout | None, Callable[[], Part]]] = []
-    planned_modalities = set()
-    for layout in chosen:
+    for layout, key, argument in selection.plans:
         pending: Counts | None = None
-        if layout.counted:
-            planned_modalities.add(layout.modality)
-            pending = pending_counts(ctx, media, layout.counts_key or "", layout.counts_argument or "", arguments.get(layout.modality))
+        if key is not None and argument is not None:
+            pending = pending_counts(ctx, media, key, argument, arguments.get(layout.modality))
         finishers.append((layout, layout.plan(ctx, media, pending)))
-    for modality, (key, argument) in layouts.counted.items():
-        if modality not in planned_modalities:
-            pending = pending_counts(ctx, media, key, argument, arguments.get(modality))
-            if pending is not None:  # counts for media the batch does not hold: all zero
-                finishers.append((None, no_media(ctx, pending, f"{modality}s")))
+    for modality, key, argument in selection.unplanned:
+        pending = pending_counts(ctx, media, key, argument, arguments.get(modality))
+        if pending is not None:  # counts for media the batch does not hold: all zero
+            finishers.append((None, no_media(ctx, pending, f"{modality}s")))
     parts: list[tuple[MediaLayout | None, Part]] = [(None, _inputs_part(ctx, inputs))] if inputs else []
     ctx.reader.read()  # the one host read
     for owner, finish in finishers:
