@@ -12,7 +12,15 @@ microbatch's media and scatters the features into that microbatch's placeholder 
     scatter(inputs_embeds, masks, encode(model, chunk, host))
 
 A family supplies the four abstract methods (and :meth:`VlmAdapter.host_inputs` when it needs chunk
-metadata on the host); :mod:`ppmedia.adapters._helpers` holds what the built-ins share.
+metadata on the host); :mod:`ppmedia.adapters._helpers` holds what the built-ins share. ``merge`` checks
+what ``encode`` returned against what ``feature_counts`` promised (modalities and rows) before the
+scatter, so an encoder giving one row too many or too few is an error naming the family, the modality
+and the microbatch, never a silently dropped or misplaced feature.
+
+Besides its media, a family may declare per-sample inputs (:class:`SampleInput`, ``[B, ...]`` tensors
+of the batch such as PaliGemma's ``token_type_ids``: split with the samples, handed to the first stage
+in ``chunk.extras`` and, with ``every_stage=True``, sent along with the hidden states to every stage)
+and where its language model sits (``language_model_path``).
 
 **State that crosses stage boundaries.** Between pipeline stages travel the hidden states, the
 attention mask and the tensors the adapter declares for the receiving stage
@@ -39,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, MutableMappi
 import torch
 from torch import Tensor
 
-from ..chunk import VlmMediaChunk
+from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk
 from ..hostreads import HostReader
 
 if TYPE_CHECKING:
@@ -48,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HostValues",
     "LayerHook",
+    "SampleInput",
     "VlmAdapter",
     "WireTensor",
     "config_get",
@@ -153,6 +162,59 @@ class LayerHook:
     after: AfterHook | None = None
 
 
+@dataclass(frozen=True)
+class SampleInput:
+    """A per-sample (``[B, ...]``) or per-token (``[B, S]``) input a family needs besides its media.
+
+    :meth:`VlmAdapter.media_counts` hands the batch's value to :func:`ppmedia.split_media`, which pops
+    it, splits it with the samples (and reorders it with them when balancing) and stages microbatch
+    ``k``'s rows as views in ``chunk.extras[key]``: what the first stage's ``encode`` reads. With
+    ``every_stage`` the first stage also sends it on with the hidden states, so every stage's
+    :meth:`VlmAdapter.decoder_kwargs` finds it in ``wire[key]`` (and, with ``kwarg``, the language
+    model's ``forward`` gets it as that keyword on every stage).
+
+    Attributes:
+        key: the batch key; also the ``chunk.extras`` and ``wire`` key.
+        shape: as :class:`WireTensor`: ``"b"`` first (the microbatch's samples), then ``"S"``, ``"H"``
+            or ints (``("b", "S")`` for token types); checked on every stage when ``every_stage``.
+        every_stage: carry it to every stage (prefix-LM token types, MoE routing token types).
+        kwarg: the language model ``forward`` keyword to pass it as on every stage (needs
+            ``every_stage``), e.g. ERNIE 4.5 VL's ``moe_mm_token_type_ids``; ``None``: not passed
+            (the adapter's ``decoder_kwargs`` reads ``wire[key]`` itself).
+        floating: travels in the hidden states' dtype with a gradient (else int64, as sent).
+    """
+
+    key: str
+    shape: tuple[Union[int, str], ...] = ("b",)
+    every_stage: bool = False
+    kwarg: str | None = None
+    floating: bool = False
+
+    def problem(self) -> str | None:
+        """What is wrong with this declaration, in words, or ``None``."""
+        if not isinstance(self.key, str) or not self.key:
+            return f"key {self.key!r}; expected a batch key (non-empty str)"
+        shape = self.shape
+        if not isinstance(shape, tuple) or not shape or shape[0] != "b":
+            return f"{self.key}: shape {shape!r}; expected a tuple starting with 'b' (one row per sample)"
+        if any(not (d in ("b", "S", "H") or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)) for d in shape):
+            return f"{self.key}: shape {shape!r}; expected 'b', 'S', 'H' or ints >= 0 as dims"
+        if self.kwarg is not None and (not isinstance(self.kwarg, str) or not self.kwarg.isidentifier() or not self.every_stage):
+            return f"{self.key}: kwarg {self.kwarg!r}; expected a keyword name, with every_stage=True (every stage runs the language model)"
+        return None
+
+    def wire(self) -> WireTensor:
+        """The :class:`WireTensor` it travels as between stages."""
+        return WireTensor(self.key, self.shape, self.floating)
+
+
+def _microbatch_label(model: Any) -> str:
+    """``" in microbatch k"`` when ``model`` is a staged first stage (its cursor says which), else ``""``."""
+    state = getattr(model, "__dict__", None)
+    cursor = state.get(CURSOR_ATTRIBUTE) if isinstance(state, dict) else None
+    return f" in microbatch {cursor - 1}" if isinstance(cursor, int) and cursor > 0 else ""
+
+
 def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> HostValues:
     """Read every mask's per-sample sum and every tensor of ``inputs`` to the host, in one read
     (:class:`ppmedia.hostreads.HostReader`; one per device when they live on several).
@@ -256,6 +318,12 @@ class VlmAdapter(abc.ABC):
         name: short family name, e.g. ``"qwen2_5_vl"``.
         model_types: the ``config.model_type`` strings this adapter serves (first is canonical).
         layout: the media layout it reads from a chunk, in words (shown by ``ppmedia adapters``).
+        sample_inputs: the family's per-sample inputs (:class:`SampleInput`); default none.
+        language_model_path: dotted path of the decoder stack (the module holding ``layers``) inside
+            the model, e.g. ``"language_model.model"`` (Llama 4) or ``"model.text_model"``
+            (Idefics3); ``None`` (default): the first of
+            :data:`ppmedia.pipeline.surgery.LANGUAGE_MODEL_PATHS` that holds a ``layers`` list. The
+            output head is found wherever it sits (``model.get_output_embeddings()``).
 
     A subclass implements :meth:`media_per_sample`, :meth:`placeholder_masks`,
     :meth:`feature_counts` and :meth:`encode`; it may override :meth:`host_inputs` (integer metadata
@@ -266,6 +334,8 @@ class VlmAdapter(abc.ABC):
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     layout: ClassVar[str]
+    sample_inputs: ClassVar[tuple[SampleInput, ...]] = ()
+    language_model_path: ClassVar[str | None] = None
 
     # -- token side -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -301,11 +371,23 @@ class VlmAdapter(abc.ABC):
         videos: ``video_grid_thw``).
         """
         images, videos = self.media_per_sample(batch["input_ids"], config, media=batch)
-        counts = {"images_per_sample": images, "videos_per_sample": videos}
+        counts: dict[str, Any] = {"images_per_sample": images, "videos_per_sample": videos}
         for key, arg in (("n_images_per_sample", "images_per_sample"), ("n_videos_per_sample", "videos_per_sample")):
             if batch.get(key) is not None:
                 del counts[arg]
+        if self.sample_inputs:
+            values = self.sample_input_values(batch, config)
+            if values:
+                counts["sample_inputs"] = values
         return counts
+
+    def sample_input_values(self, batch: Mapping[str, Any], config: Any) -> dict[str, Tensor | None]:
+        """``split_media``'s ``sample_inputs`` for a batch: ``{key: None}`` (stage the batch's own
+        ``[B, ...]`` value) for each of :attr:`sample_inputs` the batch holds. Override it to stage a
+        value of your own instead, ``{key: [B, ...] tensor}`` (the batch's key is popped either way),
+        e.g. to turn a processor's ``[samples with images]`` counts into ``[B]``.
+        """
+        return {spec.key: None for spec in self.sample_inputs if batch.get(spec.key) is not None}
 
     @abc.abstractmethod
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
@@ -399,10 +481,50 @@ class VlmAdapter(abc.ABC):
             ValueError: before the encoder runs, when the chunk does not fit its placeholders (see
                 :meth:`check_counts` and :meth:`feature_counts`).
         """
+        if chunk is not None and chunk.extras is not None and not chunk.has_media:  # only per-sample inputs: text-only
+            chunk = None
         masks, host = self.check_counts(input_ids, chunk, model.config)
         if chunk is None:
             return inputs_embeds
-        return self.scatter(inputs_embeds, masks, self.encode(model, chunk, host))
+        features = self.encode(model, chunk, host)
+        self.check_features(features, masks, host, inputs_embeds.shape[-1], _microbatch_label(model))
+        return self.scatter(inputs_embeds, masks, features)
+
+    def check_features(
+        self, features: Mapping[str, Tensor], masks: Mapping[str, Tensor], host: HostValues, hidden: int, where: str = ""
+    ) -> None:
+        """What :meth:`encode` returned against what :meth:`feature_counts` promised (shapes only, no host read).
+
+        Every modality of ``features`` must be one of :meth:`placeholder_masks`, hold ``[rows, hidden]``
+        with ``rows`` its placeholder tokens in the microbatch, and every modality with placeholders
+        must be there.
+
+        Raises:
+            ValueError: naming the family, the modality, the rows expected and got, and ``where`` (the
+                microbatch, when the first stage is staged).
+        """
+        if not isinstance(features, Mapping):
+            raise TypeError(f"{self.name} adapter: encode returned {type(features).__name__}{where}; expected a dict of modality to [rows, {hidden}] features")
+        for modality, feats in features.items():
+            if modality not in masks:
+                raise ValueError(
+                    f"{self.name} adapter: encode returned {modality!r} features{where}, a modality placeholder_masks "
+                    f"does not declare (it declares {', '.join(map(repr, masks)) or 'none'}); expected only those"
+                )
+            expected = host.total(modality)
+            shape = list(feats.shape) if isinstance(feats, Tensor) else None
+            if shape is None or len(shape) != 2 or shape[0] != expected or shape[1] != hidden:
+                seen = f"a {type(feats).__name__}" if shape is None else f"{shape[0] if shape else 0} rows (shape {shape})"
+                raise ValueError(
+                    f"{self.name} adapter: encode returned {seen} of {modality} features{where}; expected {expected} "
+                    f"rows, [{expected}, {hidden}] (the {modality} placeholder tokens, as feature_counts promised)"
+                )
+        for modality in masks:
+            if modality not in features and host.total(modality):
+                raise ValueError(
+                    f"{self.name} adapter: encode returned no {modality} features{where}; expected "
+                    f"{host.total(modality)} rows (the {modality} placeholder tokens, as feature_counts promised)"
+                )
 
     @staticmethod
     def scatter(inputs_embeds: Tensor, masks: Mapping[str, Tensor], features: Mapping[str, Tensor]) -> Tensor:
@@ -459,6 +581,35 @@ class VlmAdapter(abc.ABC):
         if type(self).position_ids is VlmAdapter.position_ids:
             return ()
         return (WireTensor("position_ids", ("b", 3, "S")),)
+
+    def stage_wire_tensors(self, config: Any, first_layer: int) -> tuple[WireTensor, ...]:
+        """What a stage whose first layer is ``first_layer`` really receives besides hidden states and
+        mask: :meth:`wire_tensors`, then every ``every_stage`` :class:`SampleInput` it does not name.
+        The pipeline's stages call this; override :meth:`wire_tensors` instead."""
+        own = tuple(self.wire_tensors(config, first_layer))
+        named = {spec.name for spec in own}
+        return own + tuple(spec.wire() for spec in self.sample_inputs if spec.every_stage and spec.key not in named)
+
+    def add_sample_inputs(self, wire: dict[str, Tensor], chunk: VlmMediaChunk | None, where: str = "") -> None:
+        """Put every ``every_stage`` :class:`SampleInput` the adapter's ``first_stage`` did not fill into
+        ``wire``, from ``chunk.extras`` (int64 unless ``floating``: one device cast, no host read).
+
+        Raises:
+            ValueError: one was not staged (the batch lacked it, or was split without
+                ``**adapter.media_counts(batch, config)``).
+        """
+        for spec in self.sample_inputs:
+            if not spec.every_stage or spec.key in wire:
+                continue
+            extras = None if chunk is None else chunk.extras
+            tensor = None if extras is None else extras.get(spec.key)
+            if tensor is None:
+                raise ValueError(
+                    f"{self.name} adapter: per-sample input {spec.key!r} was not staged{where}; expected the batch's "
+                    f"{spec.key} {list(spec.shape)} split with the media: split_media(batch, n, "
+                    f"**adapter.media_counts(batch, config))"
+                )
+            wire[spec.key] = tensor if spec.floating or tensor.dtype == torch.int64 else tensor.to(torch.int64)
 
     def first_stage(
         self,
@@ -559,7 +710,7 @@ class VlmAdapter(abc.ABC):
         more after the head (logit soft-capping, slicing a padded vocabulary); then also
         :meth:`logits_width` if the width changes.
         """
-        head: Any = getattr(stage, "_modules")[getattr(stage, "head_name")]
+        head: Any = getattr(stage, "output_head")  # the head wherever it sits (Llama 4: language_model.lm_head)
         return head(hidden)
 
     def logits_width(self, config: Any, head_width: int) -> int:

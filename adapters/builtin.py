@@ -1,4 +1,4 @@
-"""The built-in adapters: a plugin like any other, registered as ``ppmedia (built-in)``.
+"""The built-in adapters and media layouts: a plugin like any other, registered as ``ppmedia (built-in)``.
 
 :data:`ADAPTERS` has one row per ``config.model_type``: the adapter class as ``"module:Class"``,
 imported on the first lookup of that model type (``ppmedia.get_adapter("qwen2_5_vl")`` imports
@@ -7,6 +7,8 @@ type its adapter declares in ``model_types`` (``tests/test_registry.py`` checks 
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ..registry.hookspecs import hookimpl
 
@@ -52,3 +54,11 @@ def ppmedia_adapter_paths() -> dict[str, str]:
 def ppmedia_model_type_aliases() -> dict[str, str]:
     """The built-ins' aliases (see :data:`MODEL_TYPE_ALIASES`)."""
     return dict(MODEL_TYPE_ALIASES)
+
+
+@hookimpl
+def ppmedia_media_layouts() -> list[Any]:
+    """ppmedia's own media layouts (:data:`ppmedia.layouts.BUILTIN_LAYOUTS`), through the same hook as a plugin's."""
+    from ..layouts import BUILTIN_LAYOUTS
+
+    return list(BUILTIN_LAYOUTS)

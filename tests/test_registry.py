@@ -223,7 +223,8 @@ def test_hookspecs_are_docstring_only_and_prefixed():
     from ppmedia.registry import hookspecs
 
     specs = [f for n, f in vars(hookspecs).items() if inspect.isfunction(f) and hasattr(f, "ppmedia_spec")]
-    assert {f.__name__ for f in specs} == {"ppmedia_adapter_paths", "ppmedia_adapters", "ppmedia_model_type_aliases"}
+    assert {f.__name__ for f in specs} == {"ppmedia_adapter_paths", "ppmedia_adapters", "ppmedia_media_layouts",
+                                           "ppmedia_model_type_aliases"}
     for f in specs:
         body = inspect.getsource(f).split('"""')
         assert len(body) == 3 and body[2].strip() == "", f.__name__

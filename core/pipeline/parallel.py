@@ -59,8 +59,10 @@ def shard_batch(
     for key, value in counts.items():
         out[key] = value[a:b]
     for field_name, key in staged.sources.items():
-        # per-sample media metadata (Step3's num_patches [B]) follows the samples, not the media rows
-        out[key] = batch[key][a:b] if key in _PER_SAMPLE_MEDIA_KEYS else staged.chunks[field_name][dp_rank]
+        # per-sample media metadata (Step3's num_patches [B], any layout's "sample" fields) follows the
+        # samples, not the media rows: its staged entry is empty for a replica without media
+        per_sample = key in _PER_SAMPLE_MEDIA_KEYS or staged.kinds.get(field_name) == "sample"
+        out[key] = batch[key][a:b] if per_sample else staged.chunks[field_name][dp_rank]
     return out
 
 

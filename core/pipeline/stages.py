@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from ..adapters.base import VlmAdapter, WireTensor, config_value
-from ..chunk import next_vlm_media_chunk
-from .surgery import _child_name, _get_path, _layer_ranges, _stage_tree, find_language_model
+from ..chunk import CURSOR_ATTRIBUTE, next_vlm_media_chunk
+from .surgery import _child_name, _get_path, _layer_ranges, _stage_children, find_language_model, find_output_head
 from .tied import TiedParameters, tied_parameters
 
 __all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "static_stage_args"]
@@ -33,6 +33,7 @@ class StageModule(nn.Module):
         language_model_path: dotted path of the language model (``model.language_model``).
         tied: the FULL model's tied parameter groups (the same on every rank; pass them to
             :func:`sync_tied_gradients`), found before the split.
+        head_name: dotted path of the output head (``lm_head``; Llama 4: ``language_model.lm_head``).
     """
 
     def __init__(
@@ -73,18 +74,23 @@ class StageModule(nn.Module):
         return module
 
     @property
+    def output_head(self) -> Any:
+        """The output head (last stage only)."""
+        return _get_path(self, self.head_name)
+
+    @property
     def wire_in(self) -> tuple[WireTensor, ...]:
         """The extra tensors this stage receives after hidden states and mask (none on the first stage)."""
         if self.is_first:
             return ()
-        return tuple(self.adapter.wire_tensors(self.config, self.layer_range[0]))
+        return self.adapter.stage_wire_tensors(self.config, self.layer_range[0])
 
     @property
     def wire_out(self) -> tuple[WireTensor, ...]:
         """The extra tensors this stage sends after hidden states and mask (none on the last stage)."""
         if self.is_last:
             return ()
-        return tuple(self.adapter.wire_tensors(self.config, self.layer_range[1]))
+        return self.adapter.stage_wire_tensors(self.config, self.layer_range[1])
 
     @property
     def carries_position_ids(self) -> bool:
@@ -155,8 +161,11 @@ class StageModule(nn.Module):
         embeds = lm.get_input_embeddings()(input_ids)  # [b, S, H]
         chunk = next_vlm_media_chunk(self)
         hidden, wire = self.adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
+        if self.adapter.sample_inputs:
+            cursor = self.__dict__.get(CURSOR_ATTRIBUTE)
+            self.adapter.add_sample_inputs(wire, chunk, f" for microbatch {cursor - 1}" if isinstance(cursor, int) else "")
         b, S = input_ids.shape
-        for spec in self.adapter.wire_tensors(self.config, 0):
+        for spec in self.adapter.stage_wire_tensors(self.config, 0):
             tensor = wire.get(spec.name)
             expected = _wire_shape(spec, b, S, hidden.shape[-1])
             if tensor is None or list(tensor.shape) != expected:
@@ -178,6 +187,9 @@ class StageModule(nn.Module):
             return (hidden if self.is_first else hidden.clone()), state
         layers = range(*self.layer_range)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask}
+        for spec in self.adapter.sample_inputs:  # per-sample inputs the language model takes as keywords
+            if spec.kwarg is not None:
+                kwargs[spec.kwarg] = wire[spec.key]
         kwargs.update(self.adapter.decoder_kwargs(self, layers, hidden, attention_mask, wire))
         handles = []
         try:
@@ -218,7 +230,7 @@ def build_stage_modules(
         from ..registry import get_adapter
 
         adapter = get_adapter(model)
-    lm_path, lm = find_language_model(model)
+    lm_path, lm = find_language_model(model, adapter)
     num_layers = len(lm.layers)
     ranges = _layer_ranges(num_layers, n_stages, layers_per_stage)
     wanted = list(range(n_stages)) if stages is None else [int(s) for s in stages]
@@ -228,31 +240,16 @@ def build_stage_modules(
 
     embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
     norm_name = "norm" if isinstance(lm._modules.get("norm"), nn.Module) else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
-    head_name = _child_name(model, head, "output head (lm_head)")
-    path = lm_path.split(".")
+    head_name = find_output_head(model, lm_path)
     tied = tuple(tied_parameters(model))
 
     modules = []
     for s in wanted:
         first, last = s == 0, s == n_stages - 1
         start, stop = ranges[s]
-        node = _stage_tree(model, lm, lm_path, (start, stop), first=first, last=last, embed_name=embed_name,
-                           norm_name=norm_name)
-        children: dict[str, nn.Module] = {}
-        parameters: dict[str, nn.Parameter] = {}
-        for name, child in model._modules.items():
-            if child is None:
-                continue
-            if name == path[0]:
-                children[name] = node
-            elif name == head_name:
-                if last:
-                    children[name] = child
-            elif first:
-                children[name] = child
-        if first:
-            parameters = {k: v for k, v in model._parameters.items() if v is not None}
+        children = _stage_children(model, lm, lm_path, head_name, (start, stop), first=first, last=last,
+                                   embed_name=embed_name, norm_name=norm_name)
+        parameters = {k: v for k, v in model._parameters.items() if v is not None} if first else {}
         module = StageModule(
             children,
             parameters,
@@ -313,7 +310,7 @@ def static_stage_args(
     """
     b, S = microbatch_size, seq_len
     hidden_size, vocab = _text_dims(module.config)
-    head = module._modules.get(module.head_name) if module.is_last else None
+    head = module.output_head if module.is_last else None
     if isinstance(head, nn.Linear):
         vocab = head.out_features
     vocab = module.adapter.logits_width(module.config, vocab)

@@ -1208,6 +1208,8 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
         n_stages = schedule_layout(sc.schedule).n_stages(world_size // sc.dp)
         if sc.layers is not None and len(sc.layers) != n_stages:
             raise ValueError(f"{sc.name}: {len(sc.layers)} layer counts for {n_stages} stages")
+        for family in families:
+            _refuse_idle_ranks(family, sc, world_size // sc.dp)
         if sc.variant == "text_only_first":
             for family in families:
                 if "text_only_first" not in inspect.signature(tiny.load(family).build_batch).parameters:
@@ -1218,6 +1220,29 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             raise ValueError(f"{sc.name}: a scenario loads its stages from a checkpoint or checkpoints activations, not both")
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")
+
+
+def _refuse_idle_ranks(family: str, sc: Scenario, pp: int) -> None:
+    """A pipeline rank whose stages hold neither a decoder layer nor the first or last stage has nothing
+    to train (and torch's optimizer refuses an empty parameter list): refuse it before spawning."""
+    from ..pipeline import default_layer_split, schedule_layout
+    from . import tiny_models as tiny
+
+    layout = schedule_layout(sc.schedule)
+    n_stages = layout.n_stages(pp)
+    config = tiny.load(family).build_config()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_layers = int(getattr(text, "num_hidden_layers"))
+    layers = list(sc.layers) if sc.layers is not None else default_layer_split(num_layers, n_stages)
+    for rank in range(pp):
+        indices = layout.stage_indices(rank, pp)
+        if all(layers[i] == 0 and 0 < i < n_stages - 1 for i in indices):
+            raise ValueError(
+                f"{sc.name}: {n_stages} pipeline stages ({pp} ranks x {layout.stages_per_rank}) for the {num_layers} decoder "
+                f"layers of {family} (per stage {layers}): pipeline rank {rank} would hold only stages {indices}, "
+                f"without a layer; use at most {max(1, (num_layers + 2) // layout.stages_per_rank)} pipeline ranks for "
+                f"{layout.name}" + (", or a schedule with one stage per rank" if layout.stages_per_rank > 1 else "")
+            )
 
 
 def run_parity(
@@ -1314,14 +1339,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     args = parser.parse_args(argv)
-    report = run_parity(
-        args.families,
-        args.scenario or DEFAULT_SCENARIOS,
-        steps=args.steps,
-        n_microbatches=args.microbatches,
-        seed=args.seed,
-        world_size=args.world_size,
-    )
+    try:
+        report = run_parity(
+            args.families,
+            args.scenario or DEFAULT_SCENARIOS,
+            steps=args.steps,
+            n_microbatches=args.microbatches,
+            seed=args.seed,
+            world_size=args.world_size,
+        )
+    except (ValueError, TypeError) as exc:  # arguments refused before anything started: one line
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if not launched_by_torchrun() or os.environ.get("RANK") == "0":
         print(report.format())
     return 0 if report.ok else 1
