@@ -50,7 +50,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -86,7 +86,7 @@ __all__ = [
 #: shapes, other pixels): nothing raises, the losses and gradients differ from the reference.
 FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch")
 #: run variants that must still match (see :class:`Scenario`).
-VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision")
+VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica")
 _SHAPES = ("inferred", "static")
 #: bfloat16 parameters vs the float32 reference: the loss may differ by this much (absolute) ...
 BF16_LOSS_TOLERANCE = 2e-3
@@ -124,9 +124,19 @@ class Scenario:
         variant: ``None``, or one of :data:`VARIANTS`: ``text_only_first`` builds the batch with its
             text-only samples first (the tiny module's ``build_batch(seed, text_only_first=True)``), so
             the schedule infers shapes from a microbatch without media; ``frozen_vision`` freezes every
-            parameter outside the language model (``requires_grad=False``) on both sides.
+            parameter outside the language model (``requires_grad=False``) on both sides;
+            ``text_only_replica`` fills the first half of the batch with the tiny batch's text-only
+            samples (repeated) and the second half with its first half, media included: with ``dp2``
+            replica 0 holds no media at all (its vision tower gets no gradient).
         balance: reorder the samples for an even vision load (``split_media(balance=...)`` with the
             adapter's ``image_costs``); the reference still runs the original order.
+        fsdp: shard every stage with FSDP2 over the data-parallel mesh
+            (:func:`ppmedia.pipeline.apply_fsdp`) instead of summing replicated gradients
+            (``all_reduce_gradients``); gradients are compared after gathering them (``full_tensor()``).
+            With ``dtype="bfloat16"`` the parameters stay float32 and FSDP2's mixed precision computes
+            in bfloat16 (gradients reduced in float32).
+        microbatches: microbatches per step for this scenario (default: the run's ``n_microbatches``),
+            e.g. ``mb4`` for DualPipeV, which needs at least as many microbatches as stages.
     """
 
     schedule: str
@@ -139,6 +149,8 @@ class Scenario:
     layers: tuple[int, ...] | None = None
     variant: str | None = None
     balance: bool = False
+    fsdp: bool = False
+    microbatches: int | None = None
 
     def __post_init__(self) -> None:
         from ..pipeline import schedule_layout
@@ -167,9 +179,11 @@ class Scenario:
 
 
 def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
-    """``schedule/shapes[/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``."""
+    """``schedule/shapes[/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``."""
     parts = [sc.schedule, sc.shapes] + ([sc.fault] if sc.fault else [])
     parts += [f"dp{sc.dp}"] if sc.dp != 1 else []
+    parts += ["fsdp"] * sc.fsdp
+    parts += [f"mb{sc.microbatches}"] if sc.microbatches is not None else []
     parts += ["ckpt"] * sc.checkpointing + ["bf16"] * (sc.dtype == "bfloat16") + ["clip"] * sc.clip
     if sc.layers is not None:
         parts.append("layers=" + "+".join(str(n) for n in sc.layers))
@@ -187,7 +201,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -217,10 +231,14 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["variant"] = token
             elif token == "balanced":
                 kwargs["balance"] = True
+            elif token == "fsdp":
+                kwargs["fsdp"] = True
+            elif token.startswith("mb") and token[2:].isdigit():
+                kwargs["microbatches"] = int(token[2:])
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced]"
+                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -335,6 +353,8 @@ class ScenarioResult:
     layers: list[int] | None = None  # the scenario's explicit layers_per_stage, if any
     variant: str | None = None
     balance: bool = False
+    fsdp: bool = False
+    microbatches: int | None = None
 
     @property
     def name(self) -> str:
@@ -546,6 +566,13 @@ class _Job:
     n_microbatches: int
     seed: int
     lr: float
+    extra: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # family -> its own scenarios
+
+    def all_families(self) -> list[str]:
+        return self.families + [f for f in self.extra if f not in self.families]
+
+    def scenarios_of(self, family: str) -> list[dict[str, Any]]:
+        return (self.scenarios if family in self.families else []) + self.extra.get(family, [])
 
 
 def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -577,6 +604,7 @@ class _Groups:
     dp_rank: int
     pp_group: Any
     dp_group: Any
+    mesh: Any = None  # the (dp, pp) DeviceMesh, when dp > 1
 
 
 _GROUP_CACHE: dict[tuple[int, int], _Groups] = {}
@@ -585,17 +613,16 @@ _GROUP_CACHE: dict[tuple[int, int], _Groups] = {}
 def _groups(world: int, rank: int, dp: int) -> _Groups:
     """The pipeline and data-parallel groups of a ``dp x (world // dp)`` layout (created once per layout;
     ``new_group`` is collective, so every rank creates every group in the same order)."""
-    import torch.distributed as dist
-
     if (world, dp) in _GROUP_CACHE:
         return _GROUP_CACHE[(world, dp)]
     pp = world // dp
     if dp == 1:
         groups = _Groups(pp, 1, rank, 0, None, None)
     else:
-        pp_groups = [dist.new_group([d * pp + p for p in range(pp)]) for d in range(dp)]
-        dp_groups = [dist.new_group([d * pp + p for d in range(dp)]) for p in range(pp)]
-        groups = _Groups(pp, dp, rank % pp, rank // pp, pp_groups[rank // pp], dp_groups[rank % pp])
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))  # row-major: rank = d * pp + p
+        groups = _Groups(pp, dp, rank % pp, rank // pp, mesh["pp"].get_group(), mesh["dp"].get_group(), mesh)
     _GROUP_CACHE[(world, dp)] = groups
     return groups
 
@@ -622,11 +649,45 @@ def _build_batch(tiny_module: Any, scenario: Scenario, seed: int) -> dict[str, A
     """The tiny batch of ``seed``, in the scenario's sample order."""
     if scenario.variant == "text_only_first":
         return dict(tiny_module.build_batch(seed, text_only_first=True))
+    if scenario.variant == "text_only_replica":
+        return _text_only_first_half(tiny_module, dict(tiny_module.build_batch(seed)))
     return dict(tiny_module.build_batch(seed))
+
+
+def _text_only_first_half(tiny_module: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """``B`` samples: the batch's text-only samples, repeated, for the first half; its first half,
+    with exactly that half's media (views), for the second."""
+    from ..pipeline.parallel import _PER_SAMPLE_MEDIA_KEYS
+    from ..registry import get_adapter
+
+    config = tiny_module.build_config()
+    adapter = get_adapter(config)
+    B = int(batch["input_ids"].shape[0])
+    per_sample = _split(adapter, config, dict(batch), B)
+    text_only = [k for k in range(B) if per_sample.chunk(k) is None]
+    if not text_only:
+        raise ValueError("text_only_replica: the tiny batch has no text-only sample")
+    # repeated in alternating order, so no two microbatches of the half hold the same rows
+    cycled = [i for r in range(B) for i in (text_only if r % 2 == 0 else text_only[::-1])]
+    order = cycled[: B // 2] + list(range(B // 2))
+    halves = _split(adapter, config, dict(batch), 2)
+    media_keys = set(halves.sources.values())
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in _PER_SAMPLE_MEDIA_KEYS:
+            out[key] = torch.cat([torch.zeros_like(value[: B // 2]), value[: B // 2]])
+        elif key in media_keys:
+            out[key] = halves.chunks[next(f for f, k in halves.sources.items() if k == key)][0]
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == B:
+            out[key] = value[order]
+        else:
+            out[key] = value
+    return out
 
 
 def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module, tiny_module: Any) -> _Built:
     from ..pipeline import (
+        apply_fsdp,
         build_schedule,
         default_layer_split,
         find_language_model,
@@ -644,7 +705,7 @@ def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module,
         layers_per_stage = default_layer_split(len(lm.layers), n_stages)
     indices = layout.stage_indices(g.pp_rank, g.pp)
     model = copy.deepcopy(pristine)
-    if scenario.dtype == "bfloat16":
+    if scenario.dtype == "bfloat16" and not scenario.fsdp:  # with FSDP2: its mixed-precision policy
         model.to(torch.bfloat16)
     if scenario.checkpointing:
         enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable")
@@ -652,13 +713,17 @@ def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module,
         model.train()
     tied = tied_parameters(model)
     B, S = _build_batch(tiny_module, scenario, job.seed)["input_ids"].shape
-    static = (B // g.dp // job.n_microbatches, S) if scenario.shapes == "static" else None
+    n = scenario.microbatches or job.n_microbatches
+    static = (B // g.dp // n, S) if scenario.shapes == "static" else None
     stages = make_pipeline_stages(
         model, n_stages, indices, "cpu", group=g.pp_group, layers_per_stage=layers_per_stage, static_microbatch=static
     )
     del model  # this rank keeps only its stages' modules
+    if scenario.fsdp:
+        mixed = torch.bfloat16 if scenario.dtype == "bfloat16" else None
+        apply_fsdp(stages, g.mesh["dp"], mixed_precision=mixed)
     modules = [st.submod for st in stages]
-    schedule = build_schedule(scenario.schedule, stages, job.n_microbatches)
+    schedule = build_schedule(scenario.schedule, stages, n)
     owned: dict[str, tuple[torch.nn.Parameter, bool]] = {}
     for module in modules:
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -779,7 +844,7 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     with staging:
         built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
     sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
-    if g.dp > 1:
+    if g.dp > 1 and not scenario.fsdp:  # FSDP2 has reduce-scattered them over the dp mesh
         all_reduce_gradients(built.modules, group=g.dp_group)
     return losses, time.perf_counter() - t0, staged
 
@@ -811,13 +876,20 @@ def _compare(built: _Built) -> tuple[dict[bool, float], dict[bool, float], dict[
     diffs = {True: 0.0, False: 0.0}
     scale = {True: 0.0, False: 0.0}
     counts = {True: 0, False: 0}
-    for name, (param, is_lm) in built.owned.items():
+    for name, (param, is_lm) in built.owned.items():  # the same order on every replica (collectives)
         ref_grad = ref_params[name].grad
-        grad = None if param.grad is None else param.grad.float()
+        grad = None if param.grad is None else _full(param.grad).float()
         diffs[is_lm] = max(diffs[is_lm], _max_abs_diff(grad, ref_grad))
         scale[is_lm] = max(scale[is_lm], _max_abs_diff(ref_grad, None))
         counts[is_lm] += 1
     return diffs, scale, counts
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP2 shard (``DTensor``) gathered over its data-parallel mesh."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _check_calls(probe: _Probe, built: _Built, scenario: Scenario, step: int, n: int, where: str) -> tuple[int, int]:
@@ -855,7 +927,7 @@ def _run_scenario(
     from ..pipeline import count_valid_tokens, make_labels, shard_batch
     from ..registry import get_adapter
 
-    n = job.n_microbatches
+    n = scenario.microbatches or job.n_microbatches
     adapter, config = get_adapter(pristine), pristine.config
     g = _groups(world, rank, scenario.dp)
     built = _build(scenario, job, g, pristine, tiny_module)
@@ -930,11 +1002,10 @@ def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]
     batch = module.build_batch(job.seed)
     from ..registry import get_adapter
 
-    dp = max((spec.get("dp", 1) for spec in job.scenarios), default=1)
+    specs = job.scenarios_of(family)
+    dp = max((spec.get("dp", 1) for spec in specs), default=1)
     infos = _microbatch_infos(get_adapter(pristine), pristine.config, dict(batch), job.n_microbatches, dp)
-    results = [
-        _run_scenario(family, Scenario(**spec), job, rank, world, pristine, module) for spec in job.scenarios
-    ]
+    results = [_run_scenario(family, Scenario(**spec), job, rank, world, pristine, module) for spec in specs]
     return {
         "family": family,
         "model_type": pristine.config.model_type,
@@ -996,6 +1067,8 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         layers=None if sc.get("layers") is None else list(sc["layers"]),
         variant=sc.get("variant"),
         balance=sc.get("balance", False),
+        fsdp=sc.get("fsdp", False),
+        microbatches=sc.get("microbatches"),
         stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0],
     )
 
@@ -1054,7 +1127,7 @@ def run_worker(
         else:
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, **kwargs)
     try:
-        mine = [_run_family(family, spec, dist.get_rank(), dist.get_world_size()) for family in spec.families]
+        mine = [_run_family(family, spec, dist.get_rank(), dist.get_world_size()) for family in spec.all_families()]
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return _merge(gathered, dist.get_world_size(), tolerance, launcher, time.perf_counter() - start)
@@ -1139,9 +1212,10 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
         if world_size % sc.dp:
             raise ValueError(f"{sc.name}: dp {sc.dp} does not divide the {world_size} processes")
         rows = batch_size // sc.dp if batch_size % sc.dp == 0 else 0
-        if rows == 0 or rows % n_microbatches:
+        n = sc.microbatches or n_microbatches
+        if rows == 0 or n < 1 or rows % n:
             raise ValueError(
-                f"{sc.name}: {sc.dp} replicas of the {batch_size}-sample batch cannot each run {n_microbatches} "
+                f"{sc.name}: {sc.dp} replicas of the {batch_size}-sample batch cannot each run {n} "
                 f"equal microbatches"
             )
         n_stages = schedule_layout(sc.schedule).n_stages(world_size // sc.dp)
@@ -1153,6 +1227,10 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
                     raise ValueError(f"{sc.name}: the tiny {family} batch has no text_only_first order")
         if sc.balance and (sc.dp != 1 or sc.fault is not None):
             raise ValueError(f"{sc.name}: balancing is run with one replica and no fault")
+        if sc.fsdp and sc.dp < 2:
+            raise ValueError(f"{sc.name}: fsdp shards over the data-parallel replicas: use dp2 or more")
+        if sc.variant == "text_only_replica" and sc.dp != 2:
+            raise ValueError(f"{sc.name}: text_only_replica gives replica 0 of two the text-only half: use dp2")
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")
 
@@ -1167,6 +1245,7 @@ def run_parity(
     lr: float = 1e-2,
     tolerance: float = 1e-5,
     world_size: int = 2,
+    family_scenarios: Mapping[str, Iterable[str | Scenario]] | None = None,
 ) -> ParityReport:
     """Run ``families`` through a real multi-process pipeline and compare with the model itself.
 
@@ -1182,6 +1261,8 @@ def run_parity(
         seed: model and batch seed (step ``k`` uses batch ``seed + k``).
         tolerance: what :meth:`ScenarioResult.passed` and :attr:`ParityReport.ok` accept.
         world_size: processes to spawn (ignored under torchrun).
+        family_scenarios: more scenarios for single families, run in the same processes after
+            ``scenarios`` (a family named only here runs only its own).
 
     Raises:
         ParityError: a worker failed (its traceback is in the message).
@@ -1189,10 +1270,14 @@ def run_parity(
     """
     names = [families] if isinstance(families, str) else list(families)
     specs = parse_scenarios(scenarios)
+    extra = {family: parse_scenarios(more) for family, more in (family_scenarios or {}).items()}
     if launched_by_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
     _validate(names, specs, n_microbatches, world_size, steps)
-    job = asdict(_Job(names, [asdict(s) for s in specs], steps, n_microbatches, seed, lr))
+    for family, more in extra.items():
+        _validate([family], more, n_microbatches, world_size, steps)
+    job = asdict(_Job(names, [asdict(s) for s in specs], steps, n_microbatches, seed, lr,
+                      {family: [asdict(s) for s in more] for family, more in extra.items()}))
 
     if launched_by_torchrun():
         try:
@@ -1243,7 +1328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
     parser.add_argument(
         "--scenario", action="append",
-        help="schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        help="schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
         "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
     )
     parser.add_argument("--steps", type=int, default=2)
