@@ -269,8 +269,9 @@ class ShapeFollowingSchedule:
         if not tensors:
             return
         shapes = tuple(tuple(t.shape) for t in tensors)
-        if self._ppmedia_shapes is not None and shapes != self._ppmedia_shapes:
+        if shapes != self._ppmedia_shapes:
             batch = next((t for t in tensors if t.dim() == 2), None)
+            # the first step too: static shapes given for another S than the first batch's
             _reinitialise(self, None if batch is None else (int(batch.shape[0]), int(batch.shape[1])))
         self._ppmedia_shapes = shapes
 
@@ -295,6 +296,7 @@ def _reinitialise(schedule: Any, batch_shape: tuple[int, int] | None) -> None:
 
 
 def _restatic(schedule: Any, stage: Any, batch_size: int, seq_len: int) -> None:
+    """Replace ``stage``'s static shapes by those of ``(batch_size, seq_len)`` (when they differ)."""
     from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
 
     from .stages import static_stage_args
@@ -308,7 +310,10 @@ def _restatic(schedule: Any, stage: Any, batch_size: int, seq_len: int) -> None:
     metas = [m for m in (*stage._user_meta.inputs, *stage._user_meta.outputs) if m.dtype.is_floating_point]
     dtype = metas[0].dtype if metas else torch.float32
     inputs, outputs = static_stage_args(stage.submod, batch_size // n, seq_len, dtype=dtype, device=stage.device)
-    stage._user_meta = _StageMeta(inputs=extract_tensor_metas(inputs), outputs=extract_tensor_metas(outputs))
+    meta = _StageMeta(inputs=extract_tensor_metas(inputs), outputs=extract_tensor_metas(outputs))
+    old = stage._user_meta
+    if [m.shape for m in (*old.inputs, *old.outputs)] != [m.shape for m in (*meta.inputs, *meta.outputs)]:
+        stage._user_meta = meta
 
 
 _FOLLOWING: dict[type, type] = {}

@@ -70,6 +70,7 @@ __all__ = [
     "ScenarioResult",
     "StepResult",
     "VARIANTS",
+    "VARLEN_PAD",
     "exit_worker",
     "launched_by_torchrun",
     "main",
@@ -86,8 +87,10 @@ __all__ = [
 #: shapes, other pixels): nothing raises, the losses and gradients differ from the reference.
 FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch")
 #: run variants that must still match (see :class:`Scenario`).
-VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica")
+VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica", "varlen")
 _SHAPES = ("inferred", "static")
+#: extra padding columns of the ``varlen`` variant's first batch of a step.
+VARLEN_PAD = 3
 #: bfloat16 parameters vs the float32 reference: the loss may differ by this much (absolute) ...
 BF16_LOSS_TOLERANCE = 2e-3
 #: ... and each gradient by this fraction of the largest reference gradient of its side.
@@ -127,7 +130,10 @@ class Scenario:
             parameter outside the language model (``requires_grad=False``) on both sides;
             ``text_only_replica`` fills the first half of the batch with the tiny batch's text-only
             samples (repeated) and the second half with its first half, media included: with ``dp2``
-            replica 0 holds no media at all (its vision tower gets no gradient).
+            replica 0 holds no media at all (its vision tower gets no gradient); ``varlen``
+            accumulates two schedule steps before each optimizer step (and each comparison): another
+            batch right-padded by :data:`VARLEN_PAD` columns (another sequence length ``S``), then the
+            step's batch; the reference accumulates the same two, and the stages are never rebuilt.
         balance: reorder the samples for an even vision load (``split_media(balance=...)`` with the
             adapter's ``image_costs``); the reference still runs the original order.
         fsdp: shard every stage with FSDP2 over the data-parallel mesh
@@ -823,8 +829,10 @@ def _media_rows(probe: _Probe, media_batch: dict[str, Any], global_split: Any, g
 
 
 def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[str, Any], media_local: dict[str, Any],
-                   num_valid: int, probe: _Probe, adapter: Any, config: Any, n: int) -> tuple[list[torch.Tensor], float, Any]:
-    """One schedule step on this replica's share, then the tied, data-parallel and clipping steps."""
+                   num_valid: int, probe: _Probe, adapter: Any, config: Any, n: int,
+                   accumulate: bool = False) -> tuple[list[torch.Tensor], float, Any]:
+    """One schedule step on this replica's share, then the tied and data-parallel reductions
+    (``accumulate``: keep the gradients already there, and leave the reductions to the next step)."""
     from ..pipeline import all_reduce_gradients, make_labels, sync_tied_gradients
     from ..stage import stage_media
 
@@ -834,7 +842,8 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     ids, mask = local["input_ids"], local["attention_mask"]  # reordered in place by a balanced split
     labels = make_labels(ids, config, adapter, attention_mask=mask)
     probe.reset(ids, staged.samples)
-    built.optimizer.zero_grad(set_to_none=True)
+    if not (accumulate or scenario.variant == "varlen"):
+        built.optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
     dist.barrier()
     t0 = time.perf_counter()
@@ -843,15 +852,47 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
         staging = stage_media(built.first.submod if scenario.fault == "bare_module" else built.first, staged)
     with staging:
         built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
+    if accumulate:
+        return losses, time.perf_counter() - t0, staged
     sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
     if g.dp > 1 and not scenario.fsdp:  # FSDP2 has reduce-scattered them over the dp mesh
         all_reduce_gradients(built.modules, group=g.dp_group)
     return losses, time.perf_counter() - t0, staged
 
 
-def _reference_step(built: _Built, tiny_module: Any, batch: dict[str, Any], targets: torch.Tensor) -> tuple[Any, float]:
+def _padded(batch: dict[str, Any], config: Any, columns: int) -> dict[str, Any]:
+    """``batch`` with ``columns`` more padding positions at the end of every row (another ``S``)."""
+    from ..adapters.base import config_value
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    pad = int(config_value(config, "pad_token_id", "text_config.pad_token_id"))
+    extra = torch.full((ids.shape[0], columns), pad, dtype=ids.dtype)
+    return dict(batch, input_ids=torch.cat([ids, extra], 1), attention_mask=torch.cat([mask, torch.zeros_like(extra)], 1))
+
+
+def _accumulate_padded(built: _Built, scenario: Scenario, g: _Groups, seed: int, probe: _Probe, tiny_module: Any,
+                       n: int) -> None:
+    """``varlen``: zero the gradients, then one schedule step (and one reference forward and backward)
+    on another batch, right-padded by :data:`VARLEN_PAD` columns; the step's own batch follows."""
+    from ..pipeline import count_valid_tokens, make_labels, shard_batch
+    from ..registry import get_adapter
+
+    config = built.reference.config
+    adapter = get_adapter(config)
+    batch = _padded(dict(tiny_module.build_batch(seed)), config, VARLEN_PAD)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    num_valid = count_valid_tokens(make_labels(ids, config, adapter, attention_mask=mask))
+    local = shard_batch(batch, g.dp_rank, g.dp, **adapter.media_counts(batch, config)) if g.dp > 1 else dict(batch)
+    built.optimizer.zero_grad(set_to_none=True)
+    _pipeline_step(built, scenario, g, local, dict(local), num_valid, probe, adapter, config, n, accumulate=True)
+    _reference_step(built, tiny_module, batch, make_labels(ids, config, adapter, attention_mask=mask, shift=False))
+
+
+def _reference_step(built: _Built, tiny_module: Any, batch: dict[str, Any], targets: torch.Tensor,
+                    accumulate: bool = False) -> tuple[Any, float]:
     t0 = time.perf_counter()
-    built.ref_optimizer.zero_grad(set_to_none=True)
+    if not accumulate:
+        built.ref_optimizer.zero_grad(set_to_none=True)
     inputs = dict(tiny_module.reference_inputs(batch))
     inputs.setdefault("use_cache", False)
     out = built.reference(**inputs, labels=targets)
@@ -895,7 +936,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _check_calls(probe: _Probe, built: _Built, scenario: Scenario, step: int, n: int, where: str) -> tuple[int, int]:
     """Stage 0 ran once per microbatch (plus the shape-inference forward) on its own chunk; returns
     the decoder layers' calls and the expected number."""
-    inference = scenario.shapes == "inferred" and step == 0
+    # varlen: every schedule step has another S than the previous one, so shapes are inferred again
+    inference = scenario.shapes == "inferred" and (step == 0 or scenario.variant == "varlen")
     expected_calls = n + inference
     if built.first is not None:
         if len(probe.trace) != expected_calls:
@@ -945,9 +987,11 @@ def _run_scenario(
                 (shard_batch(b, g.dp_rank, g.dp, **media_counts) for b in (batch, media_batch))
                 if g.dp > 1 else (dict(batch), dict(media_batch))
             )
+            if scenario.variant == "varlen":
+                _accumulate_padded(built, scenario, g, job.seed + 500 + step, probe, tiny_module, n)
             losses, wall_pipeline, _ = _pipeline_step(built, scenario, g, local, media_local, num_valid, probe, adapter, config, n)
             targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
-            out, wall_reference = _reference_step(built, tiny_module, batch, targets)
+            out, wall_reference = _reference_step(built, tiny_module, batch, targets, accumulate=scenario.variant == "varlen")
             norms = _clip_both(built, g) if scenario.clip else (None, None)
             diffs, scale, counts = _compare(built)
             expected_calls, expected_layers = _check_calls(probe, built, scenario, step, n, where)
