@@ -347,15 +347,27 @@ def test_a_tied_parameter_saved_on_one_stage_resumes_on_two(tmp_path):
         assert torch.equal(optimizer.state[param]["exp_avg"], optimizers[0].state[saved]["exp_avg"])
 
 
-def test_fsdp_refusals_name_the_problem(monkeypatch):
-    from ppmedia.pipeline import fsdp
+def test_fsdp_refusals_name_the_problem():
+    import types
 
     modules = pipeline.build_stage_modules(tiny.load("qwen2_5_vl").build_model(0), 2)
     with pytest.raises(TypeError, match="mixed_precision is a str; expected None, a torch.dtype"):
         pipeline.apply_fsdp(modules, mesh=None, mixed_precision="bf16")
     with pytest.raises(TypeError, match="got Linear; expected PipelineStage objects or StageModules"):
         pipeline.apply_fsdp([torch.nn.Linear(2, 2)], mesh=None)
-    pipeline.check_fsdp_schedule("ZBVZeroBubble")  # every torch schedule runs FSDP2 stages
-    monkeypatch.setitem(fsdp.FSDP_REFUSED_SCHEDULES, "DualPipeV", "a reason")
-    with pytest.raises(ValueError, match="schedule DualPipeV cannot run FSDP2 stages: a reason"):
-        pipeline.check_fsdp_schedule("dualpipev")
+
+    # stand-ins: an action list as torch's split-backward schedules have (F, I, W), and stage modules
+    # marked as apply_fsdp marks them (a real FSDP2 stage needs a process group)
+    def action(kind):
+        return types.SimpleNamespace(stage_index=0, microbatch_index=0, computation_type=types.SimpleNamespace(value=kind))
+
+    zero_bubble = types.SimpleNamespace(pipeline_order={0: [action("F"), action("I"), action("W"), None]})
+    full = types.SimpleNamespace(pipeline_order={0: [action("F"), action("B")]})
+    assert pipeline.splits_backward(zero_bubble) and not pipeline.splits_backward(full)
+    for module in modules:
+        module.__dict__["_ppmedia_fsdp_reshard_after_forward"] = False
+    pipeline.check_fsdp_schedule(zero_bubble, modules)  # the default sharding runs every schedule
+    modules[1].__dict__["_ppmedia_fsdp_reshard_after_forward"] = True
+    pipeline.check_fsdp_schedule(full, modules)
+    with pytest.raises(ValueError, match=r"cannot run FSDP2 stages \[1\]: it splits each backward .* reshard_after_forward=False"):
+        pipeline.check_fsdp_schedule(zero_bubble, modules)

@@ -71,7 +71,7 @@ from .checkpoint import (
     stage_optimizers,
 )
 from .evaluate import eval_step
-from .fsdp import FSDP_REFUSED_SCHEDULES, apply_fsdp, check_fsdp_schedule, is_sharded
+from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
 from .schedules import (
@@ -90,10 +90,10 @@ from .tied import TiedParameters, sync_tied_gradients, tied_parameters
 
 __all__ = [
     "CHECKPOINT_INFO",
-    "FSDP_REFUSED_SCHEDULES",
     "IGNORE_INDEX",
     "SCHEDULES",
     "SCHEDULE_ALIASES",
+    "SPLIT_BACKWARD_RESHARD_REASON",
     "ScheduleLayout",
     "ShapeFollowingSchedule",
     "StageModule",
@@ -120,6 +120,7 @@ __all__ = [
     "schedule_layout",
     "schedule_names",
     "shard_batch",
+    "splits_backward",
     "stage_indices_for_rank",
     "stage_optimizers",
     "static_stage_args",

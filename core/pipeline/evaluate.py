@@ -26,7 +26,7 @@ def eval_step(
     """One forward-only step of ``schedule`` (torch's ``schedule.eval``): the GLOBAL mean token loss.
 
     Call it on every rank of the world with this replica's share, as for a training step: the first
-    stage's rank passes its :class:`~ppmedia.PipelineStage` as ``first_stage`` and the replica's
+    stage's rank passes its ``PipelineStage`` as ``first_stage`` and the replica's
     :func:`~ppmedia.split_media` result as ``staged`` (``None`` on other ranks). Runs under
     ``torch.no_grad()``: no parameter gets a gradient (gradients already there stay as they are);
     every staged chunk is consumed exactly once (:func:`~ppmedia.stage_media` checks it, and gives

@@ -209,7 +209,7 @@ def build_schedule(
         ValueError: unknown or abstract schedule; stages that do not match the schedule's placement;
             a schedule whose first stage would run microbatches out of order (the media cursor
             would hand them the wrong media); FSDP2 stages with a schedule that cannot run them
-            (:data:`~ppmedia.pipeline.FSDP_REFUSED_SCHEDULES`); torch's own checks (e.g. too few
+            (:func:`~ppmedia.pipeline.check_fsdp_schedule`); torch's own checks (e.g. too few
             microbatches).
     """
     if not stages:
@@ -227,11 +227,11 @@ def build_schedule(
         )
     loss_fn = pipeline_loss if loss_fn is None else loss_fn
     target = list(stages) if layout.multi_stage else stages[0]
-    if any(is_sharded(getattr(st, "submod", st)) for st in stages):
-        check_fsdp_schedule(layout.name)
     schedule = _following_shapes(layout.schedule_class)(
         target, n_microbatches, loss_fn=loss_fn, scale_grads=False, **schedule_kwargs
     )
+    if any(is_sharded(getattr(st, "submod", st)) for st in stages):
+        check_fsdp_schedule(schedule, stages)
     mapping = getattr(schedule, "stage_index_to_group_rank", None) or {}
     wrong = [i for i in got if i in mapping and mapping[i] != pp_rank]
     if wrong:  # the class placed them elsewhere than schedule_layout predicted

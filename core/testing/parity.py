@@ -1150,7 +1150,7 @@ def run_worker(
     gathers all ranks' results and returns the merged report (on every rank).
 
     ``job`` holds ``families``, ``scenarios`` (dicts of :class:`Scenario` fields), ``steps``,
-    ``n_microbatches``, ``seed`` and ``lr``. ``init_method`` is ``tcp://127.0.0.1:PORT`` or ``env://``.
+    ``n_microbatches``, ``seed``, ``lr`` and optionally ``extra`` (family -> its own scenario dicts). ``init_method`` is ``tcp://127.0.0.1:PORT`` or ``env://``.
 
     With ``env://`` (torchrun) the process group is created on the first call and kept for later
     calls in the same process (``ppmedia demo`` runs one family per call): re-creating it would
