@@ -497,9 +497,15 @@ def _resolve(dotted: str):
     return obj
 
 
+#: file names that look like dotted names (``ppmedia.json``, a checkpoint's info file)
+_FILE_SUFFIXES = frozenset({"json", "toml", "md", "txt", "yaml", "yml", "safetensors"})
+
+
 def missing_names(text: str) -> list[str]:
     missing = []
     for name in sorted(set(re.findall(r"(?<![\w./])(ppmedia(?:\.[A-Za-z_]\w*)+)", text))):
+        if name.rsplit(".", 1)[-1] in _FILE_SUFFIXES:
+            continue
         try:
             _resolve(name)
         except (ImportError, AttributeError) as exc:

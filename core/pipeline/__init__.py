@@ -66,10 +66,24 @@ The package, one module per concern (every public name is importable from ``ppme
                     (built on meta, only the stage's tensors read, from only their shard files)
 ``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
 ``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
+``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
+``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
+``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
 ==================  ===========================================================================
 """
 
+from .checkpoint import (
+    CHECKPOINT_INFO,
+    check_checkpoint,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    stage_optimizers,
+)
+from .evaluate import eval_step
 from .export import save_pretrained_stages
+from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
 from .pretrained import stages_from_pretrained
@@ -77,6 +91,7 @@ from .schedules import (
     SCHEDULE_ALIASES,
     SCHEDULES,
     ScheduleLayout,
+    ShapeFollowingSchedule,
     build_schedule,
     schedule_layout,
     schedule_names,
@@ -87,28 +102,42 @@ from .surgery import default_layer_split, find_language_model
 from .tied import TiedParameters, sync_tied_gradients, tied_parameters
 
 __all__ = [
+    "CHECKPOINT_INFO",
     "IGNORE_INDEX",
     "SCHEDULES",
     "SCHEDULE_ALIASES",
+    "SPLIT_BACKWARD_RESHARD_REASON",
     "ScheduleLayout",
+    "ShapeFollowingSchedule",
     "StageModule",
     "TiedParameters",
     "all_reduce_gradients",
+    "apply_fsdp",
     "build_schedule",
     "build_stage_modules",
+    "check_checkpoint",
+    "check_fsdp_schedule",
+    "checkpoint_path",
     "clip_grad_norm",
     "count_valid_tokens",
     "default_layer_split",
+    "eval_step",
     "find_language_model",
+    "is_sharded",
+    "latest_checkpoint",
+    "load_checkpoint",
     "make_labels",
     "make_pipeline_stages",
     "pipeline_loss",
     "save_pretrained_stages",
+    "save_checkpoint",
     "schedule_layout",
     "schedule_names",
     "shard_batch",
+    "splits_backward",
     "stage_indices_for_rank",
     "stages_from_pretrained",
+    "stage_optimizers",
     "static_stage_args",
     "sync_tied_gradients",
     "tied_parameters",

@@ -53,7 +53,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -73,6 +73,7 @@ __all__ = [
     "ScenarioResult",
     "StepResult",
     "VARIANTS",
+    "VARLEN_PAD",
     "exit_worker",
     "launched_by_torchrun",
     "main",
@@ -89,8 +90,10 @@ __all__ = [
 #: shapes, other pixels): nothing raises, the losses and gradients differ from the reference.
 FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch")
 #: run variants that must still match (see :class:`Scenario`).
-VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision")
+VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica", "varlen")
 _SHAPES = ("inferred", "static")
+#: extra padding columns of the ``varlen`` variant's first batch of a step.
+VARLEN_PAD = 3
 #: bfloat16 parameters vs the float32 reference: the loss may differ by this much (absolute) ...
 BF16_LOSS_TOLERANCE = 2e-3
 #: ... and each gradient by this fraction of the largest reference gradient of its side.
@@ -127,13 +130,26 @@ class Scenario:
         variant: ``None``, or one of :data:`VARIANTS`: ``text_only_first`` builds the batch with its
             text-only samples first (the tiny module's ``build_batch(seed, text_only_first=True)``), so
             the schedule infers shapes from a microbatch without media; ``frozen_vision`` freezes every
-            parameter outside the language model (``requires_grad=False``) on both sides.
+            parameter outside the language model (``requires_grad=False``) on both sides;
+            ``text_only_replica`` fills the first half of the batch with the tiny batch's text-only
+            samples (repeated) and the second half with its first half, media included: with ``dp2``
+            replica 0 holds no media at all (its vision tower gets no gradient); ``varlen``
+            accumulates two schedule steps before each optimizer step (and each comparison): another
+            batch right-padded by :data:`VARLEN_PAD` columns (another sequence length ``S``), then the
+            step's batch; the reference accumulates the same two, and the stages are never rebuilt.
         balance: reorder the samples for an even vision load (``split_media(balance=...)`` with the
             adapter's ``image_costs``); the reference still runs the original order.
         pretrained: build the stages from a checkpoint of the tiny model
             (:func:`~ppmedia.pipeline.stages_from_pretrained`, each rank only its stages) instead of
             cutting the model in memory; the tiny module's ``build_checkpoint_model`` (if it has one)
             is the model written and the reference.
+        fsdp: shard every stage with FSDP2 over the data-parallel mesh
+            (:func:`ppmedia.pipeline.apply_fsdp`) instead of summing replicated gradients
+            (``all_reduce_gradients``); gradients are compared after gathering them (``full_tensor()``).
+            With ``dtype="bfloat16"`` the parameters stay float32 and FSDP2's mixed precision computes
+            in bfloat16 (gradients reduced in float32).
+        microbatches: microbatches per step for this scenario (default: the run's ``n_microbatches``),
+            e.g. ``mb4`` for DualPipeV, which needs at least as many microbatches as stages.
     """
 
     schedule: str
@@ -147,6 +163,8 @@ class Scenario:
     variant: str | None = None
     balance: bool = False
     pretrained: bool = False
+    fsdp: bool = False
+    microbatches: int | None = None
 
     def __post_init__(self) -> None:
         from ..pipeline import schedule_layout
@@ -175,9 +193,11 @@ class Scenario:
 
 
 def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
-    """``schedule/shapes[/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``."""
+    """``schedule/shapes[/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``."""
     parts = [sc.schedule, sc.shapes] + ([sc.fault] if sc.fault else [])
     parts += [f"dp{sc.dp}"] if sc.dp != 1 else []
+    parts += ["fsdp"] * sc.fsdp
+    parts += [f"mb{sc.microbatches}"] if sc.microbatches is not None else []
     parts += ["ckpt"] * sc.checkpointing + ["bf16"] * (sc.dtype == "bfloat16") + ["clip"] * sc.clip
     if sc.layers is not None:
         parts.append("layers=" + "+".join(str(n) for n in sc.layers))
@@ -195,7 +215,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -227,10 +247,14 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["balance"] = True
             elif token == "pretrained":
                 kwargs["pretrained"] = True
+            elif token == "fsdp":
+                kwargs["fsdp"] = True
+            elif token.startswith("mb") and token[2:].isdigit():
+                kwargs["microbatches"] = int(token[2:])
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained]"
+                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -346,6 +370,8 @@ class ScenarioResult:
     variant: str | None = None
     balance: bool = False
     pretrained: bool = False
+    fsdp: bool = False
+    microbatches: int | None = None
 
     @property
     def name(self) -> str:
@@ -557,6 +583,13 @@ class _Job:
     n_microbatches: int
     seed: int
     lr: float
+    extra: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # family -> its own scenarios
+
+    def all_families(self) -> list[str]:
+        return self.families + [f for f in self.extra if f not in self.families]
+
+    def scenarios_of(self, family: str) -> list[dict[str, Any]]:
+        return (self.scenarios if family in self.families else []) + self.extra.get(family, [])
 
 
 def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -588,6 +621,7 @@ class _Groups:
     dp_rank: int
     pp_group: Any
     dp_group: Any
+    mesh: Any = None  # the (dp, pp) DeviceMesh, when dp > 1
 
 
 _GROUP_CACHE: dict[tuple[int, int], _Groups] = {}
@@ -596,17 +630,16 @@ _GROUP_CACHE: dict[tuple[int, int], _Groups] = {}
 def _groups(world: int, rank: int, dp: int) -> _Groups:
     """The pipeline and data-parallel groups of a ``dp x (world // dp)`` layout (created once per layout;
     ``new_group`` is collective, so every rank creates every group in the same order)."""
-    import torch.distributed as dist
-
     if (world, dp) in _GROUP_CACHE:
         return _GROUP_CACHE[(world, dp)]
     pp = world // dp
     if dp == 1:
         groups = _Groups(pp, 1, rank, 0, None, None)
     else:
-        pp_groups = [dist.new_group([d * pp + p for p in range(pp)]) for d in range(dp)]
-        dp_groups = [dist.new_group([d * pp + p for d in range(dp)]) for p in range(pp)]
-        groups = _Groups(pp, dp, rank % pp, rank // pp, pp_groups[rank // pp], dp_groups[rank % pp])
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))  # row-major: rank = d * pp + p
+        groups = _Groups(pp, dp, rank % pp, rank // pp, mesh["pp"].get_group(), mesh["dp"].get_group(), mesh)
     _GROUP_CACHE[(world, dp)] = groups
     return groups
 
@@ -633,7 +666,40 @@ def _build_batch(tiny_module: Any, scenario: Scenario, seed: int) -> dict[str, A
     """The tiny batch of ``seed``, in the scenario's sample order."""
     if scenario.variant == "text_only_first":
         return dict(tiny_module.build_batch(seed, text_only_first=True))
+    if scenario.variant == "text_only_replica":
+        return _text_only_first_half(tiny_module, dict(tiny_module.build_batch(seed)))
     return dict(tiny_module.build_batch(seed))
+
+
+def _text_only_first_half(tiny_module: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """``B`` samples: the batch's text-only samples, repeated, for the first half; its first half,
+    with exactly that half's media (views), for the second."""
+    from ..pipeline.parallel import _PER_SAMPLE_MEDIA_KEYS
+    from ..registry import get_adapter
+
+    config = tiny_module.build_config()
+    adapter = get_adapter(config)
+    B = int(batch["input_ids"].shape[0])
+    per_sample = _split(adapter, config, dict(batch), B)
+    text_only = [k for k in range(B) if per_sample.chunk(k) is None]
+    if not text_only:
+        raise ValueError("text_only_replica: the tiny batch has no text-only sample")
+    # repeated in alternating order, so no two microbatches of the half hold the same rows
+    cycled = [i for r in range(B) for i in (text_only if r % 2 == 0 else text_only[::-1])]
+    order = cycled[: B // 2] + list(range(B // 2))
+    halves = _split(adapter, config, dict(batch), 2)
+    media_keys = set(halves.sources.values())
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in _PER_SAMPLE_MEDIA_KEYS:
+            out[key] = torch.cat([torch.zeros_like(value[: B // 2]), value[: B // 2]])
+        elif key in media_keys:
+            out[key] = halves.chunks[next(f for f, k in halves.sources.items() if k == key)][0]
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == B:
+            out[key] = value[order]
+        else:
+            out[key] = value
+    return out
 
 
 def _stages(
@@ -651,7 +717,7 @@ def _stages(
         stages = make_pipeline_stages(modules, n_stages, indices, "cpu", group=g.pp_group, static_microbatch=static)
         return stages, list(modules[0].tied)
     model = copy.deepcopy(pristine)
-    if scenario.dtype == "bfloat16":
+    if scenario.dtype == "bfloat16" and not scenario.fsdp:  # with FSDP2: its mixed-precision policy
         model.to(torch.bfloat16)
     if scenario.checkpointing:
         enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable")
@@ -678,10 +744,16 @@ def _build(
         layers_per_stage = default_layer_split(len(lm.layers), n_stages)
     indices = layout.stage_indices(g.pp_rank, g.pp)
     B, S = _build_batch(tiny_module, scenario, job.seed)["input_ids"].shape
-    static = (B // g.dp // job.n_microbatches, S) if scenario.shapes == "static" else None
+    n = scenario.microbatches or job.n_microbatches
+    static = (B // g.dp // n, S) if scenario.shapes == "static" else None
     stages, tied = _stages(scenario, pristine, n_stages, indices, g, layers_per_stage, static, checkpoint)
+    if scenario.fsdp:
+        from ..pipeline import apply_fsdp
+
+        mixed = torch.bfloat16 if scenario.dtype == "bfloat16" else None
+        apply_fsdp(stages, g.mesh["dp"], mixed_precision=mixed)
     modules = [st.submod for st in stages]
-    schedule = build_schedule(scenario.schedule, stages, job.n_microbatches)
+    schedule = build_schedule(scenario.schedule, stages, n)
     owned: dict[str, tuple[torch.nn.Parameter, bool]] = {}
     for module in modules:
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -781,8 +853,10 @@ def _media_rows(probe: _Probe, media_batch: dict[str, Any], global_split: Any, g
 
 
 def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[str, Any], media_local: dict[str, Any],
-                   num_valid: int, probe: _Probe, adapter: Any, config: Any, n: int) -> tuple[list[torch.Tensor], float, Any]:
-    """One schedule step on this replica's share, then the tied, data-parallel and clipping steps."""
+                   num_valid: int, probe: _Probe, adapter: Any, config: Any, n: int,
+                   accumulate: bool = False) -> tuple[list[torch.Tensor], float, Any]:
+    """One schedule step on this replica's share, then the tied and data-parallel reductions
+    (``accumulate``: keep the gradients already there, and leave the reductions to the next step)."""
     from ..pipeline import all_reduce_gradients, make_labels, sync_tied_gradients
     from ..stage import stage_media
 
@@ -792,7 +866,8 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     ids, mask = local["input_ids"], local["attention_mask"]  # reordered in place by a balanced split
     labels = make_labels(ids, config, adapter, attention_mask=mask)
     probe.reset(ids, staged.samples)
-    built.optimizer.zero_grad(set_to_none=True)
+    if not (accumulate or scenario.variant == "varlen"):
+        built.optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
     dist.barrier()
     t0 = time.perf_counter()
@@ -801,15 +876,47 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
         staging = stage_media(built.first.submod if scenario.fault == "bare_module" else built.first, staged)
     with staging:
         built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
+    if accumulate:
+        return losses, time.perf_counter() - t0, staged
     sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
-    if g.dp > 1:
+    if g.dp > 1 and not scenario.fsdp:  # FSDP2 has reduce-scattered them over the dp mesh
         all_reduce_gradients(built.modules, group=g.dp_group)
     return losses, time.perf_counter() - t0, staged
 
 
-def _reference_step(built: _Built, tiny_module: Any, batch: dict[str, Any], targets: torch.Tensor) -> tuple[Any, float]:
+def _padded(batch: dict[str, Any], config: Any, columns: int) -> dict[str, Any]:
+    """``batch`` with ``columns`` more padding positions at the end of every row (another ``S``)."""
+    from ..adapters.base import config_value
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    pad = int(config_value(config, "pad_token_id", "text_config.pad_token_id"))
+    extra = torch.full((ids.shape[0], columns), pad, dtype=ids.dtype)
+    return dict(batch, input_ids=torch.cat([ids, extra], 1), attention_mask=torch.cat([mask, torch.zeros_like(extra)], 1))
+
+
+def _accumulate_padded(built: _Built, scenario: Scenario, g: _Groups, seed: int, probe: _Probe, tiny_module: Any,
+                       n: int) -> None:
+    """``varlen``: zero the gradients, then one schedule step (and one reference forward and backward)
+    on another batch, right-padded by :data:`VARLEN_PAD` columns; the step's own batch follows."""
+    from ..pipeline import count_valid_tokens, make_labels, shard_batch
+    from ..registry import get_adapter
+
+    config = built.reference.config
+    adapter = get_adapter(config)
+    batch = _padded(dict(tiny_module.build_batch(seed)), config, VARLEN_PAD)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    num_valid = count_valid_tokens(make_labels(ids, config, adapter, attention_mask=mask))
+    local = shard_batch(batch, g.dp_rank, g.dp, **adapter.media_counts(batch, config)) if g.dp > 1 else dict(batch)
+    built.optimizer.zero_grad(set_to_none=True)
+    _pipeline_step(built, scenario, g, local, dict(local), num_valid, probe, adapter, config, n, accumulate=True)
+    _reference_step(built, tiny_module, batch, make_labels(ids, config, adapter, attention_mask=mask, shift=False))
+
+
+def _reference_step(built: _Built, tiny_module: Any, batch: dict[str, Any], targets: torch.Tensor,
+                    accumulate: bool = False) -> tuple[Any, float]:
     t0 = time.perf_counter()
-    built.ref_optimizer.zero_grad(set_to_none=True)
+    if not accumulate:
+        built.ref_optimizer.zero_grad(set_to_none=True)
     inputs = dict(tiny_module.reference_inputs(batch))
     inputs.setdefault("use_cache", False)
     out = built.reference(**inputs, labels=targets)
@@ -834,19 +941,27 @@ def _compare(built: _Built) -> tuple[dict[bool, float], dict[bool, float], dict[
     diffs = {True: 0.0, False: 0.0}
     scale = {True: 0.0, False: 0.0}
     counts = {True: 0, False: 0}
-    for name, (param, is_lm) in built.owned.items():
+    for name, (param, is_lm) in built.owned.items():  # the same order on every replica (collectives)
         ref_grad = ref_params[name].grad
-        grad = None if param.grad is None else param.grad.float()
+        grad = None if param.grad is None else _full(param.grad).float()
         diffs[is_lm] = max(diffs[is_lm], _max_abs_diff(grad, ref_grad))
         scale[is_lm] = max(scale[is_lm], _max_abs_diff(ref_grad, None))
         counts[is_lm] += 1
     return diffs, scale, counts
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP2 shard (``DTensor``) gathered over its data-parallel mesh."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def _check_calls(probe: _Probe, built: _Built, scenario: Scenario, step: int, n: int, where: str) -> tuple[int, int]:
     """Stage 0 ran once per microbatch (plus the shape-inference forward) on its own chunk; returns
     the decoder layers' calls and the expected number."""
-    inference = scenario.shapes == "inferred" and step == 0
+    # varlen: every schedule step has another S than the previous one, so shapes are inferred again
+    inference = scenario.shapes == "inferred" and (step == 0 or scenario.variant == "varlen")
     expected_calls = n + inference
     if built.first is not None:
         if len(probe.trace) != expected_calls:
@@ -879,7 +994,7 @@ def _run_scenario(
     from ..pipeline import count_valid_tokens, make_labels, shard_batch
     from ..registry import get_adapter
 
-    n = job.n_microbatches
+    n = scenario.microbatches or job.n_microbatches
     adapter, config = get_adapter(pristine), pristine.config
     g = _groups(world, rank, scenario.dp)
     built = _build(scenario, job, g, pristine, tiny_module, checkpoint)
@@ -897,9 +1012,11 @@ def _run_scenario(
                 (shard_batch(b, g.dp_rank, g.dp, **media_counts) for b in (batch, media_batch))
                 if g.dp > 1 else (dict(batch), dict(media_batch))
             )
+            if scenario.variant == "varlen":
+                _accumulate_padded(built, scenario, g, job.seed + 500 + step, probe, tiny_module, n)
             losses, wall_pipeline, _ = _pipeline_step(built, scenario, g, local, media_local, num_valid, probe, adapter, config, n)
             targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
-            out, wall_reference = _reference_step(built, tiny_module, batch, targets)
+            out, wall_reference = _reference_step(built, tiny_module, batch, targets, accumulate=scenario.variant == "varlen")
             norms = _clip_both(built, g) if scenario.clip else (None, None)
             diffs, scale, counts = _compare(built)
             expected_calls, expected_layers = _check_calls(probe, built, scenario, step, n, where)
@@ -954,14 +1071,15 @@ def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]
     batch = module.build_batch(job.seed)
     from ..registry import get_adapter
 
-    dp = max((spec.get("dp", 1) for spec in job.scenarios), default=1)
+    specs = job.scenarios_of(family)
+    dp = max((spec.get("dp", 1) for spec in specs), default=1)
     infos = _microbatch_infos(get_adapter(pristine), pristine.config, dict(batch), job.n_microbatches, dp)
-    wants_checkpoint = any(spec.get("pretrained") for spec in job.scenarios)
+    wants_checkpoint = any(spec.get("pretrained") for spec in specs)
     with _checkpoint(module, job, rank) if wants_checkpoint else contextlib.nullcontext((pristine, None)) as (written, path):
         results = [
             _run_scenario(family, Scenario(**spec), job, rank, world, written if spec.get("pretrained") else pristine,
                           module, path)
-            for spec in job.scenarios
+            for spec in specs
         ]
     return {
         "family": family,
@@ -1057,6 +1175,8 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         variant=sc.get("variant"),
         balance=sc.get("balance", False),
         pretrained=sc.get("pretrained", False),
+        fsdp=sc.get("fsdp", False),
+        microbatches=sc.get("microbatches"),
         stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0],
     )
 
@@ -1094,7 +1214,7 @@ def run_worker(
     gathers all ranks' results and returns the merged report (on every rank).
 
     ``job`` holds ``families``, ``scenarios`` (dicts of :class:`Scenario` fields), ``steps``,
-    ``n_microbatches``, ``seed`` and ``lr``. ``init_method`` is ``tcp://127.0.0.1:PORT`` or ``env://``.
+    ``n_microbatches``, ``seed``, ``lr`` and optionally ``extra`` (family -> its own scenario dicts). ``init_method`` is ``tcp://127.0.0.1:PORT`` or ``env://``.
 
     With ``env://`` (torchrun) the process group is created on the first call and kept for later
     calls in the same process (``ppmedia demo`` runs one family per call): re-creating it would
@@ -1115,7 +1235,7 @@ def run_worker(
         else:
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, **kwargs)
     try:
-        mine = [_run_family(family, spec, dist.get_rank(), dist.get_world_size()) for family in spec.families]
+        mine = [_run_family(family, spec, dist.get_rank(), dist.get_world_size()) for family in spec.all_families()]
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return _merge(gathered, dist.get_world_size(), tolerance, launcher, time.perf_counter() - start)
@@ -1200,9 +1320,10 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
         if world_size % sc.dp:
             raise ValueError(f"{sc.name}: dp {sc.dp} does not divide the {world_size} processes")
         rows = batch_size // sc.dp if batch_size % sc.dp == 0 else 0
-        if rows == 0 or rows % n_microbatches:
+        n = sc.microbatches or n_microbatches
+        if rows == 0 or n < 1 or rows % n:
             raise ValueError(
-                f"{sc.name}: {sc.dp} replicas of the {batch_size}-sample batch cannot each run {n_microbatches} "
+                f"{sc.name}: {sc.dp} replicas of the {batch_size}-sample batch cannot each run {n} "
                 f"equal microbatches"
             )
         n_stages = schedule_layout(sc.schedule).n_stages(world_size // sc.dp)
@@ -1218,6 +1339,10 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             raise ValueError(f"{sc.name}: balancing is run with one replica and no fault")
         if sc.pretrained and sc.checkpointing:
             raise ValueError(f"{sc.name}: a scenario loads its stages from a checkpoint or checkpoints activations, not both")
+        if sc.fsdp and sc.dp < 2:
+            raise ValueError(f"{sc.name}: fsdp shards over the data-parallel replicas: use dp2 or more")
+        if sc.variant == "text_only_replica" and sc.dp != 2:
+            raise ValueError(f"{sc.name}: text_only_replica gives replica 0 of two the text-only half: use dp2")
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")
 
@@ -1255,6 +1380,7 @@ def run_parity(
     lr: float = 1e-2,
     tolerance: float = 1e-5,
     world_size: int = 2,
+    family_scenarios: Mapping[str, Iterable[str | Scenario]] | None = None,
 ) -> ParityReport:
     """Run ``families`` through a real multi-process pipeline and compare with the model itself.
 
@@ -1270,6 +1396,8 @@ def run_parity(
         seed: model and batch seed (step ``k`` uses batch ``seed + k``).
         tolerance: what :meth:`ScenarioResult.passed` and :attr:`ParityReport.ok` accept.
         world_size: processes to spawn (ignored under torchrun).
+        family_scenarios: more scenarios for single families, run in the same processes after
+            ``scenarios`` (a family named only here runs only its own).
 
     Raises:
         ParityError: a worker failed (its traceback is in the message).
@@ -1277,10 +1405,14 @@ def run_parity(
     """
     names = [families] if isinstance(families, str) else list(families)
     specs = parse_scenarios(scenarios)
+    extra = {family: parse_scenarios(more) for family, more in (family_scenarios or {}).items()}
     if launched_by_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
     _validate(names, specs, n_microbatches, world_size, steps)
-    job = asdict(_Job(names, [asdict(s) for s in specs], steps, n_microbatches, seed, lr))
+    for family, more in extra.items():
+        _validate([family], more, n_microbatches, world_size, steps)
+    job = asdict(_Job(names, [asdict(s) for s in specs], steps, n_microbatches, seed, lr,
+                      {family: [asdict(s) for s in more] for family, more in extra.items()}))
 
     if launched_by_torchrun():
         try:
@@ -1331,7 +1463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
     parser.add_argument(
         "--scenario", action="append",
-        help="schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        help="schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
         "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
     )
     parser.add_argument("--steps", type=int, default=2)
