@@ -58,6 +58,11 @@ FAMILIES: tuple[str, ...] = (
     "minimax_m3_vl",
     "inkling2",
     "kimi_k25_video",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+    "paligemma",
+    "aya_vision",
 )
 
 
