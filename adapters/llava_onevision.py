@@ -27,8 +27,10 @@ when ``r = sqrt(rows * cols / (max * P * P)) > 1.1`` (``vision_aspect_ratio = "a
 each row ending in one newline. A video of ``F`` frames gives ``F * ceil(P / 2) ** 2 + 1`` tokens.
 
 Videos and images in one sample, several images back to back (one run of image tokens) and text-only
-microbatches are all handled. ``vision_feature_select_strategy = "full"`` is refused for tiled images
-and videos (the model's own ``pack_image_features`` / ``apply_pooling`` cannot reshape the CLS row).
+microbatches are all handled. A crop gives ``P * P`` feature rows with the released SigLIP towers and
+``vision_feature_select_strategy = "full"`` (CLIP: ``"default"``, which drops the CLS row); any other
+combination is refused for tiled images and videos (the model's own ``pack_image_features`` /
+``apply_pooling`` cannot reshape the rows), a base-only image then gives those rows plus one newline.
 The video processor (``LlavaOnevisionVideoProcessor``) needs torchvision; the image processor has a
 ``LlavaOnevisionImageProcessorPil`` class that runs without it.
 """
@@ -51,8 +53,11 @@ __all__ = ["LlavaOnevisionAdapter", "image_crops", "image_tokens", "video_tokens
 
 _COUNTS = "batch_num_images"
 
-#: (crop side in pixels, P = feature rows per crop side, pinpoints, anyres max, CLS kept)
-_Geometry = tuple[int, int, tuple[tuple[int, int], ...], int, bool]
+#: (crop side in pixels, P = feature rows per crop side, pinpoints, anyres max, feature rows a crop gives)
+_Geometry = tuple[int, int, tuple[tuple[int, int], ...], int, int]
+
+#: vision towers with a CLS position in front of the patches (SigLIP, the released towers, has none).
+_CLS_TOWERS = frozenset({"clip_vision_model"})
 
 
 def _geometry(config: Any) -> _Geometry:
@@ -65,8 +70,10 @@ def _geometry(config: Any) -> _Geometry:
             "image_grid_pinpoints (LLaVA-OneVision's anyres geometry)"
         )
     aspect = str(config_get(config, "vision_aspect_ratio") or "anyres_max_9")
-    full = config_get(config, "vision_feature_select_strategy") == "full"
-    return int(crop), int(crop) // int(patch), tuple(map(tuple, pinpoints)), int(aspect.strip("anyres_max_")), full
+    side = int(crop) // int(patch)
+    positions = side * side + (1 if config_get(vision, "model_type") in _CLS_TOWERS else 0)
+    kept = positions - (1 if (config_get(config, "vision_feature_select_strategy") or "default") == "default" else 0)
+    return int(crop), side, tuple(map(tuple, pinpoints)), int(aspect.strip("anyres_max_")), kept
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -77,7 +84,7 @@ def _tiled(height: int, width: int, geometry: _Geometry) -> tuple[int, int]:
         image_size_to_num_patches,
     )
 
-    crop, side, pinpoints, max_patches, _ = geometry
+    crop, side, pinpoints, max_patches, _ = geometry  # P * P rows a crop: checked by the callers
     points = [list(p) for p in pinpoints]
     crops = int(image_size_to_num_patches([height, width], points, crop))
     grid_h, grid_w = get_anyres_image_grid_shape([height, width], points, crop)
@@ -102,29 +109,34 @@ def image_tokens(height: int, width: int, config: Any, *, tiled: bool = True) ->
     """Placeholder tokens of one image of original size ``(height, width)`` (see the module docstring).
 
     Raises:
-        ValueError: a tiled image with ``vision_feature_select_strategy == "full"`` (the model cannot pack it).
+        ValueError: a tiled image whose crops do not give ``P x P`` feature rows (a CLS row kept, or a
+            patch dropped: the model cannot pack it).
     """
     geometry = _geometry(config)
-    side, full = geometry[1], geometry[4]
     if not tiled:
-        return side * side + (1 if full else 0) + 1
-    if full:
-        raise ValueError(
-            "llava_onevision: vision_feature_select_strategy 'full' keeps the CLS row, which the model's "
-            "pack_image_features cannot tile; expected 'default' (or images in several-image samples only)"
-        )
+        return geometry[4] + 1
+    _check_square(geometry, "a tiled image", "pack_image_features")
     return _tiled(int(height), int(width), geometry)[1]
+
+
+def _check_square(geometry: _Geometry, what: str, where: str) -> None:
+    side, kept = geometry[1], geometry[4]
+    if kept != side * side:
+        raise ValueError(
+            f"llava_onevision: {what} needs {side} x {side} feature rows a crop, but the tower and "
+            f"vision_feature_select_strategy keep {kept} (a CLS row kept with 'full' on a CLIP tower, or a patch "
+            f"dropped with 'default' on SigLIP); the model's {where} cannot reshape them"
+        )
 
 
 def video_tokens(frames: int, config: Any) -> int:
     """Placeholder tokens of one video of ``frames`` frames: ``frames * ceil(P / 2) ** 2 + 1``.
 
     Raises:
-        ValueError: ``vision_feature_select_strategy == "full"`` (the model's pooling cannot reshape it).
+        ValueError: frames that do not give ``P x P`` feature rows (the model's pooling cannot reshape them).
     """
     geometry = _geometry(config)
-    if geometry[4]:
-        raise ValueError("llava_onevision videos: vision_feature_select_strategy 'full'; the model's apply_pooling expects 'default'")
+    _check_square(geometry, "a video frame", "apply_pooling")
     return int(frames) * math.ceil(geometry[1] / 2) ** 2 + 1
 
 

@@ -1,8 +1,8 @@
 """Tiny seeded LLaVA-OneVision (``llava_onevision``): CLIP vision tower, Llama text model, anyres crops,
 per-sample tiling and videos.
 
-CLIP sees 16x16 crops cut in 4x4 patches (``P = 4``: 16 feature rows per crop, CLS dropped); Llama text
-model 64 wide, 2 layers; pinpoints ``[[16, 32], [32, 16], [32, 32]]``; ``vision_aspect_ratio`` is
+SigLIP (no CLS, ``vision_feature_select_strategy="full"``, as in the released checkpoints) sees 16x16
+crops cut in 4x4 patches (``P = 4``: 16 feature rows per crop); Qwen2 text model 64 wide, 2 layers; pinpoints ``[[16, 32], [32, 16], [32, 32]]``; ``vision_aspect_ratio`` is
 ``"anyres_max_1"``, so a tiled image whose unpadded grid map holds more than ``1.1**2 * 16`` rows is
 bilinearly downsampled, as big images are in the released models. What the processor writes:
 
@@ -72,13 +72,13 @@ _SUFFIX = (5, 3, 6, 4, 2, 7, 2, 4)
 
 def build_config() -> Any:
     """The tiny ``LlavaOnevisionConfig``."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaOnevisionConfig
+    from transformers import LlavaOnevisionConfig, Qwen2Config, SiglipVisionConfig
 
-    vision = CLIPVisionConfig(
+    vision = SiglipVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        image_size=CROP, patch_size=PATCH, projection_dim=32,
+        image_size=CROP, patch_size=PATCH, vision_use_head=False,
     )
-    text = LlamaConfig(
+    text = Qwen2Config(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         pad_token_id=PAD_TOKEN_ID, bos_token_id=1, eos_token_id=2,
@@ -86,7 +86,7 @@ def build_config() -> Any:
     return LlavaOnevisionConfig(
         vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID, video_token_index=VIDEO_TOKEN_ID,
         image_grid_pinpoints=[list(p) for p in PINPOINTS], vision_feature_layer=-1,
-        vision_feature_select_strategy="default", vision_aspect_ratio=ASPECT,
+        vision_feature_select_strategy="full", vision_aspect_ratio=ASPECT,
     )
 
 
