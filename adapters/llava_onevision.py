@@ -212,6 +212,8 @@ class LlavaOnevisionAdapter(VlmAdapter):
             ValueError: the wrong number of entries, a holder given 0 images, or images given to a
                 sample without image tokens (sample named).
         """
+        if isinstance(batch_num_images, (list, tuple)) and all(type(n) is int for n in batch_num_images):
+            batch_num_images = torch.tensor(batch_num_images, dtype=torch.int64)  # the processor without return_tensors
         if not isinstance(batch_num_images, Tensor) or batch_num_images.dim() != 1:
             seen = shape(batch_num_images) if isinstance(batch_num_images, Tensor) else type(batch_num_images).__name__
             raise ValueError(f"{_COUNTS}: {seen}; expected a [samples holding images] (or [B]) integer tensor")
@@ -255,6 +257,12 @@ class LlavaOnevisionAdapter(VlmAdapter):
         if batch.get(_COUNTS) is not None:
             counts["sample_inputs"] = {_COUNTS: images}
         return counts
+
+    def sample_input_values(self, batch: Mapping[str, Any], config: Any) -> dict[str, Tensor | None]:
+        """``{"batch_num_images": [B]}`` (:meth:`per_sample_images`) when the batch holds it, else ``{}``."""
+        if batch.get(_COUNTS) is None:
+            return {}
+        return {_COUNTS: self.per_sample_images(batch["input_ids"], config, batch[_COUNTS])}
 
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
         image, video = _ids(config)

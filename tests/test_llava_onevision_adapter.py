@@ -64,6 +64,9 @@ def test_batch_num_images_per_holder_or_per_sample(model, batch, adapter):
     per_holder = adapter.media_counts(batch, config)
     assert per_holder["images_per_sample"].tolist() == [1, 2, 0, 1, 0, 0, 1, 0]
     assert per_holder["sample_inputs"]["batch_num_images"].tolist() == [1, 2, 0, 1, 0, 0, 1, 0]
+    as_list = dict(batch, batch_num_images=[1, 2, 1, 1])  # the processor without return_tensors
+    assert adapter.media_counts(as_list, config)["images_per_sample"].tolist() == [1, 2, 0, 1, 0, 0, 1, 0]
+    assert adapter.sample_input_values(batch, config)["batch_num_images"].tolist() == [1, 2, 0, 1, 0, 0, 1, 0]
     as_b = dict(batch, batch_num_images=torch.tensor([1, 2, 0, 1, 0, 0, 1, 0]))
     assert adapter.media_counts(as_b, config)["images_per_sample"].tolist() == [1, 2, 0, 1, 0, 0, 1, 0]
     reference = capture_merged_embeds(model, **tiny.reference_inputs(batch))
