@@ -174,3 +174,19 @@ def test_balancing_by_per_sample_costs_from_the_tokens(models):
 def test_stage_splits_match_the_model(models, name):
     checks = check_stage_splits(FAMILIES[name], [(1, 1), (0, 2)], model=models[name])
     assert all(c.max_grad_diff <= ATOL and c.max_logit_diff <= ATOL and c.wire == ((),) for c in checks)
+
+
+class _EncodesPadding(SmolVLMAdapter):
+    """Planted bug: runs the model's encoder whatever the microbatch holds (no skip for padding-only rows)."""
+
+    def encode(self, model, chunk, host):
+        inner = model.model
+        features = inner.get_image_features(chunk.pixel_values, chunk.extras["pixel_attention_mask"]).pooler_output
+        return {"image": torch.cat(list(features), dim=0)}
+
+
+def test_a_text_only_microbatch_reaching_smolvlms_encoder_is_caught(models):
+    from ppmedia.testing import AdapterMismatch
+
+    with pytest.raises(AdapterMismatch, match=r"smolvlm.*4 microbatches, microbatch 2 .*encode returned 4 rows .*expected 0 rows"):
+        check_adapter(smolvlm, adapter=_EncodesPadding(), microbatches=[4], model=models["smolvlm"])

@@ -170,3 +170,19 @@ def test_clip_with_full_strategy_cannot_tile(model):
 def test_stage_splits_match_the_model(model):
     checks = check_stage_splits(tiny, [(1, 1), (2, 0)], model=model)
     assert all(c.max_grad_diff <= ATOL and c.max_logit_diff <= ATOL and c.wire == ((),) for c in checks)
+
+
+class _TilesEverything(LlavaOnevisionAdapter):
+    """Planted bug: ignores the staged batch_num_images (every image tiled, as without it)."""
+
+    def host_inputs(self, chunk, config):
+        inputs = super().host_inputs(chunk, config)
+        inputs.pop("batch_num_images", None)
+        return inputs
+
+
+def test_ignoring_batch_num_images_is_caught(model):
+    from ppmedia.testing import AdapterMismatch
+
+    with pytest.raises(AdapterMismatch, match=r"llava_onevision .*microbatch 0 .*image: the microbatch has 68 placeholder tokens but its media give 101 feature rows"):
+        check_adapter(tiny, adapter=_TilesEverything(), microbatches=[4], model=model)
