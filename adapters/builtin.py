@@ -31,6 +31,11 @@ ADAPTERS: dict[str, str] = {
     "llava": "ppmedia.adapters.llava:LlavaAdapter",
     "minimax_m3_vl": "ppmedia.adapters.minimax_m3_vl:MiniMaxM3VLAdapter",
     "inkling2": "ppmedia.adapters.inkling2:Inkling2Adapter",
+    "llava_onevision": "ppmedia.adapters.llava_onevision:LlavaOnevisionAdapter",
+    "idefics3": "ppmedia.adapters.idefics3:Idefics3Adapter",
+    "smolvlm": "ppmedia.adapters.smolvlm:SmolVLMAdapter",
+    "paligemma": "ppmedia.adapters.paligemma:PaliGemmaAdapter",
+    "aya_vision": "ppmedia.adapters.aya_vision:AyaVisionAdapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.
@@ -58,7 +63,9 @@ def ppmedia_model_type_aliases() -> dict[str, str]:
 
 @hookimpl
 def ppmedia_media_layouts() -> list[Any]:
-    """ppmedia's own media layouts (:data:`ppmedia.layouts.BUILTIN_LAYOUTS`), through the same hook as a plugin's."""
+    """ppmedia's own media layouts (:data:`ppmedia.layouts.BUILTIN_LAYOUTS`), then the built-in families'
+    (:data:`ppmedia.adapters.media_layouts.FAMILY_LAYOUTS`), through the same hook as a plugin's."""
     from ..layouts import BUILTIN_LAYOUTS
+    from .media_layouts import FAMILY_LAYOUTS
 
-    return list(BUILTIN_LAYOUTS)
+    return [*BUILTIN_LAYOUTS, *FAMILY_LAYOUTS]

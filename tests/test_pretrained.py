@@ -42,7 +42,7 @@ from ppmedia.testing.tiny_models import kimi_vl, qwen3_vl
 #: are remote code: refused below), with a tiny model each
 VARIANTS = ("qwen2_5_vl", "qwen2_vl", "llava_next", "step3p7", "kimi_k25", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
             "qwen3_5_moe", "gemma3", "mistral3", "mistral_large4", "mistral_small4", "llava", "llava_pixtral",
-            "minimax_m3_vl", "inkling2")
+            "minimax_m3_vl", "inkling2", "idefics3", "paligemma")  # idefics3: LM at model.text_model; paligemma: Gemma 2, tied head
 def splits(model_layers: int) -> tuple[tuple[int, Any], ...]:
     """2 and 3 stages by the default split, and an uneven 2-stage split (every layer on the last)."""
     return ((2, None), (3, None), (2, (0, model_layers)))

@@ -58,6 +58,11 @@ FAMILIES: tuple[str, ...] = (
     "minimax_m3_vl",
     "inkling2",
     "kimi_k25_video",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+    "paligemma",
+    "aya_vision",
 )
 
 
@@ -143,8 +148,9 @@ def seeded_distinct(model_class: type, config: Any, seed: int) -> torch.nn.Modul
 def capture_merged_embeds(model: torch.nn.Module, **inputs: Any) -> Tensor:
     """Run ``model(**inputs)`` and return the ``inputs_embeds`` ``[B, S, hidden]`` its language model got.
 
-    The tensor is captured by a forward pre-hook on ``model.model.language_model``, i.e. after the
-    model merged the image features itself: the reference for golden tests, independent of ppmedia.
+    The tensor is captured by a forward pre-hook on the model's decoder stack (``model.model.language_model``;
+    Idefics3's ``model.model.text_model``: the adapter's ``language_model_path``), i.e. after the model
+    merged the image features itself: the reference for golden tests, independent of ppmedia.
     """
     return capture_reference(model, **inputs)[0]
 
@@ -158,7 +164,9 @@ def capture_reference(model: torch.nn.Module, **inputs: Any) -> tuple[Tensor, Te
     def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         captured.append({k: kwargs.get(k) for k in ("inputs_embeds", "position_ids")})
 
-    language_model: Any = getattr(model, "model").language_model
+    from ...pipeline.surgery import find_language_model
+
+    language_model: Any = find_language_model(model)[1]
     handle = language_model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
