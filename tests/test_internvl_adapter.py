@@ -86,12 +86,12 @@ def test_image_processor_num_patches_is_refused_with_the_way_out(model, batch, a
 def test_malformed_rows_are_refused_before_the_encoder(model, batch, adapter):
     ids = batch["input_ids"][:1]
     embeds = model.get_input_embeddings()(ids)
-    with pytest.raises(ValueError, match=r"internvl pixel_values: shape \[3, 3, 32, 32\]; expected \[rows, 3, 64, 64\]"):
-        adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(torch.zeros(3, 3, 32, 32), None, None, None))
+    with pytest.raises(ValueError, match=r"internvl pixel_values: shape \[3, 3, 64, 64\]; expected \[rows, 3, 32, 32\]"):
+        adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(torch.zeros(3, 3, 64, 64), None, None, None))
     with pytest.raises(ValueError, match="48 placeholder tokens but its media give 32 feature rows"):
         adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(batch["pixel_values"][:2], None, None, None))
     with pytest.raises(ValueError, match="internvl takes images only"):
-        adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(None, None, torch.zeros(2, 3, 64, 64), torch.tensor([[2, 1, 1]])))
+        adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(None, None, torch.zeros(2, 3, 32, 32), torch.tensor([[2, 1, 1]])))
 
 
 def _tokenizer():
@@ -110,19 +110,19 @@ def _tokenizer():
 
 
 def test_real_gotocr2_tiles_through_split_stage_merge(model, adapter):
-    """GotOcr2ImageProcessorPil cuts images into 64 x 64 tiles plus a thumbnail; InternVL's processor
+    """GotOcr2ImageProcessorPil cuts images into 32 x 32 tiles plus a thumbnail; InternVL's processor
     writes 16 * tiles image tokens per image (its own replace_image_token) and drops num_patches."""
     from PIL import Image
     from transformers import GotOcr2ImageProcessorPil, InternVLProcessor
 
     rng = np.random.default_rng(5)
-    images = [[(60, 130)], [], [(64, 64), (200, 50)], [(90, 90)]]
+    images = [[(60, 130)], [], [(32, 32), (200, 50)], [(90, 90)]]
     texts = ["look <image> at this", "look at this", "<image> and <image> here", "that <image>"]
-    processor = GotOcr2ImageProcessorPil(size={"height": 64, "width": 64}, crop_to_patches=True, max_patches=4)
+    processor = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=True, max_patches=4)
     flat = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for s in images for h, w in s]
     out = processor(images=flat, return_tensors="pt")
     tiles = out["num_patches"].tolist()
-    assert tiles == [3, 1, 5, 1] and out["pixel_values"].shape == (sum(tiles), 3, 64, 64)
+    assert tiles == [3, 1, 5, 5] and out["pixel_values"].shape == (sum(tiles), 3, 32, 32)
     writer = types.SimpleNamespace(start_image_token="<img>", end_image_token="</img>", image_token="<IMG_CONTEXT>",
                                    image_seq_length=tiny.TOKENS_PER_ROW)
     k = 0
@@ -134,7 +134,7 @@ def test_real_gotocr2_tiles_through_split_stage_merge(model, adapter):
         prompts.append(text)
     encoded = _tokenizer()(prompts, padding=True, return_tensors="pt")
     batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "pixel_values": out["pixel_values"]}
-    assert adapter.media_per_sample(batch["input_ids"], model.config)[0].tolist() == [3, 0, 6, 1]
+    assert adapter.media_per_sample(batch["input_ids"], model.config)[0].tolist() == [3, 0, 6, 5]
     reference = capture_merged_embeds(model, **tiny.reference_inputs(batch))
     checks = check_adapter(tiny, microbatches=[1, 2, 3, 4], model=model, batch=batch, reference=reference)
     assert max(c.max_abs_diff for c in checks) <= ATOL

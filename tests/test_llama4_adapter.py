@@ -110,8 +110,8 @@ def test_malformed_tiles_are_refused_before_the_encoder(model, batch, adapter):
     calls = []
     handle = model.vision_model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
-        with pytest.raises(ValueError, match=r"llama4 pixel_values: shape \[4, 3, 32, 32\]; expected \[tiles, 3, 64, 64\]"):
-            adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(torch.zeros(4, 3, 32, 32), None, None, None))
+        with pytest.raises(ValueError, match=r"llama4 pixel_values: shape \[4, 3, 64, 64\]; expected \[tiles, 3, 32, 32\]"):
+            adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(torch.zeros(4, 3, 64, 64), None, None, None))
         with pytest.raises(ValueError, match=r"image: the microbatch has 64 placeholder tokens but its media give 48 feature rows"):
             adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(batch["pixel_values"][:3], None, None, None))
         with pytest.raises(ValueError, match="llama4 takes images only"):

@@ -1,10 +1,10 @@
 """Tiny seeded InternVL (``internvl``): image tiles and video frames in ONE ``pixel_values``, prompt order.
 
-Media as ``InternVLProcessor`` gives them: ``pixel_values`` ``[rows, 3, 64, 64]`` where an image is
+Media as ``InternVLProcessor`` gives them: ``pixel_values`` ``[rows, 3, 32, 32]`` where an image is
 ``num_patches`` tile rows (``GotOcr2ImageProcessor``'s crops, then the thumbnail) and a video is one row
 per frame, images and videos interleaved in the order the prompt names them (the processor merges
 ``pixel_values_videos`` into ``pixel_values`` and drops ``num_patches``). Each row gives
-:data:`TOKENS_PER_ROW` = (64 / 8)^2 x 0.5^2 = 16 features (InternViT, pixel shuffle, the projector);
+:data:`TOKENS_PER_ROW` = (32 / 4)^2 x 0.5^2 = 16 features (InternViT, pixel shuffle, the projector);
 the text writes an image as ``<img> <IMG_CONTEXT> * (16 * tiles) </img>`` and a video as
 ``FrameK: <img> <IMG_CONTEXT> * 16 </img>`` per frame: every placeholder is the image token, so a
 sample's rows are its placeholder tokens / 16.
@@ -21,7 +21,7 @@ sample  media in prompt order                            rows
 7       video of 2 frames, image of 1 tile               3
 ======  ===============================================  ====
 
-Vision: hidden 32, 2 layers, image 64, patch 8, layer scale; text: Qwen2, hidden 64, 2 layers, tied
+Vision: hidden 32, 2 layers, image 32, patch 4, layer scale; text: Qwen2, hidden 64, 2 layers, tied
 embeddings (InternVL's default). The CLS token, position embeddings (zeros in transformers) and layer
 scales (constants) are drawn (``seeded_distinct``).
 """
@@ -59,8 +59,8 @@ IMAGE_END_TOKEN_ID = 4  # </img>
 IMAGE_TOKEN_ID = 5  # <IMG_CONTEXT>
 _FIRST_TEXT_ID = 10
 _VOCAB = 128
-IMAGE_SIZE = 64
-PATCH_SIZE = 8
+IMAGE_SIZE = 32
+PATCH_SIZE = 4
 TOKENS_PER_ROW = (IMAGE_SIZE // PATCH_SIZE) ** 2 // 4
 
 #: per sample: text runs (ints), images ``("image", tiles)`` and videos ``("video", frames)``.
@@ -108,7 +108,7 @@ def _block(tokens: int) -> list[int]:
 
 
 def build_batch(seed: int = 0) -> dict[str, Tensor]:
-    """``input_ids`` / ``attention_mask`` ``[8, S]`` (right-padded), ``pixel_values`` ``[23, 3, 64, 64]``
+    """``input_ids`` / ``attention_mask`` ``[8, S]`` (right-padded), ``pixel_values`` ``[23, 3, 32, 32]``
     (tiles and frames in prompt order)."""
     gen = torch.Generator().manual_seed(seed)
 

@@ -2,9 +2,9 @@
 a text model with chunked and NoPE attention and a MoE layer.
 
 Media as ``Llama4ImageProcessor`` gives them (it needs torchvision, which cannot run here: the batch is
-built by hand in its layout): ``pixel_values`` ``[tiles, 3, 64, 64]``, every image's local tiles
+built by hand in its layout): ``pixel_values`` ``[tiles, 3, 32, 32]``, every image's local tiles
 (``ratio_h x ratio_w`` of them when the image is cut, none otherwise) and then its global tile, image
-after image in prompt order. Each tile gives :data:`TOKENS_PER_TILE` = (64 / 8)^2 x 0.5^2 = 16
+after image in prompt order. Each tile gives :data:`TOKENS_PER_TILE` = (32 / 4)^2 x 0.5^2 = 16
 features (vision tower, pixel shuffle, vision adapter MLP; then the model's ``multi_modal_projector``,
 which ``Llama4ForConditionalGeneration.forward`` runs outside ``get_image_features``). The text is what
 ``Llama4Processor`` writes::
@@ -70,8 +70,8 @@ TILE_X_TOKEN_ID = 7
 TILE_Y_TOKEN_ID = 8
 _FIRST_TEXT_ID = 10
 _VOCAB = 128
-IMAGE_SIZE = 64
-PATCH_SIZE = 8
+IMAGE_SIZE = 32
+PATCH_SIZE = 4
 TOKENS_PER_TILE = (IMAGE_SIZE // PATCH_SIZE) ** 2 // 4
 
 #: per sample: text runs (ints) and images ``(ratio_h, ratio_w)`` (``(1, 1)``: the global tile only).
@@ -134,7 +134,7 @@ def image_tokens(ratio_h: int, ratio_w: int, per_tile: int = TOKENS_PER_TILE) ->
 
 
 def build_batch(seed: int = 0) -> dict[str, Tensor]:
-    """``input_ids`` / ``attention_mask`` ``[8, S]`` (right-padded) and ``pixel_values`` ``[16, 3, 64, 64]``."""
+    """``input_ids`` / ``attention_mask`` ``[8, S]`` (right-padded) and ``pixel_values`` ``[16, 3, 32, 32]``."""
     gen = torch.Generator().manual_seed(seed)
     rows: list[list[int]] = []
     tiles = 0
