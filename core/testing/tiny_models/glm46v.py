@@ -19,8 +19,10 @@ from torch import Tensor
 
 from . import glm4v, seeded_distinct
 
-__all__ = ["MODEL_TYPE", "build_batch", "build_config", "build_model", "reference_inputs"]
+__all__ = ["ADAPTER", "MODEL_TYPE", "build_batch", "build_config", "build_model", "reference_inputs"]
 
+#: the built-in adapter serving this tiny model (the GLM-4V adapter serves all three model types)
+ADAPTER = "glm4v"
 MODEL_TYPE = "glm46v"
 reference_inputs = glm4v.reference_inputs
 
