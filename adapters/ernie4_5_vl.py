@@ -110,9 +110,10 @@ class Ernie4_5_VLAdapter(Qwen2_5_VLAdapter):
         counts = super().feature_counts(chunk, config, host)
         temporal = self._temporal_merge(config)
         for modality, grid in (("image", chunk.image_grid), ("video", chunk.video_grid)):
-            if grid is None or grid.shape[1] != 3:
+            if grid is None:
                 continue
-            for row, t in enumerate(host.values[f"{modality}_grid"][0::3]):
+            frames = host.values[f"{modality}_grid"][0::3] if grid.shape[1] == 3 else [1] * grid.shape[0]  # [n, 2]: t = 1
+            for row, t in enumerate(frames):
                 if modality == "image" and t != 1:
                     raise ValueError(f"image grid: row {row} has t = {t}; expected 1 (ERNIE 4.5 VL images are single frames)")
                 if modality == "video" and t % temporal:

@@ -124,6 +124,8 @@ def test_malformed_grids_are_refused(model, batch, adapter):
     rows = batch["pixel_values_videos"][:32]
     with pytest.raises(ValueError, match="video grid: row 0 has t = 3 frames, not a multiple of temporal_merge_size = 2"):
         adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(None, None, rows[:12], torch.tensor([[3, 2, 2]])))
+    with pytest.raises(ValueError, match="video grid: row 0 has t = 1 frames"):  # an [n, 2] grid: t = 1
+        adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(None, None, rows, torch.tensor([[4, 8]])))
     with pytest.raises(ValueError, match=r"image grid: row 0 has t = 2; expected 1"):
         adapter.merge(model, ids, embeds, ppmedia.VlmMediaChunk(rows[:16], torch.tensor([[2, 2, 4]]), None, None))
     with pytest.raises(ValueError, match=r"video: the grid \[1, 3\] covers 16 patches but the chunk has 32 patch rows"):
