@@ -36,6 +36,12 @@ ADAPTERS: dict[str, str] = {
     "smolvlm": "ppmedia.adapters.smolvlm:SmolVLMAdapter",
     "paligemma": "ppmedia.adapters.paligemma:PaliGemmaAdapter",
     "aya_vision": "ppmedia.adapters.aya_vision:AyaVisionAdapter",
+    "llama4": "ppmedia.adapters.llama4:Llama4Adapter",
+    "internvl": "ppmedia.adapters.internvl:InternVLAdapter",
+    "glm4v": "ppmedia.adapters.glm4v:Glm4vAdapter",
+    "glm4v_moe": "ppmedia.adapters.glm4v:Glm4vAdapter",
+    "glm46v": "ppmedia.adapters.glm4v:Glm4vAdapter",
+    "ernie4_5_vl_moe": "ppmedia.adapters.ernie4_5_vl:Ernie4_5_VLAdapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.
