@@ -284,7 +284,10 @@ def test_demo_takes_pp_dp_and_any_torch_schedule_name(monkeypatch, capsys):
     calls = []
 
     class _Report:  # what demo.run reads from a report
-        ok = True
+        tolerance = 1e-5
+
+        def family(self, name):
+            return types.SimpleNamespace(scenarios=[])
 
         def format(self):
             return "report"
@@ -292,7 +295,7 @@ def test_demo_takes_pp_dp_and_any_torch_schedule_name(monkeypatch, capsys):
     monkeypatch.setattr(parity, "run_parity", lambda *a, **k: calls.append((a, k)) or _Report())
     assert demo.run(args) == 0
     (positional, kwargs), = calls
-    assert positional == ("qwen2_5_vl", ["ZBVZeroBubble/inferred/dp2", "ZBVZeroBubble/static/dp2"])
+    assert positional == (["qwen2_5_vl"], ["ZBVZeroBubble/inferred/dp2", "ZBVZeroBubble/static/dp2"])
     assert kwargs["world_size"] == 4 and kwargs["steps"] == 1
     assert "pp=2 x dp=2" in capsys.readouterr().out
     with pytest.raises(SystemExit):
