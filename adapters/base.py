@@ -248,10 +248,26 @@ class VlmAdapter(abc.ABC):
         """
         images, videos = self.media_per_sample(batch["input_ids"], config, media=batch)
         counts = {"images_per_sample": images, "videos_per_sample": videos}
-        for key, arg in (("n_images_per_sample", "images_per_sample"), ("n_videos_per_sample", "videos_per_sample")):
+        audios = self.audios_per_sample(batch["input_ids"], config, media=batch)
+        if audios is not None:  # families with audio: audios_per_sample too
+            counts["audios_per_sample"] = audios
+        for key, arg in (("n_images_per_sample", "images_per_sample"), ("n_videos_per_sample", "videos_per_sample"),
+                         ("n_audios_per_sample", "audios_per_sample")):
             if batch.get(key) is not None:
-                del counts[arg]
+                counts.pop(arg, None)
         return counts
+
+    def audios_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Any] | None = None
+    ) -> Tensor | None:
+        """``[B]`` int64 audio clips per sample, counted from the placeholder tokens, for
+        :func:`ppmedia.split_media`'s ``audios_per_sample`` (:meth:`media_counts` passes it on).
+
+        ``None`` (the default) for a family without audio. A family with audio counts its audio
+        blocks (e.g. Gemma 4's ``<boa> <audio> * n <eoa>``, one block per clip); ``media`` is the batch,
+        for families whose tokens alone cannot tell clips apart.
+        """
+        return None
 
     @abc.abstractmethod
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:

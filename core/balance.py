@@ -346,6 +346,7 @@ def balanced_split(
     videos_per_sample: Any = None,
     batch_size: int | None = None,
     order: str = DEFAULT_ORDER,
+    audios_per_sample: Any = None,
     patch_size: int | None = None,
 ) -> Any:
     """``split_media(batch, n, balance=...)``: split with the samples reordered for an even vision load.
@@ -369,7 +370,8 @@ def balanced_split(
             f"balance: got {type(balance).__name__}; expected True, a cost function patches -> costs, "
             f"or [B] per-sample costs"
         )
-    kwargs = dict(images_per_sample=images_per_sample, videos_per_sample=videos_per_sample, batch_size=batch_size)
+    kwargs = dict(images_per_sample=images_per_sample, videos_per_sample=videos_per_sample, batch_size=batch_size,
+                  audios_per_sample=audios_per_sample)
     B = _batch_size(batch, batch_size)
     if B is None or B <= 1 or n_microbatches == 1:
         staged = split_media(batch, n_microbatches, **kwargs)
@@ -420,5 +422,5 @@ def balanced_split(
         n_microbatches=n_microbatches, batch_size=B, tensors=tensors, sources=dict(per_sample.sources),
         ranges=ranges, samples=tuple(zip(bounds, bounds[1:])), images=images, videos=per_mb(per_sample.videos),
         image_rows=per_mb(per_sample.image_rows), video_rows=per_mb(per_sample.video_rows), crop_rows=crop_rows,
-        permutation=tuple(permutation),
+        audios=per_mb(per_sample.audios), permutation=tuple(permutation),
     )

@@ -65,7 +65,11 @@ IMAGE_GRID_KEYS: tuple[str, ...] = (
 )
 _PATCH_GRID_KEYS = ("image_grid_thw", "image_grid_hws")
 _INT64_MAX = 2**63 - 1
-_VIDEO_KEYS = frozenset({"pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "n_videos_per_sample"})
+_VIDEO_KEYS = frozenset({"pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "video_second_per_grid",
+                         "n_videos_per_sample"})
+#: batch keys of the video timing ``[videos]``, staged as the chunk's ``second_per_grid_ts``: Qwen2.5-VL's
+#: name, and the Qwen Omni processors' ``video_second_per_grid``; at most one per batch.
+TIMING_KEYS: tuple[str, ...] = ("second_per_grid_ts", "video_second_per_grid")
 _STRIDED = torch.strided
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32})
 # the ufuncs themselves: their reduce skips numpy's Python wrappers (a few hundred ns per call)
@@ -373,6 +377,10 @@ def _no_media(ctx: Context, counts: Counts | None, what: str) -> Callable[[], Pa
     return finish
 
 
+#: the same, for the planners of other modules (audio, padded video frames).
+no_media = _no_media
+
+
 # --------------------------------------------------------------------------------------------------
 # images
 
@@ -525,12 +533,16 @@ def plan_videos(ctx: Context, media: Media, videos_per_sample: CountsArgument) -
     if videos_per_sample is None and _VIDEO_KEYS.isdisjoint(media):  # the usual image-only batch
         return None
     pixels, grid = media.get("pixel_values_videos"), media.get("video_grid_thw")
-    timing = media.get("second_per_grid_ts")
+    timing_keys = [k for k in TIMING_KEYS if media.get(k) is not None]
+    if len(timing_keys) > 1:
+        raise ValueError(f"video timing: got {' and '.join(timing_keys)}; expected at most one of them")
+    timing_key = timing_keys[0] if timing_keys else "second_per_grid_ts"
+    timing = media.get(timing_key)
     if pixels is None or grid is None:
         for key, value, missing in (("pixel_values_videos", pixels, "video_grid_thw"),
                                     ("video_grid_thw", grid, "pixel_values_videos"),
-                                    ("second_per_grid_ts", timing, "pixel_values_videos and video_grid_thw")):
-            if value is not None and not (key == "second_per_grid_ts" and _is_empty(value)):
+                                    (timing_key, timing, "pixel_values_videos and video_grid_thw")):
+            if value is not None and not (key == timing_key and _is_empty(value)):
                 seen = f"shape {shape_of(value)}" if isinstance(value, Tensor) else f"a {type(value).__name__}"
                 raise ValueError(f"{key}: {seen} given without {missing}")
         return _no_media(ctx, pending_counts(ctx, media, "n_videos_per_sample", "videos_per_sample", videos_per_sample), "videos")
@@ -544,7 +556,7 @@ def plan_videos(ctx: Context, media: Media, videos_per_sample: CountsArgument) -
         counts = default_counts(ctx, "pixel_values_videos", n_videos, "videos", "n_videos_per_sample", "videos_per_sample")
     meta = [("video_grid", "video_grid_thw", grid)]
     if timing is not None:
-        meta.append(("second_per_grid_ts", "second_per_grid_ts", video_timing(timing, n_videos)))
+        meta.append(("second_per_grid_ts", timing_key, video_timing(timing, n_videos, timing_key)))
     slot = ctx.reader.add(grid)
 
     def finish() -> Part:
@@ -565,11 +577,10 @@ def _is_empty(value: object) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 0
 
 
-def video_timing(value: object, n_videos: int) -> Tensor:
+def video_timing(value: object, n_videos: int, key: str = "second_per_grid_ts") -> Tensor:
     """``second_per_grid_ts`` as a ``[videos]`` tensor: a tensor as it is (its views are staged), a
     sequence of numbers as one new tensor on the host (as the processor's ``return_tensors="pt"``
-    would make it)."""
-    key = "second_per_grid_ts"
+    would make it). ``key`` names it in messages (``video_second_per_grid`` for the Qwen Omnis)."""
     if isinstance(value, Tensor):
         t = require_tensor(key, value)
         if t.dtype.is_complex or t.dtype == torch.bool:

@@ -32,6 +32,9 @@ from .planners import (
     require_tensor,
     shape_of,
 )
+# planners of their own modules, each registered below in split_media (one line each)
+from .planners_audio import AUDIO_KEYS, plan_audio
+from .planners_frames import FRAME_KEYS, plan_video_frames, uses_frames
 
 __all__ = [
     "IMAGE_GRID_KEYS",
@@ -48,15 +51,19 @@ MEDIA_KEYS: tuple[str, ...] = (
     "pixel_values_videos",
     "video_grid_thw",
     "second_per_grid_ts",
+    "video_second_per_grid",
+    *FRAME_KEYS,
     "patch_pixel_values",
     "num_patches",
     "patch_newline_mask",
     "n_images_per_sample",
     "n_videos_per_sample",
+    *AUDIO_KEYS,
 )
 _MEDIA_KEY_SET = frozenset(MEDIA_KEYS)
 # may also be sequences: seconds per video, counts per sample (checked where they are read)
-_NOT_TENSORS = frozenset({"second_per_grid_ts", "n_images_per_sample", "n_videos_per_sample"})
+_NOT_TENSORS = frozenset({"second_per_grid_ts", "video_second_per_grid", "n_images_per_sample", "n_videos_per_sample",
+                          "n_audios_per_sample"})
 _FIELDS = tuple(f.name for f in fields(VlmMediaChunk))
 _ORDER = {name: i for i, name in enumerate(_FIELDS)}
 Range = tuple[int, int]
@@ -100,6 +107,7 @@ class StagedMedia:
         ranges: chunk field name -> ``n`` ``(start, stop)`` pairs along dim 0.
         samples: per microbatch, its ``(first, stop)`` samples.
         images, videos: per microbatch, its number of images and videos.
+        audios: per microbatch, its number of audio clips (zeros without audio).
         image_rows, video_rows, crop_rows: per microbatch, its rows of ``pixel_values``,
             ``pixel_values_videos`` and ``patch_pixel_values``.
         permutation: with ``split_media(..., balance=...)``, the reordering applied to the batch:
@@ -118,10 +126,13 @@ class StagedMedia:
     image_rows: tuple[int, ...]
     video_rows: tuple[int, ...]
     crop_rows: tuple[int, ...]
+    audios: tuple[int, ...] = ()
     permutation: tuple[int, ...] | None = None
     chunks: dict[str, list[Tensor]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not self.audios:  # a split without audio (or pickled before audio existed)
+            self.audios = (0,) * self.n_microbatches
         if not self.chunks:  # split_media passes the views it made; otherwise cut them from ranges
             self.chunks = {name: _views(tensor, self.ranges[name]) for name, tensor in self.tensors.items()}
 
@@ -203,6 +214,7 @@ def split_media(
     videos_per_sample: CountsArgument = None,
     batch_size: int | None = None,
     balance: Any = False,
+    audios_per_sample: CountsArgument = None,
 ) -> StagedMedia:
     """Pop the media out of ``batch`` and split them per microbatch exactly as the schedule splits rows.
 
@@ -213,7 +225,12 @@ def split_media(
     ``video_grid_thw`` ``[videos, 3]`` and ``second_per_grid_ts`` ``[videos]`` (a tensor, or a list of
     seconds that becomes one new host tensor); Step3's ``patch_pixel_values`` ``[patches, C, h, w]``,
     ``num_patches`` ``[B]`` and ``patch_newline_mask`` ``[patches]``; the counts
-    ``n_images_per_sample`` / ``n_videos_per_sample`` ``[B]``.
+    ``n_images_per_sample`` / ``n_videos_per_sample`` ``[B]``. Gemma 4's padded video frames
+    ``pixel_values_videos`` ``[frames, max_patches, D]`` with ``video_position_ids`` and
+    ``num_frames_per_video`` ``[videos]`` (:mod:`ppmedia.planners_frames`); the Qwen Omnis' video timing
+    ``video_second_per_grid`` (staged as ``second_per_grid_ts``). Audio clips (:mod:`ppmedia.planners_audio`):
+    ``input_features`` or ``audio_input_ids`` ``[audios, ...]`` with ``input_features_mask``,
+    ``feature_attention_mask`` or ``audio_input_ids_mask`` ``[audios, T]``, and ``n_audios_per_sample`` ``[B]``.
 
     Rows of ``pixel_values`` per image: with ``image_grid_thw``/``image_grid_hws``, the grid's product
     (flat patch rows ``[patches, D]``, patch-major ``[patches, C, ph, pw]``) when the products add up to
@@ -237,6 +254,8 @@ def split_media(
             never gives more microbatches than samples).
         images_per_sample: ``[B]`` image counts, e.g. from an adapter's ``media_per_sample``.
         videos_per_sample: ``[B]`` video counts.
+        audios_per_sample: ``[B]`` audio-clip counts (the batch's ``n_audios_per_sample``, else this,
+            else one clip per sample when there are exactly ``B``).
         batch_size: ``B``; by default ``batch["input_ids"].shape[0]``.
         balance: reorder the samples so every microbatch gets a similar vision load
             (:func:`ppmedia.balance.balanced_split`): ``True`` (cost linear in patches), a cost function
@@ -260,20 +279,23 @@ def split_media(
         from .balance import balanced_split
 
         return balanced_split(batch, n_microbatches, balance, images_per_sample=images_per_sample,
-                              videos_per_sample=videos_per_sample, batch_size=batch_size)
+                              videos_per_sample=videos_per_sample, batch_size=batch_size,
+                              audios_per_sample=audios_per_sample)
     media = _media_of(batch)
     B = _batch_size(batch, media, batch_size)
     bounds, at, samples = _cached_bounds(B, _microbatches(n_microbatches, B))
     ctx = Context(B, bounds, at)
     _check_left_over(batch, B)
     images = plan_images(ctx, media, images_per_sample)
-    videos = plan_videos(ctx, media, videos_per_sample)
+    videos = (plan_video_frames if uses_frames(media) else plan_videos)(ctx, media, videos_per_sample)
     crops = plan_step3(ctx, media)
+    audio = plan_audio(ctx, media, audios_per_sample)
     ctx.reader.read()  # the one host read
     image_part = images() if images is not None else None
     video_part = videos() if videos is not None else None
     crop_part = crops(image_part) if crops is not None else None
-    staged = _staged(ctx, samples, image_part, video_part, crop_part)  # every view made here, before anything is popped
+    audio_part = audio() if audio is not None else None
+    staged = _staged(ctx, samples, image_part, video_part, crop_part, audio_part)  # every view made here, before anything is popped
     for key in [k for k in batch if k in _MEDIA_KEY_SET]:
         del batch[key]
     return staged
@@ -349,14 +371,14 @@ def _left_over_message(key: str, value: Tensor, B: int) -> str:
 
 
 def _staged(ctx: Context, samples: tuple[Range, ...], images: Part | None, videos: Part | None,
-            crops: Part | None) -> StagedMedia:
+            crops: Part | None, audio: Part | None = None) -> StagedMedia:
     """The :class:`StagedMedia` of the planners' parts; makes every view."""
     zero = (0,) * len(samples)
     chunks: dict[str, list[Tensor]] = {}
     sources: dict[str, str] = {}
     ranges: dict[str, tuple[Range, ...]] = {}
     splits: list[FieldSplit] = []
-    for part in (images, videos, crops):
+    for part in (images, videos, crops, audio):
         if part is not None:
             for f in part.fields:
                 name = f.name
@@ -379,6 +401,7 @@ def _staged(ctx: Context, samples: tuple[Range, ...], images: Part | None, video
         image_rows=images.rows if images is not None else zero,
         video_rows=videos.rows if videos is not None else zero,
         crop_rows=crops.rows if crops is not None else zero,
+        audios=audio.items if audio is not None else zero,
     )
 
 

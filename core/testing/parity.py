@@ -243,6 +243,7 @@ class MicrobatchInfo:
     crop_rows: int
     placeholder_tokens: int
     replica: int = 0
+    audios: int = 0
 
     @property
     def patch_rows(self) -> int:
@@ -251,7 +252,7 @@ class MicrobatchInfo:
 
     @property
     def text_only(self) -> bool:
-        return self.images == 0 and self.videos == 0 and self.crop_rows == 0
+        return self.images == 0 and self.videos == 0 and self.crop_rows == 0 and self.audios == 0
 
 
 @dataclass
@@ -519,6 +520,7 @@ def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int, 
                 video_rows=staged.video_rows[k],
                 crop_rows=staged.crop_rows[k],
                 placeholder_tokens=int(placeholders[a:b].sum()),
+                audios=staged.audios[k],
             )
         )
     return infos
