@@ -405,16 +405,19 @@ class VlmAdapter(abc.ABC):
         return None
 
     # -- pipeline wire format ---------------------------------------------------------------
-    # ppmedia.pipeline's stages call these three; an adapter overrides them when its language model
-    # needs more than hidden states, attention mask and (optionally) positions on every stage.
+    # ppmedia.pipeline's stages call these; an adapter overrides them when its language model needs
+    # more than hidden states, attention mask and (optionally) positions on every stage. Cross-layer
+    # state (deepstack features, Gemma 4's per-layer inputs and shared KV) is declared in wire_tensors,
+    # made by first_stage or by a stage's own layers (decoder_outputs), and read in decoder_kwargs.
 
     def wire_tensors(self, config: Any, first_layer: int) -> tuple[WireTensor, ...]:
         """The tensors a stage whose first decoder layer is ``first_layer`` needs from earlier stages.
 
         Besides the hidden states and attention mask, in send order. ``first_layer`` is a full-model
-        layer index (a stage with no layers passes its successor's). ``wire_tensors(config, k)`` must
-        be a subset of ``wire_tensors(config, j)`` for ``j <= k``: a stage passes on a subset of what
-        it got. Default: the mrope positions ``[b, 3, S]`` for adapters that override
+        layer index (a stage with no layers passes its successor's). A stage sends what it got or
+        what its own layers made (:meth:`decoder_outputs`): ``wire_tensors(config, k)`` must be a
+        subset of ``wire_tensors(config, j)`` for ``j <= k`` plus the tensors made by layers
+        ``j .. k - 1``. Default: the mrope positions ``[b, 3, S]`` for adapters that override
         :meth:`position_ids`, else nothing.
         """
         if type(self).position_ids is VlmAdapter.position_ids:
@@ -471,6 +474,38 @@ class VlmAdapter(abc.ABC):
         if "position_ids" in wire:
             return {"position_ids": wire["position_ids"].transpose(0, 1)}
         return {}
+
+    def decoder_outputs(
+        self,
+        stage: torch.nn.Module,
+        layers: range,
+        output: Any,
+        kwargs: Mapping[str, Any],
+        wire: Mapping[str, Tensor],
+    ) -> dict[str, Tensor]:
+        """Wire tensors made by a stage's own layers, for the stages after it (an addition to the
+        three above, called after the stage's language model ran).
+
+        Args:
+            stage, layers, wire: as for :meth:`decoder_kwargs` (``wire``: what the stage received).
+            output: what the stage's language model returned.
+            kwargs: the keyword arguments it was called with (:meth:`decoder_kwargs`'s, e.g. a state
+                container the layers filled in: Gemma 4's ``shared_kv_states``).
+
+        Returns:
+            ``{name: tensor}`` added to (or replacing in) the stage's wire before it sends
+            ``wire_tensors(config, layers.stop)``. Default: nothing.
+        """
+        return {}
+
+    def prepare_stage(self, stage: torch.nn.Module) -> None:
+        """Adjust a freshly built stage module once (an addition, called by
+        :func:`ppmedia.pipeline.build_stage_modules` for every stage it builds).
+
+        The stage's language model (``stage.stage_language_model``) is a shallow copy of the model's,
+        so an adapter may drop its children or set attributes on it without touching the model; e.g.
+        Gemma 4 keeps its per-layer-embedding tables on the first stage only. Default: nothing.
+        """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, model_types={self.model_types!r})"

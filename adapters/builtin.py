@@ -25,6 +25,7 @@ ADAPTERS: dict[str, str] = {
     "qwen3_5_moe": "ppmedia.adapters.qwen3_vl:Qwen3VLAdapter",
     "gemma3": "ppmedia.adapters.gemma3:Gemma3Adapter",
     "mistral3": "ppmedia.adapters.mistral3:Mistral3Adapter",
+    "gemma4": "ppmedia.adapters.gemma4:Gemma4Adapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.

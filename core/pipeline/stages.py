@@ -161,13 +161,16 @@ class StageModule(nn.Module):
                 )
         return hidden, wire
 
-    def _decode(self, hidden: Tensor, attention_mask: Tensor, wire: Mapping[str, Tensor]) -> Tensor:
+    def _decode(self, hidden: Tensor, attention_mask: Tensor, wire: dict[str, Tensor]) -> Tensor:
         if self.num_layers == 0 and not self.is_last:
             # Nothing to run; a fresh tensor keeps the stage's output distinct from its input.
             return hidden if self.is_first else hidden.clone()
+        layers = range(*self.layer_range)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask}
-        kwargs.update(self.adapter.decoder_kwargs(self, range(*self.layer_range), hidden, attention_mask, wire))
+        kwargs.update(self.adapter.decoder_kwargs(self, layers, hidden, attention_mask, wire))
         out = self.stage_language_model(inputs_embeds=hidden, use_cache=False, **kwargs)
+        # cross-layer state this stage's layers made for later stages (Gemma 4's shared KV): onto the wire
+        wire.update(self.adapter.decoder_outputs(self, layers, out, kwargs, wire))
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
@@ -230,19 +233,19 @@ def build_stage_modules(
                 children[name] = child
         if first:
             parameters = {k: v for k, v in model._parameters.items() if v is not None}
-        modules.append(
-            StageModule(
-                children,
-                parameters,
-                config=model.config,
-                adapter=adapter,
-                stage_index=s,
-                n_stages=n_stages,
-                layer_range=(start, stop),
-                language_model_path=lm_path,
-                head_name=head_name,
-            )
+        module = StageModule(
+            children,
+            parameters,
+            config=model.config,
+            adapter=adapter,
+            stage_index=s,
+            n_stages=n_stages,
+            layer_range=(start, stop),
+            language_model_path=lm_path,
+            head_name=head_name,
         )
+        adapter.prepare_stage(module)  # the family's own pruning (e.g. first-stage-only embeddings)
+        modules.append(module)
     return modules
 
 

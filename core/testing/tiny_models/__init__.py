@@ -30,7 +30,7 @@ from torch import Tensor
 __all__ = ["FAMILIES", "PROTOCOL", "capture_merged_embeds", "capture_reference", "family_name", "load", "seeded"]
 
 #: family name -> module name under ``ppmedia.testing.tiny_models``.
-FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3")
+FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3", "gemma4")
 
 
 #: what a tiny-family module must define (see the module docstring).
