@@ -92,11 +92,15 @@ class WireTensor:
         floating: ``True``: the hidden states' dtype, and its gradient flows back to the first stage
             (e.g. deepstack features, so the vision tower gets their gradient); ``False``: int64, no
             gradient (positions, masks, token types).
+        dtype: for a tensor without gradient (``floating=False``), its dtype when not int64, as a
+            ``torch`` dtype name (an addition): ``"float32"`` for Qwen3-Omni's positions, which may be
+            fractional (a video's frames ``0.5`` seconds apart at 25 positions a second).
     """
 
     name: str
     shape: tuple[Union[int, str], ...]
     floating: bool = False
+    dtype: str = "int64"
 
 
 def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> HostValues:

@@ -26,6 +26,10 @@ ADAPTERS: dict[str, str] = {
     "gemma3": "ppmedia.adapters.gemma3:Gemma3Adapter",
     "mistral3": "ppmedia.adapters.mistral3:Mistral3Adapter",
     "gemma4": "ppmedia.adapters.gemma4:Gemma4Adapter",
+    "qwen2_5_omni_thinker": "ppmedia.adapters.qwen_omni:Qwen2_5OmniThinkerAdapter",
+    "qwen2_5_omni": "ppmedia.adapters.qwen_omni:Qwen2_5OmniThinkerAdapter",
+    "qwen3_omni_moe_thinker": "ppmedia.adapters.qwen_omni:Qwen3OmniThinkerAdapter",
+    "qwen3_omni_moe": "ppmedia.adapters.qwen_omni:Qwen3OmniThinkerAdapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.

@@ -674,9 +674,22 @@ def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module,
                 param.requires_grad_(False)
     return _Built(
         stages, modules, schedule, next((st for st in stages if st.is_first), None), tied, owned,
-        torch.optim.SGD(unique, lr=job.lr), reference, torch.optim.SGD(reference.parameters(), lr=job.lr),
+        torch.optim.SGD(unique, lr=_lr(job, tiny_module)), reference,
+        torch.optim.SGD(reference.parameters(), lr=_lr(job, tiny_module)),
         n_stages, layers_per_stage, indices,
     )
+
+
+def _lr(job: _Job, tiny_module: Any) -> float:
+    """The SGD learning rate of a family's run: ``job.lr``, capped by its tiny module's ``MAX_PARITY_LR``.
+
+    A tiny model may be so curved that one SGD step turns float32 rounding differences into gradient
+    differences above the tolerance, in the model's own microbatched forward too (Gemma 4's: its
+    RMSNorms of small vectors; see ``ppmedia.testing.tiny_models.gemma4``); its module then says how
+    large a step keeps the comparison meaningful.
+    """
+    cap = getattr(tiny_module, "MAX_PARITY_LR", None)
+    return job.lr if cap is None else min(job.lr, float(cap))
 
 
 class _Probe:
@@ -1182,6 +1195,8 @@ def run_parity(
         steps: training steps per scenario; an SGD step (``lr``) follows each, on both sides.
         n_microbatches: microbatches per step (the tiny batches have 8 samples).
         seed: model and batch seed (step ``k`` uses batch ``seed + k``).
+        lr: the SGD learning rate of the steps, at most a tiny module's ``MAX_PARITY_LR`` (Gemma 4's
+            tiny model: 1e-3).
         tolerance: what :meth:`ScenarioResult.passed` and :attr:`ParityReport.ok` accept.
         world_size: processes to spawn (ignored under torchrun).
 

@@ -27,10 +27,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "PROTOCOL", "capture_merged_embeds", "capture_reference", "family_name", "load", "seeded"]
+__all__ = [
+    "FAMILIES",
+    "PROTOCOL",
+    "capture_merged_embeds",
+    "capture_reference",
+    "draw_constant_parameters",
+    "family_name",
+    "load",
+    "seeded",
+]
 
 #: family name -> module name under ``ppmedia.testing.tiny_models``.
-FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3", "gemma4")
+FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3", "gemma4", "qwen2_5_omni", "qwen3_omni")
 
 
 #: what a tiny-family module must define (see the module docstring).
@@ -80,6 +89,27 @@ def seeded(model_class: type, config: Any, seed: int) -> torch.nn.Module:
     """``model_class(config)`` with weights drawn after ``torch.manual_seed(seed)``, float32, eval mode."""
     torch.manual_seed(seed)
     return model_class(config).to(torch.float32).eval()
+
+
+def draw_constant_parameters(model: torch.nn.Module, seed: int) -> list[str]:
+    """Redraw every parameter that holds one value everywhere, from ``seed``: ``1 + N(0, 0.1)`` where
+    it is 1 (norm scales, Gemma 4's vision position table), ``N(0, 0.1)`` otherwise (biases, scales
+    that transformers starts at zero). Returns the names redrawn.
+
+    A constant parameter hides mistakes: a bias of zeros or a position table of ones gives the same
+    result whatever positions or rows it is applied to, so a golden test could not tell them apart.
+    """
+    gen = torch.Generator().manual_seed(seed + 1)
+    drawn = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            if flat.numel() == 0 or not bool((flat == flat[0]).all()):
+                continue
+            noise = 0.1 * torch.randn(param.shape, generator=gen, dtype=torch.float32).to(param.dtype)
+            param.copy_(noise + 1.0 if float(flat[0]) == 1.0 else noise)
+            drawn.append(name)
+    return drawn
 
 
 def capture_merged_embeds(model: torch.nn.Module, **inputs: Any) -> Tensor:
