@@ -40,6 +40,7 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "kimi-vl": "kimi_vl",
     "kimi_k2_5": "kimi_k25",
     "step3v": "step3_vl",
+    "qwen3_omni": "qwen3_omni_moe_thinker",
 }
 
 

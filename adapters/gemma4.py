@@ -242,7 +242,8 @@ class Gemma4Adapter(VlmAdapter):
                                            pixel_position_ids=positions)
                 out[what] = inner.embed_vision(inputs_embeds=tower.last_hidden_state)
         if chunk.input_features is not None:
-            audio = inner.get_audio_features(chunk.input_features, chunk.input_features_mask, return_dict=True)
+            features = as_tower_dtype(chunk.input_features, inner.audio_tower)
+            audio = inner.get_audio_features(features, chunk.input_features_mask, return_dict=True)
             out["audio"] = audio.pooler_output[audio.attention_mask]
         return out
 
@@ -354,8 +355,9 @@ class Gemma4Adapter(VlmAdapter):
                     lm._modules.pop(name, None)
         cap = config_get(text, "final_logit_softcapping")
         head_name = getattr(stage, "head_name")
-        if getattr(stage, "is_last") and cap is not None:
-            head = _shallow(stage._modules[head_name], keep_members=True)  # own hooks, the model's weights
+        model_head = stage._modules.get(head_name)
+        if getattr(stage, "is_last") and cap is not None and model_head is not None:
+            head = _shallow(model_head, keep_members=True)  # own hooks, the model's weights
             head.register_forward_hook(_softcapped(float(cap)))
             stage._modules[head_name] = head
 

@@ -286,7 +286,7 @@ def test_demo_names_every_family():
     commands = _section("Command line")
     for family in FAMILIES:
         assert f"`{family}`" in commands, family
-    assert f"the {['one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight'][len(FAMILIES) - 1]} tiny model families" in README
+    assert f"the {['one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine', 'ten', 'eleven', 'twelve'][len(FAMILIES) - 1]} tiny model families" in README
 
 
 def test_adapter_method_table_matches_vlm_adapter():

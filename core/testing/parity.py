@@ -446,9 +446,9 @@ class ParityReport:
             )
             lines.append(
                 _table(
-                    ("replica", "mb", "samples", "images", "videos", "patch rows", "placeholders", ""),
+                    ("replica", "mb", "samples", "images", "videos", "audios", "patch rows", "placeholders", ""),
                     [
-                        (m.replica, m.index, m.samples, m.images, m.videos, m.patch_rows, m.placeholder_tokens,
+                        (m.replica, m.index, m.samples, m.images, m.videos, m.audios, m.patch_rows, m.placeholder_tokens,
                          "text-only" if m.text_only else "")
                         for m in f.microbatches
                     ],
