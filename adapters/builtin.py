@@ -30,6 +30,7 @@ ADAPTERS: dict[str, str] = {
     "qwen2_5_omni": "ppmedia.adapters.qwen_omni:Qwen2_5OmniThinkerAdapter",
     "qwen3_omni_moe_thinker": "ppmedia.adapters.qwen_omni:Qwen3OmniThinkerAdapter",
     "qwen3_omni_moe": "ppmedia.adapters.qwen_omni:Qwen3OmniThinkerAdapter",
+    "inkling_mm_model": "ppmedia.adapters.inkling:InklingAdapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.
@@ -41,6 +42,7 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "kimi_k2_5": "kimi_k25",
     "step3v": "step3_vl",
     "qwen3_omni": "qwen3_omni_moe_thinker",
+    "inkling": "inkling_mm_model",
 }
 
 

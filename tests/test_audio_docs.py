@@ -35,5 +35,5 @@ def test_there_are_blocks_and_the_tables_name_real_things():
     for key in ("input_features", "audio_input_ids", "input_features_mask", "feature_attention_mask",
                 "audio_input_ids_mask", "n_audios_per_sample", "video_second_per_grid", "num_frames_per_video"):
         assert key in ppmedia.MEDIA_KEYS and f"`{key}`" in DOC, key
-    for name in ("gemma4", "qwen2_5_omni", "qwen3_omni"):
+    for name in ("gemma4", "qwen2_5_omni", "qwen3_omni", "inkling"):
         assert f"`{name}`" in DOC and ppmedia.get_adapter(name).name == name

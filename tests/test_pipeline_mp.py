@@ -44,7 +44,7 @@ EXTRA_SCENARIOS: dict[str, tuple[Scenario, ...]] = {
 #: families whose scenarios all run in ONE spawned pair (a pair costs seconds to start): the audio
 #: families, whose cross-layer state (Gemma 4's per-layer inputs and shared KV, the Omni thinkers'
 #: 3-D positions with audio, Qwen3-Omni's deepstack) the default 2 + 2 / 1 + 1 splits cut through.
-SHARED_SPAWN: tuple[str, ...] = ("gemma4", "qwen2_5_omni", "qwen3_omni")
+SHARED_SPAWN: tuple[str, ...] = ("gemma4", "qwen2_5_omni", "qwen3_omni", "inkling")
 
 _reports: dict[str, object] = {}
 

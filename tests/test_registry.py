@@ -63,11 +63,12 @@ def test_every_declared_model_type_and_alias_resolves():
                 "kimi-vl": "kimi_vl", "llava-next": "llava_next", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
                 "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "gemma3": "gemma3", "mistral3": "mistral3",
                 "gemma4": "gemma4", "qwen2_5_omni_thinker": "qwen2_5_omni", "qwen2_5_omni": "qwen2_5_omni",
-                "qwen3_omni_moe_thinker": "qwen3_omni", "qwen3_omni_moe": "qwen3_omni", "qwen3_omni": "qwen3_omni"}
+                "qwen3_omni_moe_thinker": "qwen3_omni", "qwen3_omni_moe": "qwen3_omni", "qwen3_omni": "qwen3_omni",
+                "inkling_mm_model": "inkling", "inkling": "inkling"}
     for model_type, name in expected.items():
         assert registry.get(model_type).name == name, model_type
     assert [i.name for i in registry.list()] == ["qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3",
-                                                 "gemma4", "qwen2_5_omni", "qwen3_omni"]
+                                                 "gemma4", "qwen2_5_omni", "qwen3_omni", "inkling"]
     assert {i.provider for i in registry.list()} == {"ppmedia (built-in)"}
 
 

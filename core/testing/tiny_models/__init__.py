@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 #: family name -> module name under ``ppmedia.testing.tiny_models``.
-FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3", "gemma4", "qwen2_5_omni", "qwen3_omni")
+FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3", "gemma4", "qwen2_5_omni", "qwen3_omni", "inkling")
 
 
 #: what a tiny-family module must define (see the module docstring).
