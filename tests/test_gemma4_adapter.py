@@ -335,3 +335,20 @@ def test_video_processor_needs_torchvision():
 
     with pytest.raises(ImportError, match="(?i)torchvision"):
         Gemma4VideoProcessor()
+
+
+def test_inspect_shows_the_audio_clips_per_microbatch(capsys):
+    """``ppmedia inspect`` on the golden batch (config.json beside it) counts the clips per microbatch."""
+    import pathlib
+
+    from ppmedia.cli import main
+
+    golden = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "gemma4" / "inputs.safetensors"
+    assert main(["inspect", str(golden), "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "audios [1, 1, 0, 1, 0, 0, 2, 0]" in out
+    header = next(line for line in out.splitlines() if line.startswith("mb "))
+    rows = [line.split() for line in out.splitlines()
+            if line[:2].strip().isdigit() and len(line.split()) == len(header.split())]
+    column = header.split().index("audios")
+    assert [int(r[column]) for r in rows] == [2, 1, 0, 2]
