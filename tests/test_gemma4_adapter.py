@@ -348,7 +348,7 @@ def test_inspect_shows_the_audio_clips_per_microbatch(capsys):
     out = capsys.readouterr().out
     assert "audios [1, 1, 0, 1, 0, 0, 2, 0]" in out
     header = next(line for line in out.splitlines() if line.startswith("mb "))
-    rows = [line.split() for line in out.splitlines()
-            if line[:2].strip().isdigit() and len(line.split()) == len(header.split())]
-    column = header.split().index("audios")
-    assert [int(r[column]) for r in rows] == [2, 1, 0, 2]
+    assert header.split()[:5] == ["mb", "samples", "images", "videos", "audios"]
+    lines = out.splitlines()
+    table = lines[lines.index(header) + 2 : lines.index(header) + 6]  # the 4 microbatch rows under the rule
+    assert [int(line.split()[4]) for line in table] == [2, 1, 0, 2]
