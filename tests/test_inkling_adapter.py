@@ -15,7 +15,7 @@ from ppmedia.adapters.inkling import InklingAdapter
 from ppmedia.pipeline import build_stage_modules, count_valid_tokens, make_labels, pipeline_loss, static_stage_args
 from ppmedia.testing.tiny_models import inkling as tiny
 
-ROWS = [3, 2, 4, 1, 0, 0, 0, 5]  # image tokens = pixel_values rows per sample
+ROWS = [3, 2, 4, 1, 0, 0, 1, 5]  # image tokens = pixel_values rows per sample
 AUDIOS = [1, 1, 0, 2, 0, 0, 1, 0]
 ATOL = 1e-5
 
@@ -77,7 +77,7 @@ def test_counts_rows_from_tokens(model, batch):
     counts = adapter.media_counts(batch, model.config)
     assert counts["images_per_sample"].tolist() == ROWS and counts["audios_per_sample"].tolist() == AUDIOS
     staged = ppmedia.split_media(dict(batch), 4, **counts)
-    assert staged.image_rows == (5, 5, 0, 5) and staged.audios == (2, 2, 0, 1)
+    assert staged.image_rows == (5, 5, 0, 6) and staged.audios == (2, 2, 0, 1)
     assert staged.sources["input_features"] == "audio_input_ids"
 
 

@@ -23,7 +23,7 @@ The batch (8 samples; split in 4 microbatches, microbatch 2 = samples 4 and 5 is
     2       image of 4 patches
     3       audio of 2 frames, image of 1 patch, audio of 5 frames
     4, 5    text only
-    6       audio of 3 frames
+    6       audio of 3 frames, image of 1 patch
     7       image of 2 patches, image of 3 patches
 """
 
@@ -64,7 +64,7 @@ SAMPLES: tuple[tuple[Any, ...], ...] = (
     (1, ("audio", 2), 1, ("image", 1), 1, ("audio", 5), 1),
     (9,),
     (12,),
-    (2, ("audio", 3), 1),
+    (2, ("audio", 3), 1, ("image", 1), 1),
     (1, ("image", 2), 1, ("image", 3), 1),
 )
 
@@ -103,7 +103,7 @@ def build_model(seed: int = 0) -> torch.nn.Module:
 def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Tensor]:
     """The processor-style batch of the module docstring, drawn from ``seed``.
 
-    Keys: ``input_ids``, ``attention_mask`` ``[8, S]``; ``pixel_values`` ``[15, 2, 4, 4, 3]``;
+    Keys: ``input_ids``, ``attention_mask`` ``[8, S]``; ``pixel_values`` ``[16, 2, 4, 4, 3]``;
     ``audio_input_ids`` ``[5, 6, 80]`` int64 with ``audio_input_ids_mask`` ``[5, 6]`` (int64).
     """
     gen = torch.Generator().manual_seed(seed)
