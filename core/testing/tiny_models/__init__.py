@@ -12,7 +12,10 @@ Each family module defines:
 * ``build_batch(seed=0)``: a processor-style batch of 8 samples, ``input_ids`` ``[8, S]`` plus the
   media keys :func:`ppmedia.split_media` reads; split in 4 microbatches, microbatch 2 (samples 4 and
   5) is text-only;
-* ``reference_inputs(batch)``: the keyword arguments of the model's own full-batch forward.
+* ``reference_inputs(batch)``: the keyword arguments of the model's own full-batch forward;
+* optionally ``MAX_PARITY_LR``: the largest SGD step the parity harness takes on the model (Gemma 4's
+  tiny model is so curved that a larger one turns float32 rounding into gradient differences above
+  the tolerance, in its own microbatched forward too).
 
 A plugin's own tiny-family module follows the same protocol (:data:`PROTOCOL`); the parity harness
 needs its ``build_batch`` to hold 8 samples, like the built-ins'.
