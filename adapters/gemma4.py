@@ -32,18 +32,24 @@ Cross-layer state (what a stage boundary must carry, besides hidden states and m
 * ``mm_token_type_ids`` ``[b, S]`` when ``use_bidirectional_attention == "vision"``: every stage
   builds the model's own masks (sliding layers: causal OR same vision block, within the window).
 * The head's ``final_logit_softcapping`` is applied on the last stage, as the model does.
+
+The first stage makes the token types and the per-layer inputs (:meth:`Gemma4Adapter.first_stage`);
+:meth:`Gemma4Adapter.decoder_kwargs` hands a stage its per-layer inputs and the shared KV it received;
+the ``after`` hook of :meth:`Gemma4Adapter.stage_hooks` on the stage's last layer stores what goes on
+(the per-layer inputs still ahead, the KV its producer layers stored); :meth:`Gemma4Adapter.prune_stage`
+keeps the PLE tables on the first stage; :meth:`Gemma4Adapter.logits` soft-caps.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, MutableMapping, Sequence
 
 import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 from ._helpers import as_tower_dtype, shape
-from .base import HostValues, VlmAdapter, WireTensor, config_get, config_value, inner_model
+from .base import HostValues, LayerHook, VlmAdapter, WireTensor, config_get, config_value, inner_model
 
 __all__ = ["Gemma4Adapter"]
 
@@ -91,13 +97,6 @@ def _already_projected(inputs_embeds: Tensor, per_layer_inputs: Tensor | None = 
     if per_layer_inputs is None:
         raise ValueError("gemma4 stage: per_layer_inputs missing; the first stage computes them (wire 'per_layer_inputs')")
     return per_layer_inputs
-
-
-def _softcapped(cap: float) -> Any:
-    def hook(_module: torch.nn.Module, _args: Any, logits: Tensor) -> Tensor:
-        return torch.tanh(logits / cap) * cap
-
-    return hook
 
 
 class Gemma4Adapter(VlmAdapter):
@@ -277,8 +276,8 @@ class Gemma4Adapter(VlmAdapter):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Merge (one host read), then the token types and the per-layer inputs of every layer."""
         config = model.config
-        masks, host = self.check_counts(input_ids, chunk, config)
-        hidden = inputs_embeds if chunk is None else self.scatter(inputs_embeds, masks, self.encode(model, chunk, host))
+        hidden = self.merge(model, input_ids, inputs_embeds, chunk)
+        masks = self.placeholder_masks(input_ids, config)  # device ops only: merge made the host read
         wire: dict[str, Tensor] = {}
         if _bidirectional(config):
             wire["mm_token_type_ids"] = self.mm_token_type_ids(input_ids, config)
@@ -305,8 +304,9 @@ class Gemma4Adapter(VlmAdapter):
         attention_mask: Tensor,
         wire: Mapping[str, Tensor],
     ) -> dict[str, Any]:
-        """The model's own masks, this stage's per-layer inputs, and the shared KV received (in a
-        ``KVSharingDict`` the stage's producer layers fill for :meth:`decoder_outputs`)."""
+        """The model's own masks, this stage's per-layer inputs, and the shared KV received (in the
+        ``KVSharingDict`` the language model hands every layer; the stage's producer layers fill it,
+        and :meth:`stage_hooks` reads it after the stage's last layer)."""
         from transformers.cache_utils import KVSharingDict
 
         kwargs: dict[str, Any] = {}
@@ -325,41 +325,43 @@ class Gemma4Adapter(VlmAdapter):
         kwargs["shared_kv_states"] = shared
         return kwargs
 
-    def decoder_outputs(
-        self,
-        stage: torch.nn.Module,
-        layers: range,
-        output: Any,
-        kwargs: Mapping[str, Any],
-        wire: Mapping[str, Tensor],
-    ) -> dict[str, Tensor]:
-        """The per-layer inputs of the layers after this stage's, and the KV its producers stored."""
-        made: dict[str, Tensor] = {}
-        if "per_layer_inputs" in wire:
-            made["per_layer_inputs"] = wire["per_layer_inputs"][:, :, len(layers):]
-        for layer_type, (key, value) in kwargs["shared_kv_states"].items():
-            made[f"shared_kv_{layer_type}_key"], made[f"shared_kv_{layer_type}_value"] = key, value
-        return made
+    def stage_hooks(
+        self, stage: torch.nn.Module, layers: range, state: MutableMapping[str, Tensor]
+    ) -> Sequence[LayerHook]:
+        """An ``after`` hook on the stage's last layer: the per-layer inputs of the layers after the
+        stage's (the received ones minus its own) and every key / value pair in the ``KVSharingDict``
+        (received, or stored by the stage's producer layers) into ``state``."""
+        if not layers:
+            return ()
+        last_layer = list(getattr(stage, "stage_language_model").layers)[-1]
+        own = len(layers)
 
-    def prepare_stage(self, stage: torch.nn.Module) -> None:
-        """PLE tables and projection on the first stage only; every stage's language model takes the
-        per-layer inputs as the first stage made them; the last stage's head soft-caps its logits."""
-        from ..pipeline.surgery import _shallow
+        def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            ple = state.get("per_layer_inputs")
+            if ple is not None:
+                state["per_layer_inputs"] = ple[:, :, own:]
+            shared: Mapping[str, tuple[Tensor, Tensor]] = kwargs["shared_kv_states"]
+            for layer_type, (key, value) in shared.items():
+                state[f"shared_kv_{layer_type}_key"], state[f"shared_kv_{layer_type}_value"] = key, value
 
-        lm: Any = getattr(stage, "stage_language_model")
-        text = _text(stage.config)
-        if config_get(text, "hidden_size_per_layer_input"):
-            lm.__dict__["project_per_layer_inputs"] = _already_projected
-            if not getattr(stage, "is_first"):
-                for name in PLE_MODULES:
-                    lm._modules.pop(name, None)
-        cap = config_get(text, "final_logit_softcapping")
-        head_name = getattr(stage, "head_name")
-        model_head = stage._modules.get(head_name)
-        if getattr(stage, "is_last") and cap is not None and model_head is not None:
-            head = _shallow(model_head, keep_members=True)  # own hooks, the model's weights
-            head.register_forward_hook(_softcapped(float(cap)))
-            stage._modules[head_name] = head
+        return (LayerHook(last_layer, after=after),)
+
+    def prune_stage(self, language_model: torch.nn.Module, *, layers: range, first: bool, last: bool) -> None:
+        """PLE tables and projection on the first stage only (they are vocabulary-sized); every stage's
+        language model takes the per-layer inputs as the first stage projected them."""
+        if not config_get(getattr(language_model, "config"), "hidden_size_per_layer_input"):
+            return
+        language_model.__dict__["project_per_layer_inputs"] = _already_projected
+        if not first:
+            for name in PLE_MODULES:
+                language_model._modules.pop(name, None)
+
+    def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:
+        """``lm_head``, then the model's soft-capping ``tanh(logits / c) * c``
+        (``c = text_config.final_logit_softcapping``)."""
+        logits = super().logits(stage, hidden)
+        cap = config_get(_text(getattr(stage, "config")), "final_logit_softcapping")
+        return logits if cap is None else torch.tanh(logits / float(cap)) * float(cap)
 
     def attention_masks(
         self, language_model: torch.nn.Module, inputs_embeds: Tensor, attention_mask: Tensor | None,

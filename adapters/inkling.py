@@ -12,8 +12,9 @@ Media layout of a chunk (what ``InklingProcessor`` returns, split per microbatch
 
 The head: the model divides the last hidden states by ``logits_mup_width_multiplier`` before
 ``lm_head`` and keeps the first ``unpadded_vocab_size`` logits; the pipeline's last stage does the same
-(:meth:`InklingAdapter.prepare_stage`). Nothing but the hidden states and the mask crosses a stage
-boundary (positions are the default 1-D ones; every stage builds the model's own masks).
+(:meth:`InklingAdapter.logits`, :meth:`InklingAdapter.logits_width`). Nothing but the hidden states
+and the mask crosses a stage boundary (positions are the default 1-D ones; every stage builds the
+model's own masks).
 """
 
 from __future__ import annotations
@@ -37,14 +38,8 @@ def _ids(config: Any) -> dict[str, int]:
     return {k: int(config_value(config, v)) for k, v in names.items()}
 
 
-def _head_hooks(multiplier: float, vocab: int | None) -> tuple[Any, Any]:
-    def scale(_module: torch.nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        return (args[0] / multiplier, *args[1:])
-
-    def keep(_module: torch.nn.Module, _args: Any, logits: Tensor) -> Tensor:
-        return logits if vocab is None or vocab >= logits.shape[-1] else logits[..., :vocab]
-
-    return scale, keep
+def _text(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 class InklingAdapter(VlmAdapter):
@@ -117,29 +112,21 @@ class InklingAdapter(VlmAdapter):
         out: dict[str, Tensor] = {}
         if chunk.pixel_values is not None:
             pixels = as_tower_dtype(chunk.pixel_values, inner.vision_tower)
-            out["image"] = inner.get_image_features(pixels, return_dict=True).pooler_output
+            pooled = inner.get_image_features(pixels, return_dict=True).pooler_output  # [patches, 1, H]
+            out["image"] = pooled.reshape(-1, pooled.shape[-1])  # one row per patch, as the model's masked_scatter reads it
         if chunk.input_features is not None:
             out["audio"] = inner.get_audio_features(chunk.input_features, chunk.input_features_mask).last_hidden_state
         return out
 
-    def prepare_stage(self, stage: torch.nn.Module) -> None:
-        """The last stage's head as the model's: hidden states / ``logits_mup_width_multiplier``, then
-        the first ``unpadded_vocab_size`` logits (the head copy's ``out_features`` says so, for static
-        stage shapes)."""
-        from ..pipeline.surgery import _shallow
-
-        head_name = getattr(stage, "head_name")
-        model_head = stage._modules.get(head_name)
-        if not getattr(stage, "is_last") or model_head is None:
-            return
-        config: Any = getattr(stage, "config")
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:
+        """As the model's head: the hidden states divided by ``logits_mup_width_multiplier``, ``lm_head``,
+        then the first ``unpadded_vocab_size`` logits."""
+        text = _text(getattr(stage, "config"))
         multiplier = float(config_get(text, "logits_mup_width_multiplier") or 1.0)
-        vocab = config_get(text, "unpadded_vocab_size")
-        head = _shallow(model_head, keep_members=True)  # own hooks, the model's weights
-        scale, keep = _head_hooks(multiplier, None if vocab is None else int(vocab))
-        head.register_forward_pre_hook(scale)
-        head.register_forward_hook(keep)
-        if vocab is not None and isinstance(head, torch.nn.Linear):
-            head.out_features = min(int(vocab), head.out_features)
-        stage._modules[head_name] = head
+        logits = super().logits(stage, hidden / multiplier)
+        width = config_get(text, "unpadded_vocab_size")
+        return logits if width is None else logits[..., : int(width)]
+
+    def logits_width(self, config: Any, head_width: int) -> int:
+        width = config_get(_text(config), "unpadded_vocab_size")
+        return head_width if width is None else min(head_width, int(width))

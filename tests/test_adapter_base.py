@@ -203,10 +203,11 @@ def test_every_builtin_takes_the_base_signatures():
     from ppmedia.adapters.builtin import ADAPTERS
 
     classes = {getattr(importlib.import_module(path.split(":")[0]), path.split(":")[1]) for path in ADAPTERS.values()}
-    assert len(classes) == 11
+    assert len(classes) == 15
     for cls in classes:
         assert "merge" not in vars(cls), cls  # one merge for all
-        for method in ("media_per_sample", "placeholder_masks", "host_inputs", "feature_counts", "encode"):
+        for method in ("media_per_sample", "placeholder_masks", "host_inputs", "feature_counts", "encode",
+                       "wire_tensors", "first_stage", "decoder_kwargs", "stage_hooks", "prune_stage", "logits"):
             ours, base = inspect.signature(getattr(cls, method)), inspect.signature(getattr(VlmAdapter, method))
             assert list(ours.parameters) == list(base.parameters), (cls.__name__, method)
         assert inspect.signature(cls.media_per_sample).parameters["media"].kind is inspect.Parameter.KEYWORD_ONLY

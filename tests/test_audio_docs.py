@@ -1,31 +1,15 @@
-"""docs/audio-families.md against the code: every Python block runs, self-contained, and the tables
-name the real chunk fields, staged attributes, batch keys and adapters."""
+"""docs/audio-families.md against the code: the tables name the real chunk fields, staged attributes,
+batch keys and adapters (its Python blocks are run by tests/test_docs.py, as every page's)."""
 
 from __future__ import annotations
 
 import pathlib
 import re
 
-import pytest
-import torch
-
 import ppmedia
 
 DOC = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "audio-families.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC, flags=re.S)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_python_blocks_run(index):
-    exec(compile(BLOCKS[index], f"docs/audio-families.md block {index}", "exec"), {})
 
 
 def test_there_are_blocks_and_the_tables_name_real_things():

@@ -207,7 +207,9 @@ def test_collate_for_pipeline_balances_with_the_adapter_costs():
 def test_balanced_pipelines_equal_the_unbalanced_run_for_every_family():
     from ppmedia.testing.parity import run_parity
 
-    report = run_parity(tiny.FAMILIES, ["1f1b/inferred", "1f1b/inferred/balanced", "gpipe/static/balanced"], steps=2)
+    # the later families (Mistral Large 4, ...) run their parity in tests/test_state_families_mp.py
+    families = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3")
+    report = run_parity(families, ["1f1b/inferred", "1f1b/inferred/balanced", "gpipe/static/balanced"], steps=2)
     for family in report.families:
         plain = family.scenario("1f1b/inferred")
         for name in ("1f1b/inferred/balanced", "gpipe/static/balanced"):

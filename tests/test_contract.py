@@ -24,6 +24,7 @@ def test_dataclass_fields_in_contract_order():
         ("input_features_mask", None),
         ("video_position_ids", None),  # Gemma 4's padded video frames
         ("num_frames_per_video", None),
+        ("extras", None),  # always last: a layout's or a per-sample input's other names (a dict per chunk)
     ]
 
 

@@ -16,6 +16,7 @@ import torch
 
 import ppmedia
 from ppmedia import VlmMediaChunk
+from ppmedia.adapters.base import VlmAdapter
 from ppmedia.adapters.gemma4 import Gemma4Adapter
 from ppmedia.pipeline import build_stage_modules, count_valid_tokens, make_labels, pipeline_loss
 from ppmedia.testing.tiny_models import gemma4 as tiny
@@ -125,6 +126,30 @@ def test_split_keeps_each_clip_and_frame_with_its_sample(adapter, model, batch):
     # views of the batch's tensors, no copy
     assert chunks[3].input_features.untyped_storage().data_ptr() == batch["input_features"].untyped_storage().data_ptr()
     assert chunks[3].input_features_mask.data_ptr() == batch["input_features_mask"][3:].data_ptr()
+
+
+def test_the_frames_layout_refuses_what_does_not_fit_before_popping(adapter, model, batch):
+    """Gemma 4's frames are the media layout ``video_frames`` (pixel_values_videos + num_frames_per_video);
+    a Qwen-style grid beside them is ambiguous, positions without the frame counts are orphans, a video
+    of 0 frames or positions of another shape are refused: each naming the key, with the batch intact."""
+    counts = adapter.media_counts(batch, model.config)
+    frames = batch["num_frames_per_video"]
+    cases = [
+        (dict(batch, video_grid_thw=torch.ones(frames.shape[0], 3, dtype=torch.long)),
+         r"video metadata: got video_grid_thw and num_frames_per_video; expected at most one of them"),
+        ({k: v for k, v in batch.items() if k != "num_frames_per_video"},
+         r"pixel_values_videos: shape \[6, 8, 12\] given without video_grid_thw"),
+        (dict(batch, num_frames_per_video=torch.tensor([3, 0, 3])), r"num_frames_per_video: video 1 has 0 frames"),
+        (dict(batch, video_position_ids=batch["video_position_ids"][:, :4]),
+         r"video_position_ids: shape \[6, 4, 2\]; expected \[6, 8, 2\]"),
+        (dict(batch, video_position_ids=batch["video_position_ids"].float()), r"video_position_ids: dtype torch.float32"),
+    ]
+    for broken, message in cases:
+        keys = {k: id(v) for k, v in broken.items()}
+        with pytest.raises((ValueError, TypeError), match=message):
+            ppmedia.split_media(broken, 4, **counts)
+        assert {k: id(v) for k, v in broken.items()} == keys  # nothing popped
+    assert ppmedia.split_media(dict(batch), 4, **counts).layouts == ("images_with_position_ids", "video_frames", "audio_features")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -240,13 +265,12 @@ def test_state_that_does_not_cross_fails_the_comparison(model, batch, model_run)
             return tuple(w for w in super().wire_tensors(config, first_layer) if not w.name.startswith("shared_kv"))
 
     class NoSoftcap(Gemma4Adapter):
-        def prepare_stage(self, stage):
-            cap = stage.config.text_config.final_logit_softcapping
-            stage.config.text_config.final_logit_softcapping = None
-            try:
-                super().prepare_stage(stage)
-            finally:
-                stage.config.text_config.final_logit_softcapping = cap
+        def logits(self, stage, hidden):
+            return VlmAdapter.logits(self, stage, hidden)  # the plain lm_head
+
+    class NoHooks(Gemma4Adapter):
+        def stage_hooks(self, stage, layers, state):
+            return ()  # the KV the producers store never reaches the wire
 
     logits, _, _ = _stage_run(model, DropsPLE(), batch, (2, 2))
     assert (logits - ref_logits).abs().max() > 1e-3
@@ -254,6 +278,8 @@ def test_state_that_does_not_cross_fails_the_comparison(model, batch, model_run)
         _stage_run(model, DropsKV(), batch, (2, 2))
     logits, _, _ = _stage_run(model, NoSoftcap(), batch, (2, 2))
     assert (logits - ref_logits).abs().max() > 1e-3
+    with pytest.raises(TypeError, match="declares 'shared_kv_sliding_attention_key' for stage 1, but this stage does not hold it"):
+        _stage_run(model, NoHooks(), batch, (2, 2))
 
 
 def test_static_stage_args_follow_the_wire(adapter, model):

@@ -11,6 +11,7 @@ import torch
 
 import ppmedia
 from ppmedia import VlmMediaChunk
+from ppmedia.adapters.base import VlmAdapter
 from ppmedia.adapters.inkling import InklingAdapter
 from ppmedia.pipeline import build_stage_modules, count_valid_tokens, make_labels, pipeline_loss, static_stage_args
 from ppmedia.testing.tiny_models import inkling as tiny
@@ -113,8 +114,11 @@ def test_stages_match_the_model_and_the_head_is_the_models(model, batch):
     assert static_stage_args(stages[1], 2, batch["input_ids"].shape[1])[1][0].shape[-1] == 120
 
     class PlainHead(InklingAdapter):
-        def prepare_stage(self, stage):
-            pass
+        def logits(self, stage, hidden):
+            return VlmAdapter.logits(self, stage, hidden)
+
+        def logits_width(self, config, head_width):
+            return head_width
 
     logits, _, _ = _stage_run(model, PlainHead(), batch)
     assert logits.shape[-1] == 128  # the padded vocabulary: a softmax over rows the model never predicts

@@ -3,8 +3,9 @@
 Every family's tiny batch (8 samples, 4 microbatches, microbatch 2 text-only) runs two consecutive
 training steps under GPipe, 1F1B and Interleaved1F1B (2 stages per rank), each with shapes inferred
 on the first step and with static input_args/output_args. One spawned pair per family runs all its
-scenarios (ppmedia.testing.parity), except the families of SHARED_SPAWN, which share one pair; the
-tests read the report. A few in-process tests check the stage split.
+scenarios (ppmedia.testing.parity); the tests read its report. The same spawn also runs 1F1B on stages
+that each rank loads from a checkpoint of the model (``stages_from_pretrained``). A few in-process
+tests check the stage split.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 import ppmedia
 import ppmedia.testing.tiny_models as tiny
-from ppmedia.testing.parity import ALL_SCENARIOS, DEFAULT_SCENARIOS, ParityError, Scenario, microbatch_table, run_parity
+from ppmedia.testing.parity import ALL_SCENARIOS, ParityError, Scenario, microbatch_table, run_parity
 from ppmedia.pipeline import (
     IGNORE_INDEX,
     build_stage_modules,
@@ -32,6 +33,8 @@ TOL = 1e-5
 N_MICROBATCHES = 4
 STEPS = 2
 WRONG_BATCH = Scenario("1f1b", "static", "wrong_batch")
+#: every rank builds only its stages from a save_pretrained checkpoint of the model (40 KB shards)
+PRETRAINED = Scenario("1f1b", "static", pretrained=True)
 SCENARIO_NAMES = [s.name for s in ALL_SCENARIOS]
 #: per family, scenarios run in the same spawn as its defaults. Qwen3-VL's tiny model has 2 decoder
 #: layers and 2 deepstack levels: the default split (1 + 1) sends level 1 across the boundary; 2 + 0
@@ -41,15 +44,13 @@ EXTRA_SCENARIOS: dict[str, tuple[Scenario, ...]] = {
     + (Scenario("1f1b", "inferred", variant="text_only_first"), Scenario("gpipe", "inferred", variant="frozen_vision")),
 }
 
-#: families whose scenarios all run in ONE spawned pair (a pair costs seconds to start): the audio
-#: families, whose cross-layer state (Gemma 4's per-layer inputs and shared KV, the Omni thinkers'
-#: 3-D positions with audio, Qwen3-Omni's deepstack) the default 2 + 2 / 1 + 1 splits cut through.
-SHARED_SPAWN: tuple[str, ...] = ("gemma4", "qwen2_5_omni", "qwen3_omni", "inkling")
-#: what the shared pair runs: GPipe and 1F1B with inferred and static shapes (the 4-stage splits of
-#: these families run in process, in their test_<family>_adapter.py, to keep the suite's time down)
-SHARED_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS
-#: (family, scenario) pairs of the parity test
-PARITY_CASES = [(f, s.name) for f in tiny.FAMILIES for s in ALL_SCENARIOS if f not in SHARED_SPAWN or s in SHARED_SCENARIOS]
+#: the families with a spawn of their own here (2-layer tiny models split 1 + 1); the later families
+#: (Mistral Large 4, Mistral Small 4, LLaVA, MiniMax-M3-VL, Inkling 2, Kimi-K2.5 video) run their
+#: parity in one shared spawn in tests/test_state_families_mp.py.
+FAMILIES = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3")
+#: the audio families run their parity in one shared spawn in tests/test_audio_families_mp.py; their
+#: stage split is checked here in process too
+SPLIT_FAMILIES = FAMILIES + ("gemma4", "qwen2_5_omni", "qwen3_omni", "inkling")
 
 _reports: dict[str, object] = {}
 
@@ -66,19 +67,16 @@ def one_thread():
 
 
 def _report(family: str):
-    """The family's parity report: one spawned pair runs every scenario (cached per module); the
-    families of SHARED_SPAWN run together in one pair."""
-    key = "shared" if family in SHARED_SPAWN else family
-    if key not in _reports:
-        families = list(SHARED_SPAWN) if key == "shared" else family
+    """The family's parity report: one spawned pair runs every scenario (cached per module)."""
+    if family not in _reports:
         try:
-            scenarios = SHARED_SCENARIOS if key == "shared" else ALL_SCENARIOS
-            _reports[key] = run_parity(
-                families, [*scenarios, WRONG_BATCH, *EXTRA_SCENARIOS.get(family, ())], steps=STEPS, n_microbatches=N_MICROBATCHES, tolerance=TOL
+            _reports[family] = run_parity(
+                family, [*ALL_SCENARIOS, WRONG_BATCH, PRETRAINED, *EXTRA_SCENARIOS.get(family, ())], steps=STEPS,
+                n_microbatches=N_MICROBATCHES, tolerance=TOL,
             )
         except ParityError as exc:  # cache the failure too: one spawn per family, not per test
-            _reports[key] = exc
-    report = _reports[key]
+            _reports[family] = exc
+    report = _reports[family]
     if isinstance(report, Exception):
         raise report
     return report
@@ -89,7 +87,8 @@ def _report(family: str):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family,scenario", PARITY_CASES)
+@pytest.mark.parametrize("scenario", SCENARIO_NAMES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_pipeline_matches_full_batch_model(family, scenario):
     result = _report(family).family(family).scenario(scenario)
     schedule, shapes = scenario.split("/")
@@ -132,7 +131,22 @@ def test_qwen3_vl_deepstack_scenarios(scenario):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pipeline_loaded_from_a_checkpoint_matches_the_model(family):
+    """Each rank reads only its stage from the checkpoint (Kimi: the q_lora_rank model transformers can
+    read back, tiny_models.kimi_vl.build_checkpoint_model); the pipeline matches the model within 1e-5."""
+    result = _report(family).family(family).scenario(PRETRAINED.name)
+    assert result.name == "1f1b/static/pretrained" and result.missing_params == []
+    for st in result.steps:
+        assert st.loss_diff <= TOL and st.grad_diff_vision <= TOL and st.grad_diff_lm <= TOL, (family, st)
+        assert st.vision_params_compared > 0 and st.reference_grad_max_vision > 1e-4
+        assert st.first_stage_calls == st.expected_first_stage_calls == N_MICROBATCHES
+    assert result.steps[0].loss_reference != result.steps[1].loss_reference
+    assert result.passed(TOL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", FAMILIES)
 def test_microbatch_table_has_text_only_middle_microbatch(family):
     report = _report(family).family(family)
     assert report.microbatches == microbatch_table(family, N_MICROBATCHES)
@@ -143,7 +157,7 @@ def test_microbatch_table_has_text_only_middle_microbatch(family):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_media_of_another_batch_fail_the_comparison(family):
     """Same layout, other pixels: nothing raises, but the harness sees the losses and grads differ."""
     report = _report(family)
@@ -176,7 +190,7 @@ def test_bad_arguments_fail_before_spawning():
 # in-process: the stage split
 
 
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
 def test_stage_modules_prune_and_keep_full_model_names(family, one_thread):
     model = tiny.load(family).build_model(0)
     full = dict(model.named_parameters(remove_duplicate=False))
@@ -201,7 +215,7 @@ def test_stage_modules_prune_and_keep_full_model_names(family, one_thread):
     assert "model.language_model.norm.weight" in last and "model.language_model.norm.weight" not in first
 
 
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
 def test_a_later_stage_keeps_nothing_else_alive(family, one_thread):
     """Pruned, not hidden: once the full model is dropped, the vision side, the embedding and the
     other stages' layers are freed; only the last stage's own modules stay."""

@@ -88,6 +88,35 @@ def test_counts_from_tokens(family):
     assert staged.sources["second_per_grid_ts"] == "video_second_per_grid"
 
 
+def test_the_split_refuses_two_timings_and_orphan_audio(family):
+    """``video_second_per_grid`` is the video layout's timing as ``second_per_grid_ts`` is (one of them);
+    a mask without its features, or features of two audio layouts, are refused, the batch intact."""
+    name, tiny, model, batch, _ = family
+    counts = ppmedia.get_adapter(model).media_counts(batch, model.config)
+    timing = batch["video_second_per_grid"]
+    cases = [
+        (dict(batch, second_per_grid_ts=timing.clone()),
+         r"video timing: got second_per_grid_ts and video_second_per_grid; expected at most one of them"),
+        (dict(batch, video_second_per_grid=timing[:1]), r"video_second_per_grid: shape \[1\]; expected \[2\]"),
+        ({k: v for k, v in batch.items() if k != "input_features"}, r"feature_attention_mask: shape .* given without input_features"),
+        (dict(batch, audio_input_ids=torch.zeros(batch["input_features"].shape[0], 3, 2, dtype=torch.long)),
+         r"audio media: the batch holds the keys of two audio layouts, 'audio_features' \(input_features\) and 'audio_codes'"),
+        (dict(batch, input_features_mask=batch["feature_attention_mask"].clone()),
+         r"audio mask: got input_features_mask and feature_attention_mask; expected at most one of them"),
+    ]
+    for broken, message in cases:
+        keys = {k: id(v) for k, v in broken.items()}
+        with pytest.raises(ValueError, match=message):
+            ppmedia.split_media(broken, 4, **counts)
+        assert {k: id(v) for k, v in broken.items()} == keys  # nothing popped
+    # an empty timing in a batch without videos is dropped, as second_per_grid_ts is
+    no_videos = {k: v for k, v in batch.items() if k not in ("pixel_values_videos", "video_grid_thw")}
+    no_videos["video_second_per_grid"] = torch.zeros(0)
+    staged = ppmedia.split_media(no_videos, 4, images_per_sample=counts["images_per_sample"],
+                                 audios_per_sample=counts["audios_per_sample"])
+    assert "video_second_per_grid" not in no_videos and "second_per_grid_ts" not in staged.tensors
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_first_stage_merge_and_positions_equal_the_models_own(family, n):
     name, tiny, model, batch, reference = family

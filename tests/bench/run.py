@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -16,7 +16,12 @@ Measures, in one process with ``torch.set_num_threads(1)``:
 5. the whole first stage (embedding + media merge) with and without ppmedia's staging, per family
    (see ``model_bench.py``);
 6. media-aware balancing: real 2-process 1F1B and GPipe pipelines on a skewed batch, balanced vs as-is,
-   and the simulator's prediction (see ``balance_bench.py``; alone: ``--balance``).
+   and the simulator's prediction (see ``balance_bench.py``; alone: ``--balance``);
+7. load memory: the last of 4 stages straight from a mid-size checkpoint vs ``from_pretrained`` of the
+   whole model, peak RSS in fresh processes (see ``load_memory_bench.py``; alone: ``--load-memory``).
+8. FSDP2 memory: pp=2 x dp=2 (4 processes) on a mid-size model, the largest rank's parameters +
+   gradients + optimizer state over one process's, FSDP2 and replicated side by side (see
+   ``fsdp_memory_bench.py``; alone: ``--fsdp-memory``).
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -47,6 +52,8 @@ import ppmedia  # noqa: E402
 from ppmedia.testing.tiny_models import FAMILIES  # noqa: E402
 
 import balance_bench  # noqa: E402
+import load_memory_bench  # noqa: E402
+import fsdp_memory_bench  # noqa: E402
 import model_bench  # noqa: E402
 import staging_bench  # noqa: E402
 from reference import load_reference  # noqa: E402
@@ -107,9 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-install", action="store_true", help="do not pip-install the Automodel reference")
     parser.add_argument("--balance", action="store_true", help="run only the balancing benchmark (section 6)")
     parser.add_argument("--force", action="store_true", help="balancing: print the ratio even on an unquiet machine")
+    parser.add_argument("--load-memory", action="store_true", help="run only the load-memory benchmark (section 7)")
+    parser.add_argument("--fsdp-memory", action="store_true", help="run only the FSDP2 memory benchmark (section 8)")
     args = parser.parse_args(argv)
     if args.balance:
         return _run_balance(args, None)
+    if args.load_memory:
+        return _run_load_memory(args, None)
+    if args.fsdp_memory:
+        return _run_fsdp_memory(args, None)
 
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -203,6 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     balance = _run_balance(args, targets)
     print()
 
+    # -- 7: load memory ----------------------------------------------------------------------------
+    load_memory = _run_load_memory(args, targets)
+    print()
+
+    # -- 8: FSDP2 memory -----------------------------------------------------------------------------
+    fsdp_memory = _run_fsdp_memory(args, targets)
+    print()
+
     # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
@@ -237,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     results = {
         "balance": balance,
+        "load_memory": load_memory,
+        "fsdp_memory": fsdp_memory,
         "environment": env,
         "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
         "elapsed_s": round(elapsed, 1),
@@ -283,6 +306,32 @@ def _run_balance(args: argparse.Namespace, targets: list[dict[str, Any]] | None)
         print(last)
         return 0
     print(last)
+    return result
+
+
+def _run_load_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 7; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    result = load_memory_bench.run(repeats=1 if args.quick else 3)
+    print(load_memory_bench.report(result))
+    if targets is not None:
+        targets.append({"target": f"load memory: last of {result['n_stages']} stages / whole model <= {result['target']}",
+                        "measured": round(result["ratio"], 3), "met": result["met"]})
+        return result
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"load_memory": result}, indent=1) + "\n")
+    return 0
+
+
+def _run_fsdp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 8; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    result = fsdp_memory_bench.run()
+    print(fsdp_memory_bench.report(result))
+    if targets is None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"fsdp_memory": result}, indent=1) + "\n")
+        return 0
+    targets.append({"target": f"fsdp-memory: pp=2 x dp=2 FSDP2, largest rank / one process <= {result['target']}",
+                    "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
     return result
 
 

@@ -13,6 +13,9 @@ Each family module defines:
   media keys :func:`ppmedia.split_media` reads; split in 4 microbatches, microbatch 2 (samples 4 and
   5) is text-only;
 * ``reference_inputs(batch)``: the keyword arguments of the model's own full-batch forward;
+* optionally ``ADAPTER``: the name of the adapter serving the model, when it is not the family's name
+  (a variant: ``mistral_small4`` is served by ``mistral3``, ``llava_pixtral`` by ``llava``,
+  ``kimi_k25_video`` by ``kimi_vl``);
 * optionally ``MAX_PARITY_LR``: the largest SGD step the parity harness takes on the model (Gemma 4's
   tiny model is so curved that a larger one turns float32 rounding into gradient differences above
   the tolerance, in its own microbatched forward too).
@@ -35,14 +38,34 @@ __all__ = [
     "PROTOCOL",
     "capture_merged_embeds",
     "capture_reference",
-    "draw_constant_parameters",
+    "constant_parameters",
     "family_name",
     "load",
     "seeded",
+    "seeded_distinct",
 ]
 
 #: family name -> module name under ``ppmedia.testing.tiny_models``.
-FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3", "gemma4", "qwen2_5_omni", "qwen3_omni", "inkling")
+FAMILIES: tuple[str, ...] = (
+    "qwen2_5_vl",
+    "llava_next",
+    "step3",
+    "kimi_vl",
+    "qwen3_vl",
+    "gemma3",
+    "mistral3",
+    "mistral_large4",
+    "mistral_small4",
+    "llava",
+    "llava_pixtral",
+    "minimax_m3_vl",
+    "inkling2",
+    "kimi_k25_video",
+    "gemma4",
+    "qwen2_5_omni",
+    "qwen3_omni",
+    "inkling",
+)
 
 
 #: what a tiny-family module must define (see the module docstring).
@@ -94,25 +117,34 @@ def seeded(model_class: type, config: Any, seed: int) -> torch.nn.Module:
     return model_class(config).to(torch.float32).eval()
 
 
-def draw_constant_parameters(model: torch.nn.Module, seed: int) -> list[str]:
-    """Redraw every parameter that holds one value everywhere, from ``seed``: ``1 + N(0, 0.1)`` where
-    it is 1 (norm scales, Gemma 4's vision position table), ``N(0, 0.1)`` otherwise (biases, scales
-    that transformers starts at zero). Returns the names redrawn.
+def constant_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s parameters whose entries all hold one value (norm weights initialised to
+    ones, query scalings and block-state queries to zeros): a golden or parity test cannot tell
+    their entries apart, so a bug that mixes them up would go unnoticed."""
+    names = []
+    for name, param in model.named_parameters():
+        flat = param.detach().reshape(-1)
+        if flat.numel() and bool((flat == flat[0]).all()):
+            names.append(name)
+    return names
 
-    A constant parameter hides mistakes: a bias of zeros or a position table of ones gives the same
-    result whatever positions or rows it is applied to, so a golden test could not tell them apart.
-    """
-    gen = torch.Generator().manual_seed(seed + 1)
-    drawn = []
+
+def seeded_distinct(model_class: type, config: Any, seed: int) -> torch.nn.Module:
+    """:func:`seeded`, then every parameter of :func:`constant_parameters` redrawn from the seed:
+    ``c + 0.1 * max(1, |c|) * N(0, 1)`` entry by entry (``c`` its constant). transformers initialises
+    several parameters to constants that checkpoints overwrite (Mistral Large 4's query scaling,
+    Inkling 2's block-state queries, MiniMax's norm weights start at zero); drawn, every entry is
+    distinct and every test can see them."""
+    model = seeded(model_class, config, seed)
+    gen = torch.Generator().manual_seed(seed + 7919)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            flat = param.detach().reshape(-1)
-            if flat.numel() == 0 or not bool((flat == flat[0]).all()):
-                continue
-            noise = 0.1 * torch.randn(param.shape, generator=gen, dtype=torch.float32).to(param.dtype)
-            param.copy_(noise + 1.0 if float(flat[0]) == 1.0 else noise)
-            drawn.append(name)
-    return drawn
+        for name in constant_parameters(model):
+            param = params[name]
+            c = float(param.reshape(-1)[0])
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            param.copy_((c + 0.1 * max(1.0, abs(c)) * noise).to(param.dtype))
+    return model
 
 
 def capture_merged_embeds(model: torch.nn.Module, **inputs: Any) -> Tensor:

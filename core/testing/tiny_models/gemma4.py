@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import draw_constant_parameters, seeded
+from . import seeded_distinct
 
 __all__ = [
     "AUDIO_FRAMES",
@@ -167,12 +167,10 @@ def build_config(vision_overrides: dict[str, Any] | None = None, **text_override
 
 def build_model(seed: int = 0, vision_overrides: dict[str, Any] | None = None, **text_overrides: Any) -> torch.nn.Module:
     """A :class:`~transformers.Gemma4ForConditionalGeneration`, float32, eval mode, seeded, with
-    every constant parameter redrawn (:func:`~ppmedia.testing.tiny_models.draw_constant_parameters`)."""
+    every constant parameter redrawn (:func:`~ppmedia.testing.tiny_models.seeded_distinct`)."""
     from transformers import Gemma4ForConditionalGeneration
 
-    model = seeded(Gemma4ForConditionalGeneration, build_config(vision_overrides, **text_overrides), seed)
-    draw_constant_parameters(model, seed)
-    return model
+    return seeded_distinct(Gemma4ForConditionalGeneration, build_config(vision_overrides, **text_overrides), seed)
 
 
 

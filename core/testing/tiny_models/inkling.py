@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import draw_constant_parameters, seeded
+from . import seeded_distinct
 
 __all__ = ["AUDIO_TOKEN_ID", "IMAGE_TOKEN_ID", "MODEL_TYPE", "PAD_TOKEN_ID", "SAMPLES", "build_batch",
            "build_config", "build_model", "reference_inputs"]
@@ -95,9 +95,7 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     constant parameter redrawn from the seed."""
     from transformers import InklingForConditionalGeneration
 
-    model = seeded(InklingForConditionalGeneration, build_config(), seed)
-    draw_constant_parameters(model, seed)
-    return model
+    return seeded_distinct(InklingForConditionalGeneration, build_config(), seed)
 
 
 def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Tensor]:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import draw_constant_parameters, seeded
+from . import seeded_distinct
 
 __all__ = [
     "AUDIO_END_TOKEN_ID",
@@ -139,9 +139,7 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     every constant parameter (biases, norm scales) redrawn from the seed."""
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
-    model = seeded(Qwen2_5OmniThinkerForConditionalGeneration, build_config(), seed)
-    draw_constant_parameters(model, seed)
-    return model
+    return seeded_distinct(Qwen2_5OmniThinkerForConditionalGeneration, build_config(), seed)
 
 
 def interleave(grid: tuple[int, int, int], seconds: float, clip_tokens: int) -> list[int]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import draw_constant_parameters, seeded
+from . import seeded_distinct
 from . import qwen2_5_omni as _omni
 from .qwen2_5_omni import (  # noqa: F401  (the same token ids and batch layout)
     AUDIO_END_TOKEN_ID,
@@ -103,9 +103,7 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     every constant parameter redrawn from the seed."""
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
-    model = seeded(Qwen3OmniMoeThinkerForConditionalGeneration, build_config(), seed)
-    draw_constant_parameters(model, seed)
-    return model
+    return seeded_distinct(Qwen3OmniMoeThinkerForConditionalGeneration, build_config(), seed)
 
 
 def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Any]:
