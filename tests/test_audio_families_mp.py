@@ -1,16 +1,17 @@
 """The audio families through real 2-process pipelines (gloo on 127.0.0.1), ONE spawn for all of them:
-Gemma 4, the Qwen2.5-Omni and Qwen3-Omni thinkers and Inkling, each under GPipe (shapes inferred) and
-1F1B (static shapes), two training steps, loss and every gradient (vision and audio towers included)
+Gemma 4, the Qwen2.5-Omni and Qwen3-Omni thinkers and Inkling, each under GPipe (shapes inferred),
+1F1B (static shapes) and Interleaved1F1B (4 stages over the 2 ranks), two training steps, loss and every gradient (vision and audio towers included)
 against the model's own full-batch forward within 1e-5; 1F1B on stages each rank loads from a
 checkpoint of the model (``stages_from_pretrained``); and a batch with other media, which the
 comparison must catch.
 
 The default splits cut through every cross-layer dependency: Gemma 4's 2 + 2 split sends layers 2-3's
 per-layer inputs and both layer types' shared KV to stage 1 (``Gemma4Adapter.stage_hooks``), and its
-Interleaved1F1B split (1 + 1 + 1 + 1, here too) passes the KV through a middle stage that neither
-makes nor reads it; the Omni thinkers' 1 + 1 splits send the 3-D positions with audio (Qwen3-Omni's
-as float32, and its deepstack features). Every other 4-stage split of these families runs in process
-(test_gemma4_adapter.py, test_qwen_omni_adapter.py), to keep the suite's time down.
+interleaved 1 + 1 + 1 + 1 split passes the KV through a middle stage that neither makes nor reads it;
+the Omni thinkers' 1 + 1 splits send the 3-D positions with audio (Qwen3-Omni's as float32, and its
+deepstack features), their interleaved 0 + 1 + 1 + 0 split sends them from a first stage without a
+layer. Every other split of these families runs in process (test_gemma4_adapter.py,
+test_qwen_omni_adapter.py).
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ from ppmedia.testing.parity import ParityError, Scenario, microbatch_table, run_
 
 TOL = 1e-5
 FAMILIES = ("gemma4", "qwen2_5_omni", "qwen3_omni", "inkling")
-SCENARIOS = ("gpipe/inferred", "1f1b/static")
+SCENARIOS = ("gpipe/inferred", "1f1b/static", "interleaved/static")
 WRONG_BATCH = Scenario("1f1b", "static", "wrong_batch")
 PRETRAINED = Scenario("1f1b", "static", pretrained=True)
-#: Gemma 4 alone also runs 4 stages over the 2 ranks (its tiny model has 4 decoder layers)
-GEMMA4_INTERLEAVED = Scenario("interleaved", "static")
-#: decoder layers per stage of each family's tiny model under the 2-stage schedules
-LAYERS = {"gemma4": [2, 2]}
+#: decoder layers per stage of each family's tiny model under the 2-stage and the 4-stage schedules
+LAYERS = {"gemma4": ([2, 2], [1, 1, 1, 1])}
 _report: list[object] = []
 
 
@@ -35,7 +34,7 @@ def _run():
     if not _report:
         try:
             _report.append(run_parity(FAMILIES, [*SCENARIOS, WRONG_BATCH, PRETRAINED], steps=2, n_microbatches=4,
-                                      tolerance=TOL, family_scenarios={"gemma4": [GEMMA4_INTERLEAVED]}))
+                                      tolerance=TOL))
         except ParityError as exc:  # one spawn for the module, failure included
             _report.append(exc)
     if isinstance(_report[0], Exception):
@@ -62,15 +61,10 @@ def _check_parity(family: str, result, inferred: bool) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pipeline_matches_the_full_batch_model(family, scenario):
     result = _run().family(family).scenario(scenario)
-    assert result.n_stages == 2 and result.layers_per_stage == LAYERS.get(family, [1, 1])
+    two, four = LAYERS.get(family, ([1, 1], [0, 1, 1, 0]))
+    interleaved = scenario.startswith("interleaved")
+    assert result.n_stages == (4 if interleaved else 2) and result.layers_per_stage == (four if interleaved else two)
     _check_parity(family, result, scenario.endswith("inferred"))
-
-
-@pytest.mark.multiprocess
-def test_gemma4_interleaved_passes_the_shared_kv_through_a_middle_stage():
-    result = _run().family("gemma4").scenario(GEMMA4_INTERLEAVED.name)
-    assert result.n_stages == 4 and result.layers_per_stage == [1, 1, 1, 1]
-    _check_parity("gemma4", result, inferred=False)
 
 
 @pytest.mark.multiprocess

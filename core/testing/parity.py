@@ -1410,7 +1410,7 @@ def run_parity(
         n_microbatches: microbatches per step (the tiny batches have 8 samples).
         seed: model and batch seed (step ``k`` uses batch ``seed + k``).
         lr: the SGD learning rate of the steps, at most a tiny module's ``MAX_PARITY_LR`` (Gemma 4's
-            tiny model: 1e-3).
+            tiny model: 1e-4).
         tolerance: what :meth:`ScenarioResult.passed` and :attr:`ParityReport.ok` accept.
         world_size: processes to spawn (ignored under torchrun).
         family_scenarios: more scenarios for single families, run in the same processes after
