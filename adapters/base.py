@@ -722,8 +722,10 @@ class VlmAdapter(abc.ABC):
 
         Override it when the language model's ``forward`` runs another module only the last stage
         should (Inkling 2's final block-attention residual): replace it by a parameter-free stand-in
-        on the other stages (``language_model._modules[name] = ...``). The copy shares its modules with
-        the model; do not modify them, replace entries. Default: nothing.
+        on the other stages (``language_model._modules[name] = ...``); or drop modules only the first
+        stage runs from the others (Gemma 4's per-layer-embedding tables, used once to make state that
+        then travels on the wire). The copy shares its modules with the model; do not modify them,
+        replace or remove entries. Default: nothing.
         """
 
     def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:
