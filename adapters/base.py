@@ -369,10 +369,12 @@ class VlmAdapter(abc.ABC):
         """The count arguments of :func:`ppmedia.split_media` for a processor batch, from its tokens.
 
         ``split_media(batch, n, **adapter.media_counts(batch, config))``. ``images_per_sample`` /
-        ``videos_per_sample`` from :meth:`media_per_sample`, leaving out each count the batch already
-        holds (``n_images_per_sample`` / ``n_videos_per_sample``: ``split_media`` takes those).
-        Adapters whose tokens alone cannot count some medium read the batch's metadata here (Qwen3-VL
-        videos: ``video_grid_thw``).
+        ``videos_per_sample`` from :meth:`media_per_sample` (and ``audios_per_sample`` from
+        :meth:`audios_per_sample` for a family with audio), leaving out each count the batch already
+        holds (``n_images_per_sample`` / ``n_videos_per_sample`` / ``n_audios_per_sample``:
+        ``split_media`` takes those); ``sample_inputs`` when the family declares any. Adapters whose
+        tokens alone cannot count some medium read the batch's metadata here (Qwen3-VL videos:
+        ``video_grid_thw``).
         """
         images, videos = self.media_per_sample(batch["input_ids"], config, media=batch)
         counts: dict[str, Any] = {"images_per_sample": images, "videos_per_sample": videos}
