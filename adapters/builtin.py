@@ -37,6 +37,17 @@ ADAPTERS: dict[str, str] = {
     "qwen3_omni_moe_thinker": "ppmedia.adapters.qwen_omni:Qwen3OmniThinkerAdapter",
     "qwen3_omni_moe": "ppmedia.adapters.qwen_omni:Qwen3OmniThinkerAdapter",
     "inkling_mm_model": "ppmedia.adapters.inkling:InklingAdapter",
+    "llava_onevision": "ppmedia.adapters.llava_onevision:LlavaOnevisionAdapter",
+    "idefics3": "ppmedia.adapters.idefics3:Idefics3Adapter",
+    "smolvlm": "ppmedia.adapters.smolvlm:SmolVLMAdapter",
+    "paligemma": "ppmedia.adapters.paligemma:PaliGemmaAdapter",
+    "aya_vision": "ppmedia.adapters.aya_vision:AyaVisionAdapter",
+    "llama4": "ppmedia.adapters.llama4:Llama4Adapter",
+    "internvl": "ppmedia.adapters.internvl:InternVLAdapter",
+    "glm4v": "ppmedia.adapters.glm4v:Glm4vAdapter",
+    "glm4v_moe": "ppmedia.adapters.glm4v:Glm4vAdapter",
+    "glm46v": "ppmedia.adapters.glm4v:Glm4vAdapter",
+    "ernie4_5_vl_moe": "ppmedia.adapters.ernie4_5_vl:Ernie4_5_VLAdapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.
@@ -66,7 +77,9 @@ def ppmedia_model_type_aliases() -> dict[str, str]:
 
 @hookimpl
 def ppmedia_media_layouts() -> list[Any]:
-    """ppmedia's own media layouts (:data:`ppmedia.layouts.BUILTIN_LAYOUTS`), through the same hook as a plugin's."""
+    """ppmedia's own media layouts (:data:`ppmedia.layouts.BUILTIN_LAYOUTS`), then the built-in families'
+    (:data:`ppmedia.adapters.media_layouts.FAMILY_LAYOUTS`), through the same hook as a plugin's."""
     from ..layouts import BUILTIN_LAYOUTS
+    from .media_layouts import FAMILY_LAYOUTS
 
-    return list(BUILTIN_LAYOUTS)
+    return [*BUILTIN_LAYOUTS, *FAMILY_LAYOUTS]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 from typing import Any, Callable, Mapping, MutableMapping, Sequence, Union
 
 import numpy as np
@@ -430,6 +431,8 @@ def _costs(balance: BalanceSpec, per_sample: StagedMedia, B: int, patch_size: in
     if patch_size is None and isinstance(balance, functools.partial):  # partial(adapter.image_costs, config=...)
         config = balance.keywords.get("config")
         patch_size = _vision_value(config, "patch_size") if config is not None else None
+        if isinstance(patch_size, (list, tuple)) and len(patch_size) == 2:  # (ph, pw), as InternVL's config gives it
+            patch_size = math.isqrt(int(patch_size[0]) * int(patch_size[1]))
     if callable(balance) or balance is True:
         return sample_costs(per_sample, per_sample.tensors, None if balance is True else balance, patch_size)
     costs = _as_costs(balance)

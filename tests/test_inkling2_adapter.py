@@ -122,7 +122,7 @@ def test_bad_pixels_are_refused_before_the_tower(model, batch, adapter):
 
 def test_with_the_models_own_activation_checkpointing():
     model = tiny.build_model(0)
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model.train()
     (check,) = check_stage_splits(tiny, [(1, 2, 1)], model=model)
     assert check.max_logit_diff <= ATOL and check.max_grad_diff <= ATOL

@@ -10,6 +10,7 @@ import torch
 
 import ppmedia
 from ppmedia import HostReadCounter, split_media
+from ppmedia.adapters.media_layouts import FAMILY_LAYOUTS, IDEFICS3_IMAGES, ONEVISION_VIDEOS
 from ppmedia.layouts import BUILTIN_LAYOUTS, LayoutSet, MediaLayout, item_layout, sample_layout
 from ppmedia.planners import FieldSplit, Part
 from ppmedia.registry import AdapterRegistry, PluginError
@@ -21,12 +22,14 @@ def _ids(b: int = B) -> torch.Tensor:
     return torch.zeros(b, 3, dtype=torch.long)
 
 
-ONEVISION = item_layout("onevision_videos", "video", "pixel_values_videos")
+# two built-in families' layouts (declared with the plugin helpers, registered by the built-in plugin) and one of
+# a plugin's own; PLUGGED is what a registry holding ppmedia and that plugin selects from
+ONEVISION = ONEVISION_VIDEOS
 FRAMES = item_layout("frame_videos", "video", "frames", field="pixel_values_videos", rows_per_item="num_frames",
                      per_item={"num_frames": "num_frames"}, per_row={"frame_positions": "frame_positions"},
                      optional=("frame_positions",))
-IDEFICS = sample_layout("idefics3_images", "image", {"pixel_values": "pixel_values", "pixel_attention_mask": "pixel_attention_mask"})
-PLUGGED = LayoutSet([*BUILTIN_LAYOUTS, ONEVISION, FRAMES, IDEFICS])
+IDEFICS = IDEFICS3_IMAGES
+PLUGGED = LayoutSet([*BUILTIN_LAYOUTS, *FAMILY_LAYOUTS, FRAMES])
 
 
 def _unchanged_after(batch, error, match, **kwargs):
@@ -43,12 +46,16 @@ def _unchanged_after(batch, error, match, **kwargs):
 def test_the_builtin_layouts_come_through_the_hook():
     registry = AdapterRegistry(entry_point_group=None, plugins_env=None)
     assert [(layout.name, provider) for layout, provider in registry.list_layouts()] == [
-        (layout.name, "ppmedia (built-in)") for layout in BUILTIN_LAYOUTS]
+        (layout.name, "ppmedia (built-in)") for layout in (*BUILTIN_LAYOUTS, *FAMILY_LAYOUTS)]
     bare = AdapterRegistry(entry_point_group=None, builtins=False, plugins_env=None)
     assert len(bare.media_layouts()) == 0  # nothing is built in beside the hook
     staged = split_media({"input_ids": _ids(2), "pixel_values": torch.randn(2, 3, 4, 4)}, 2)
     assert staged.layouts == ("images",)
-    assert set(ppmedia.MEDIA_KEYS) == registry.media_layouts().keys
+    # MEDIA_KEYS: the core layouts' keys; the built-in families' layouts add theirs (declared as a plugin's are)
+    assert set(ppmedia.MEDIA_KEYS) | LayoutSet(FAMILY_LAYOUTS).keys == registry.media_layouts().keys
+    assert registry.media_layouts().keys - set(ppmedia.MEDIA_KEYS) == {"pixel_attention_mask"}
+    assert sample_layout("idefics3_images", "image", {"pixel_values": "pixel_values", "pixel_attention_mask":
+                         "pixel_attention_mask"}).keys == IDEFICS3_IMAGES.keys  # nothing but the declaration
 
 
 def test_the_most_specific_layout_wins_and_ties_are_refused():
@@ -160,8 +167,8 @@ def test_bad_layouts_name_the_plugin_and_carry_the_data(given, problem):
         registry.register_plugin(_plugin("my_plugin", ppmedia_media_layouts=given), "my_plugin")
     assert info.value.hook == "ppmedia_media_layouts" and info.value.provider == "my_plugin"
     assert "my_plugin" not in [p for _, p in registry.list_layouts()]  # nothing of it stays
-    registry.register_plugin(_plugin("fine", ppmedia_media_layouts=[ONEVISION]), "fine")
-    assert registry.media_layouts().names()[-1] == "onevision_videos"
+    registry.register_plugin(_plugin("fine", ppmedia_media_layouts=[FRAMES]), "fine")
+    assert registry.media_layouts().names()[-1] == "frame_videos"
 
 
 def test_a_planner_that_stages_what_its_layout_does_not_declare_is_named():

@@ -210,7 +210,7 @@ def test_with_the_models_own_activation_checkpointing():
     """transformers checkpoints a layer's forward, not its __call__: a recomputed layer sees the
     arguments the stage's hooks gave it, and the gradients still match."""
     model = tiny.build_model(0)
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model.train()
     (check,) = check_stage_splits(tiny, [(1, 2, 1)], model=model)
     assert check.max_logit_diff <= ATOL and check.max_grad_diff <= ATOL

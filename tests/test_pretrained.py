@@ -42,10 +42,13 @@ from ppmedia.testing.tiny_models import kimi_vl, qwen3_vl
 #: are remote code: refused below), with a tiny model each
 VARIANTS = ("qwen2_5_vl", "qwen2_vl", "llava_next", "step3p7", "kimi_k25", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
             "qwen3_5_moe", "gemma3", "mistral3", "mistral_large4", "mistral_small4", "llava", "llava_pixtral",
-            "minimax_m3_vl", "inkling2", "gemma4", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "inkling_mm_model")
+            "minimax_m3_vl", "inkling2", "idefics3", "paligemma",  # idefics3: LM at model.text_model; paligemma: Gemma 2, tied head
+            "gemma4", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "inkling_mm_model")
 #: model type -> its tiny family, where the names differ
 _FAMILY_OF = {"step3p7": "step3", "qwen2_5_omni_thinker": "qwen2_5_omni", "qwen3_omni_moe_thinker": "qwen3_omni",
               "inkling_mm_model": "inkling"}
+
+
 def splits(model_layers: int) -> tuple[tuple[int, Any], ...]:
     """2 and 3 stages by the default split, and an uneven 2-stage split (every layer on the last)."""
     return ((2, None), (3, None), (2, (0, model_layers)))

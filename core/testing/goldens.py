@@ -5,7 +5,8 @@ A golden folder holds three files:
 * ``config.json``: the tiny model's config (``config.to_dict()``, sorted keys);
 * ``inputs.safetensors``: the processor-style batch (``input_ids`` and the media keys);
 * ``expected.safetensors``: ``inputs_embeds`` ``[B, S, hidden]`` as the model's OWN full-batch forward
-  merged them (captured at ``model.model.language_model``; ppmedia's path is never used to write them).
+  merged them (captured at its decoder stack, ``model.model.language_model`` for most families; ppmedia's
+  path is never used to write them).
 
 The same torch and transformers versions regenerate ``config.json`` and ``inputs.safetensors`` byte for
 byte (no safetensors metadata, deterministic algorithms on): they are integers, seeded draws and JSON.

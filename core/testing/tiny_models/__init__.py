@@ -36,6 +36,7 @@ from torch import Tensor
 __all__ = [
     "FAMILIES",
     "PROTOCOL",
+    "REFERENCE_LANGUAGE_MODELS",
     "capture_merged_embeds",
     "capture_reference",
     "constant_parameters",
@@ -65,6 +66,17 @@ FAMILIES: tuple[str, ...] = (
     "qwen2_5_omni",
     "qwen3_omni",
     "inkling",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+    "paligemma",
+    "aya_vision",
+    "llama4",
+    "internvl",
+    "glm4v",
+    "glm4v_moe",
+    "glm46v",
+    "ernie4_5_vl_moe",
 )
 
 
@@ -112,9 +124,14 @@ def family_name(family: str | ModuleType) -> str:
 
 
 def seeded(model_class: type, config: Any, seed: int) -> torch.nn.Module:
-    """``model_class(config)`` with weights drawn after ``torch.manual_seed(seed)``, float32, eval mode."""
+    """``model_class(config)`` with weights drawn after ``torch.manual_seed(seed)``, float32, eval mode.
+
+    Only floating-point tensors are cast: ``Module.to(torch.float32)`` would also cast complex buffers
+    to real, dropping their imaginary part (Llama 4's vision rotary table ``freqs_ci`` is complex).
+    """
     torch.manual_seed(seed)
-    return model_class(config).to(torch.float32).eval()
+    model: torch.nn.Module = model_class(config)
+    return model._apply(lambda t: t.float() if t.is_floating_point() else t).eval()
 
 
 def constant_parameters(model: torch.nn.Module) -> list[str]:
@@ -147,11 +164,29 @@ def seeded_distinct(model_class: type, config: Any, seed: int) -> torch.nn.Modul
     return model
 
 
+#: where :func:`capture_reference` hooks the model's language model (the module its own forward hands the
+#: merged ``inputs_embeds``), tried in order: transformers 5 VLMs' ``model.language_model``; Llama 4's
+#: ``language_model`` (a ``Llama4ForCausalLM`` at the top level). Fixed paths, not ppmedia's lookup.
+REFERENCE_LANGUAGE_MODELS: tuple[str, ...] = ("model.language_model", "language_model")
+
+
+def _reference_language_model(model: torch.nn.Module) -> Any:
+    for path in REFERENCE_LANGUAGE_MODELS:
+        module: Any = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise TypeError(f"{type(model).__name__}: no language model at {' or '.join(REFERENCE_LANGUAGE_MODELS)}")
+
+
 def capture_merged_embeds(model: torch.nn.Module, **inputs: Any) -> Tensor:
     """Run ``model(**inputs)`` and return the ``inputs_embeds`` ``[B, S, hidden]`` its language model got.
 
-    The tensor is captured by a forward pre-hook on ``model.model.language_model``, i.e. after the
-    model merged the image features itself: the reference for golden tests, independent of ppmedia.
+    The tensor is captured by a forward pre-hook on the model's decoder stack (``model.model.language_model``;
+    Idefics3's ``model.model.text_model``, Llama 4's ``model.language_model.model``: the adapter's
+    ``language_model_path``; without an adapter the first of :data:`REFERENCE_LANGUAGE_MODELS`), i.e. after
+    the model merged the image features itself: the reference for golden tests, independent of ppmedia.
     """
     return capture_reference(model, **inputs)[0]
 
@@ -165,7 +200,12 @@ def capture_reference(model: torch.nn.Module, **inputs: Any) -> tuple[Tensor, Te
     def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         captured.append({k: kwargs.get(k) for k in ("inputs_embeds", "position_ids")})
 
-    language_model: Any = getattr(model, "model").language_model
+    from ...pipeline.surgery import find_language_model
+
+    try:
+        language_model: Any = find_language_model(model)[1]
+    except TypeError:  # no adapter registered for it: the usual places
+        language_model = _reference_language_model(model)
     handle = language_model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():

@@ -1,7 +1,9 @@
 """Plugins that bring what ppmedia lacked, proven with ppmedia's own kit and nothing patched in ppmedia:
 
-* ``ppmedia_onevision_plugin``: a new media layout (LLaVA-OneVision videos ``[videos, frames, C, H, W]``,
-  no grid) and a per-sample input (``batch_num_images``, one entry per sample holding images);
+* ``ppmedia_onevision_plugin``: a new media layout (LLaVA-OneVision videos with per-frame sizes
+  ``image_sizes_videos``, more specific than ppmedia's own ``onevision_videos``) and an adapter that
+  takes ``llava_onevision`` over from the built-in, inheriting its per-sample input (``batch_num_images``,
+  one entry per sample holding images);
 * ``ppmedia_token_types_plugin``: a per-token input every stage needs (token types from the batch,
   carried with the hidden states).
 
@@ -31,10 +33,27 @@ def _split(kit, batch, n):
 
 def test_the_plugin_brings_a_layout_and_a_per_sample_input(onevision):
     layouts = dict((layout.name, provider) for layout, provider in onevision.registry.list_layouts())
-    assert layouts["onevision_videos"] == "ppmedia_onevision_plugin (FamilyKit plugins)"
-    assert layouts["video_patch_rows"] == "ppmedia (built-in)"  # the built-ins come through the same hook
-    assert "onevision_videos" not in default_registry().media_layouts().names()  # only where registered
+    assert layouts["onevision_videos_with_sizes"] == "ppmedia_onevision_plugin (FamilyKit plugins)"
+    assert layouts["onevision_videos"] == layouts["video_patch_rows"] == "ppmedia (built-in)"  # the same hook
+    assert "onevision_videos_with_sizes" not in default_registry().media_layouts().names()  # only where registered
     assert [s.key for s in onevision.adapter.sample_inputs] == ["batch_num_images"]
+    assert onevision.adapter.name == "llava_onevision_example"  # override: the plugin serves llava_onevision
+    assert default_registry().get("llava_onevision").name == "llava_onevision"  # the built-in, elsewhere
+
+
+def test_without_the_plugin_the_sizes_are_refused(onevision):
+    """ppmedia's own registry does not know image_sizes_videos: a [videos, ...] tensor the schedule would
+    cut along samples is refused, naming the way out (a layout); the plugin's layout is what stages it."""
+    import ppmedia
+
+    batch = dict(onevision.batch)
+    adapter = default_registry().get("llava_onevision")
+    with pytest.raises(ValueError, match=r"image_sizes_videos: shape \[3, 2, 2\]; expected \[8, \.\.\.\].*bring a media layout"):
+        ppmedia.split_media(batch, 4, **adapter.media_counts(batch, onevision.model.config))
+    assert batch.keys() == onevision.batch.keys()  # nothing popped
+    del batch["image_sizes_videos"]
+    staged = ppmedia.split_media(batch, 4, **adapter.media_counts(batch, onevision.model.config))
+    assert staged.layouts == ("images_with_sizes", "onevision_videos")
 
 
 def test_merge_matches_the_model_at_1_2_4_8_and_an_uneven_split(onevision):
@@ -49,17 +68,18 @@ def test_batch_num_images_is_split_with_the_samples(onevision):
     staged = _split(onevision, batch, 4)
     assert "batch_num_images" not in batch and "pixel_values_videos" not in batch  # popped with the media
     per_mb = [None if c is None else c.extras["batch_num_images"].tolist() for c in staged]
-    assert per_mb == [[1, 2], [0, 0], [0, 0], [1, 0]]  # [B] from the processor's [1, 2, 1] (samples 0, 1, 6)
+    assert per_mb == [[1, 2], [0, 1], [0, 0], [1, 0]]  # [B] from the processor's [1, 2, 1, 1] (samples 0, 1, 3, 6)
     assert staged.chunk(2).has_media is False and staged.kinds["batch_num_images"] == "input"
-    assert staged.videos == (0, 1, 0, 2) and staged.layouts == ("images_with_sizes", "onevision_videos")
-    videos = onevision.batch["pixel_values_videos"]
+    assert staged.videos == (0, 1, 0, 2) and staged.layouts == ("images_with_sizes", "onevision_videos_with_sizes")
+    videos, sizes = onevision.batch["pixel_values_videos"], onevision.batch["image_sizes_videos"]
     assert staged.chunk(3).pixel_values_videos.data_ptr() == videos[1].data_ptr()  # a view, no copy
+    assert staged.chunk(3).extras["image_sizes_videos"].data_ptr() == sizes[1].data_ptr()
 
 
 def test_back_to_back_images_need_batch_num_images(onevision):
     # sample 1's two images form one run of image tokens: without batch_num_images it counts as one
     batch = {k: v for k, v in onevision.batch.items() if k != "batch_num_images"}
-    with pytest.raises(ValueError, match=r"counts sum to 3; expected 4, the number of images"):
+    with pytest.raises(ValueError, match=r"input_ids: sample 1 has a run of 34 placeholder tokens, but images 1..2 of image_sizes \(batch order\) give \[31, 36\] tokens"):
         _split(onevision, batch, 2)
 
 
@@ -69,7 +89,10 @@ def test_back_to_back_images_need_batch_num_images(onevision):
     ("n_videos_per_sample", torch.tensor([0, 0, 1, 0, 0, 0, 1, 2]), ValueError,
      r"n_videos_per_sample: counts sum to 4; expected 3, the number of videos"),
     ("n_videos_per_sample", torch.tensor([0, 0, 1, 0, 0, 0, 1]), ValueError, r"n_videos_per_sample: shape \[7\]; expected \[8\]"),
-    ("batch_num_images", torch.tensor([1, 2]), ValueError, r"batch_num_images: shape \[2\]; expected \[3\]"),
+    ("batch_num_images", torch.tensor([1, 2]), ValueError, r"batch_num_images: shape \[2\]; expected \[4\] \(one entry per sample holding"),
+    ("batch_num_images", torch.tensor([1, 2, 0, 1]), ValueError, r"batch_num_images: sample 3 is given 0 images but holds image tokens"),
+    ("image_sizes_videos", torch.ones(2, 2, 2, dtype=torch.long), ValueError,
+     r"image_sizes_videos: shape \[2, 2, 2\]; expected \[3, \.\.\.\] \(one row per videos; media layout 'onevision_videos_with_sizes'\)"),
 ])
 def test_malformed_input_through_the_plugin_layout_is_refused_all_or_nothing(onevision, key, value, error, match):
     batch = dict(onevision.batch, **{key: value})
