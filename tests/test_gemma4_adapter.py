@@ -138,7 +138,7 @@ def test_the_frames_layout_refuses_what_does_not_fit_before_popping(adapter, mod
         (dict(batch, video_grid_thw=torch.ones(frames.shape[0], 3, dtype=torch.long)),
          r"video metadata: got video_grid_thw and num_frames_per_video; expected at most one of them"),
         ({k: v for k, v in batch.items() if k != "num_frames_per_video"},
-         r"pixel_values_videos: shape \[6, 8, 12\] given without video_grid_thw"),
+         r"video_position_ids: shape \[6, 8, 2\] given without num_frames_per_video"),
         (dict(batch, num_frames_per_video=torch.tensor([3, 0, 3])), r"num_frames_per_video: video 1 has 0 frames"),
         (dict(batch, video_position_ids=batch["video_position_ids"][:, :4]),
          r"video_position_ids: shape \[6, 4, 2\]; expected \[6, 8, 2\]"),
