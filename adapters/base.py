@@ -126,11 +126,15 @@ class WireTensor:
             made it (deepstack features: the first stage, so the vision tower gets their gradient;
             shared KV or block states: the stage of the layer that made them); ``False``: int64, no
             gradient (positions, masks, token types, top-k indices).
+        dtype: for a tensor without gradient (``floating=False``), its dtype when not int64, as a
+            ``torch`` dtype name (an addition): ``"float32"`` for Qwen3-Omni's positions, which may be
+            fractional (a video's frames ``0.5`` seconds apart at 25 positions a second).
     """
 
     name: str
     shape: tuple[Union[int, str], ...]
     floating: bool = False
+    dtype: str = "int64"
 
 
 #: ``before(module, args, kwargs) -> (args, kwargs) | None``: torch's forward pre-hook with kwargs.
@@ -365,21 +369,39 @@ class VlmAdapter(abc.ABC):
         """The count arguments of :func:`ppmedia.split_media` for a processor batch, from its tokens.
 
         ``split_media(batch, n, **adapter.media_counts(batch, config))``. ``images_per_sample`` /
-        ``videos_per_sample`` from :meth:`media_per_sample`, leaving out each count the batch already
-        holds (``n_images_per_sample`` / ``n_videos_per_sample``: ``split_media`` takes those).
-        Adapters whose tokens alone cannot count some medium read the batch's metadata here (Qwen3-VL
-        videos: ``video_grid_thw``).
+        ``videos_per_sample`` from :meth:`media_per_sample` (and ``audios_per_sample`` from
+        :meth:`audios_per_sample` for a family with audio), leaving out each count the batch already
+        holds (``n_images_per_sample`` / ``n_videos_per_sample`` / ``n_audios_per_sample``:
+        ``split_media`` takes those); ``sample_inputs`` when the family declares any. Adapters whose
+        tokens alone cannot count some medium read the batch's metadata here (Qwen3-VL videos:
+        ``video_grid_thw``).
         """
         images, videos = self.media_per_sample(batch["input_ids"], config, media=batch)
         counts: dict[str, Any] = {"images_per_sample": images, "videos_per_sample": videos}
-        for key, arg in (("n_images_per_sample", "images_per_sample"), ("n_videos_per_sample", "videos_per_sample")):
+        audios = self.audios_per_sample(batch["input_ids"], config, media=batch)
+        if audios is not None:  # families with audio: audios_per_sample too
+            counts["audios_per_sample"] = audios
+        for key, arg in (("n_images_per_sample", "images_per_sample"), ("n_videos_per_sample", "videos_per_sample"),
+                         ("n_audios_per_sample", "audios_per_sample")):
             if batch.get(key) is not None:
-                del counts[arg]
+                counts.pop(arg, None)
         if self.sample_inputs:
             values = self.sample_input_values(batch, config)
             if values:
                 counts["sample_inputs"] = values
         return counts
+
+    def audios_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Any] | None = None
+    ) -> Tensor | None:
+        """``[B]`` int64 audio clips per sample, counted from the placeholder tokens, for
+        :func:`ppmedia.split_media`'s ``audios_per_sample`` (:meth:`media_counts` passes it on).
+
+        ``None`` (the default) for a family without audio. A family with audio counts its audio
+        blocks (e.g. Gemma 4's ``<boa> <audio> * n <eoa>``, one block per clip); ``media`` is the batch,
+        for families whose tokens alone cannot tell clips apart.
+        """
+        return None
 
     def sample_input_values(self, batch: Mapping[str, Any], config: Any) -> dict[str, Tensor | None]:
         """``split_media``'s ``sample_inputs`` for a batch: ``{key: None}`` (stage the batch's own
@@ -565,8 +587,11 @@ class VlmAdapter(abc.ABC):
         return None
 
     # -- pipeline wire format ---------------------------------------------------------------
-    # ppmedia.pipeline's stages call these three; an adapter overrides them when its language model
-    # needs more than hidden states, attention mask and (optionally) positions on every stage.
+    # ppmedia.pipeline's stages call these; an adapter overrides them when its language model needs
+    # more than hidden states, attention mask and (optionally) positions on every stage. Cross-layer
+    # state (deepstack features, Gemma 4's per-layer inputs and shared KV) is declared in wire_tensors,
+    # made by first_stage or by a stage's own layers (stored through stage_hooks), and read in
+    # decoder_kwargs or by the hooks.
 
     def wire_tensors(self, config: Any, first_layer: int) -> tuple[WireTensor, ...]:
         """The tensors a stage whose first decoder layer is ``first_layer`` needs from earlier stages.
@@ -699,8 +724,10 @@ class VlmAdapter(abc.ABC):
 
         Override it when the language model's ``forward`` runs another module only the last stage
         should (Inkling 2's final block-attention residual): replace it by a parameter-free stand-in
-        on the other stages (``language_model._modules[name] = ...``). The copy shares its modules with
-        the model; do not modify them, replace entries. Default: nothing.
+        on the other stages (``language_model._modules[name] = ...``); or drop modules only the first
+        stage runs from the others (Gemma 4's per-layer-embedding tables, used once to make state that
+        then travels on the wire). The copy shares its modules with the model; do not modify them,
+        replace or remove entries. Default: nothing.
         """
 
     def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:

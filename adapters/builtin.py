@@ -31,6 +31,12 @@ ADAPTERS: dict[str, str] = {
     "llava": "ppmedia.adapters.llava:LlavaAdapter",
     "minimax_m3_vl": "ppmedia.adapters.minimax_m3_vl:MiniMaxM3VLAdapter",
     "inkling2": "ppmedia.adapters.inkling2:Inkling2Adapter",
+    "gemma4": "ppmedia.adapters.gemma4:Gemma4Adapter",
+    "qwen2_5_omni_thinker": "ppmedia.adapters.qwen_omni:Qwen2_5OmniThinkerAdapter",
+    "qwen2_5_omni": "ppmedia.adapters.qwen_omni:Qwen2_5OmniThinkerAdapter",
+    "qwen3_omni_moe_thinker": "ppmedia.adapters.qwen_omni:Qwen3OmniThinkerAdapter",
+    "qwen3_omni_moe": "ppmedia.adapters.qwen_omni:Qwen3OmniThinkerAdapter",
+    "inkling_mm_model": "ppmedia.adapters.inkling:InklingAdapter",
     "llava_onevision": "ppmedia.adapters.llava_onevision:LlavaOnevisionAdapter",
     "idefics3": "ppmedia.adapters.idefics3:Idefics3Adapter",
     "smolvlm": "ppmedia.adapters.smolvlm:SmolVLMAdapter",
@@ -52,6 +58,8 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "kimi-vl": "kimi_vl",
     "kimi_k2_5": "kimi_k25",
     "step3v": "step3_vl",
+    "qwen3_omni": "qwen3_omni_moe_thinker",
+    "inkling": "inkling_mm_model",
 }
 
 

@@ -372,6 +372,7 @@ def balanced_split(
     *,
     images_per_sample: Any = None,
     videos_per_sample: Any = None,
+    audios_per_sample: Any = None,
     batch_size: int | None = None,
     order: str = DEFAULT_ORDER,
     patch_size: int | None = None,
@@ -400,7 +401,8 @@ def balanced_split(
         )
     layouts = default_layouts() if layouts is None else layouts
     kwargs: dict[str, Any] = dict(images_per_sample=images_per_sample, videos_per_sample=videos_per_sample,
-                                  batch_size=batch_size, counts=counts, sample_inputs=sample_inputs, layouts=layouts)
+                                  audios_per_sample=audios_per_sample, batch_size=batch_size, counts=counts,
+                                  sample_inputs=sample_inputs, layouts=layouts)
     B = _batch_size(batch, batch_size)
     if B is None or B <= 1 or n_microbatches == 1:
         planned = plan_split(batch, n_microbatches, **kwargs)

@@ -49,6 +49,19 @@ class VlmMediaChunk:
             chunk (Qwen2.5-VL / Qwen3-VL video timing for mrope positions), in video order. An
             addition after the seven contract fields: optional, so the seven-argument constructor and
             media staged by other libraries (which never set it) keep working.
+        input_features: ``[audios, ...]``, the microbatch's audio clips, one clip per row of axis 0, in
+            the family's layout: log-mel frames ``[audios, T, mel]`` (Gemma 4), Whisper features
+            ``[audios, mel, T]`` (Qwen2.5-Omni, Qwen3-Omni) or discrete mel codes ``[audios, frames,
+            bins]`` (Inkling's ``audio_input_ids``). Optional trailing field (like
+            ``second_per_grid_ts``): staged from the batch key ``input_features`` or ``audio_input_ids``.
+        input_features_mask: ``[audios, T]``, the valid (non-padding) frames of each clip of
+            ``input_features``, bool or integer; staged from ``input_features_mask`` (Gemma 4, Inkling's
+            feature extractor), ``feature_attention_mask`` (Whisper, the Qwen Omni processors) or
+            ``audio_input_ids_mask`` (Inkling's processor).
+        video_position_ids: ``[frames, max_patches, 2]``, Gemma 4's per-frame patch positions (``-1``
+            marks padding) for ``pixel_values_videos`` ``[frames, max_patches, D]``, frames in video order.
+        num_frames_per_video: ``[videos]``, Gemma 4's frames of each video of the chunk (its rows of
+            ``pixel_values_videos`` / ``video_position_ids``).
         extras: ``{name: tensor}``, the microbatch's views of everything else a media layout or a
             per-sample input staged (a plugin's layout fields, an adapter's ``sample_inputs`` such as
             ``token_type_ids`` ``[b, S]``), each the staged tensor itself and non-empty; ``None`` when
@@ -64,6 +77,10 @@ class VlmMediaChunk:
     num_patches: Tensor | None = None
     patch_newline_mask: Tensor | None = None
     second_per_grid_ts: Tensor | None = None
+    input_features: Tensor | None = None
+    input_features_mask: Tensor | None = None
+    video_position_ids: Tensor | None = None
+    num_frames_per_video: Tensor | None = None
     extras: dict[str, Tensor] | None = None
 
     @property
@@ -73,7 +90,8 @@ class VlmMediaChunk:
         return not (
             self.pixel_values is None and self.image_grid is None and self.pixel_values_videos is None
             and self.video_grid is None and self.patch_pixel_values is None and self.num_patches is None
-            and self.patch_newline_mask is None and self.second_per_grid_ts is None
+            and self.patch_newline_mask is None and self.second_per_grid_ts is None and self.input_features is None
+            and self.input_features_mask is None and self.video_position_ids is None and self.num_frames_per_video is None
         )
 
 
@@ -87,6 +105,10 @@ STAGED_ATTRIBUTES: dict[str, str] = {
     "num_patches": "_vlm_num_patches_chunks",
     "patch_newline_mask": "_vlm_patch_newline_mask_chunks",
     "second_per_grid_ts": "_vlm_second_per_grid_ts_chunks",
+    "input_features": "_vlm_input_features_chunks",
+    "input_features_mask": "_vlm_input_features_mask_chunks",
+    "video_position_ids": "_vlm_video_position_ids_chunks",
+    "num_frames_per_video": "_vlm_num_frames_per_video_chunks",
 }
 #: the attribute holding the index of the next microbatch to consume.
 CURSOR_ATTRIBUTE = "_vlm_chunk_idx"
@@ -97,9 +119,10 @@ assert (*STAGED_ATTRIBUTES, "extras") == tuple(f.name for f in fields(VlmMediaCh
 _ATTRS = tuple(STAGED_ATTRIBUTES.values())
 _NAMES = frozenset((*_ATTRS, CURSOR_ATTRIBUTE, EXTRAS_ATTRIBUTE))
 _NAMES_SET = set(_NAMES)  # a plain set: dict_keys & set looks up the set's few names in the dict
-_TIMING_ATTRIBUTE = STAGED_ATTRIBUTES["second_per_grid_ts"]
-assert _ATTRS[-1] == _TIMING_ATTRIBUTE
-_read_contract = operator.itemgetter(*_ATTRS[:-1])  # a tuple of the seven contract lists
+#: ppmedia's optional trailing lists (video timing, audio, Gemma 4 video frames), after the seven
+_TRAILING = _ATTRS[7:]
+assert _TRAILING[0] == STAGED_ATTRIBUTES["second_per_grid_ts"]
+_read_contract = operator.itemgetter(*_ATTRS[:7])  # a tuple of the seven contract lists
 _MISSING = object()
 _Tensor = torch.Tensor
 _MODULE_GETATTR: Any = torch.nn.Module.__getattr__
@@ -180,7 +203,7 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
 
     Every list is read as ``getattr(module, name, None)`` would read it, but without paying for
     ``nn.Module.__getattr__``'s miss path on lists a producer did not set (NeMo Automodel sets only
-    some; none sets ``second_per_grid_ts`` but ppmedia), so a partially staged module costs about as
+    some; none sets the trailing ones, ``second_per_grid_ts`` and the audio lists, but ppmedia), so a partially staged module costs about as
     much per call as a fully staged one.
 
     Args:
@@ -207,9 +230,12 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
         lists: tuple[Any, ...] = _read_contract(state)
     except KeyError:  # NeMo Automodel's first step sets only the lists of the batch's modalities
         lists = _read_partial(module, state)
-    else:  # ppmedia's addition, which no other producer sets
-        timing = state.get(_TIMING_ATTRIBUTE, _MISSING)
-        lists += (_read_missing(module, state, _TIMING_ATTRIBUTE) if timing is _MISSING else timing,)
+    else:  # ppmedia's additions, which no other producer sets
+        get = state.get
+        lists += tuple(
+            _read_missing(module, state, name) if (value := get(name, _MISSING)) is _MISSING else value
+            for name in _TRAILING
+        )
     # values[i] is field i of the chunk; its length is also the index of the list being read.
     values: list[Any] = []
     append = values.append

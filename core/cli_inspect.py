@@ -367,6 +367,8 @@ def _placeholders(path: pathlib.Path, batch: dict[str, Any], model: _Model) -> t
         named = re.match(r"[A-Za-z_][\w.]*: ", message) is not None  # the message names its key already
         raise CliError(f"{path}: {'' if named else 'input_ids: '}{message}{assumed}") from None
     found = {"images": counts.get("images_per_sample"), "videos": counts.get("videos_per_sample")}
+    if "audios_per_sample" in counts or "n_audios_per_sample" in batch:  # a family with audio
+        found["audios"] = counts.get("audios_per_sample")
     line = (f"adapter {model.adapter.name} ({model.model_type}){assumed}; per-sample counts from placeholder tokens: "
             + ", ".join(f"{what} {'from the batch' if c is None else c.tolist()}" for what, c in found.items()))
     return counts, masks, line
@@ -386,13 +388,14 @@ def _split_error(message: str, model: _Model, counted: bool) -> str:
 
 
 def _table(staged: Any, masks: Any) -> str:
-    header = ["mb", "samples", "images", "videos", "image rows", "video rows", "crop rows"]
+    audio = "input_features" in staged.tensors or any(staged.audios)  # the audios column only for batches with audio
+    header = ["mb", "samples", "images", "videos", *(["audios"] if audio else []), "image rows", "video rows", "crop rows"]
     if masks is not None:
         header += [f"{m} tokens" for m in masks]
     rows = []
     for k, (a, b) in enumerate(staged.samples):
         row: list[Any] = [k, f"{a}..{b - 1}" if b > a else "-", staged.images[k], staged.videos[k],
-                          staged.image_rows[k], staged.video_rows[k], staged.crop_rows[k]]
+                          *([staged.audios[k]] if audio else []), staged.image_rows[k], staged.video_rows[k], staged.crop_rows[k]]
         if masks is not None:
             row += [int(m[a:b].sum()) for m in masks.values()]
         rows.append(row)

@@ -25,10 +25,12 @@ The selection depends only on which keys are present, so it is computed once per
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from .layout_planners import item_planner, sample_planner
+from .planners_audio import AUDIO_FEATURE_KEYS, AUDIO_MASKS, audio_planner
+from .planners_frames import frames_planner
 from .planners import (
     IMAGE_GRID_KEYS,
     Context,
@@ -383,21 +385,49 @@ def _image_layouts() -> list[MediaLayout]:
     return layouts
 
 
+def _frames_layout() -> MediaLayout:
+    """Gemma 4's padded video frames (:mod:`ppmedia.planners_frames`): ``num_frames_per_video`` rows each."""
+    declared = item_layout(
+        "video_frames", "video", "pixel_values_videos", per_item={"num_frames_per_video": "num_frames_per_video"},
+        per_row={"video_position_ids": "video_position_ids"}, rows_per_item="num_frames_per_video",
+        optional=("video_position_ids",),
+    )
+    axis0 = {"pixel_values_videos": "frames (num_frames_per_video rows each video)", "video_position_ids": "frames",
+             "num_frames_per_video": "videos"}
+    return replace(declared, plan=frames_planner(declared.plan), axis0=axis0)
+
+
+def _audio_layouts() -> list[MediaLayout]:
+    """Audio clips, one row each (:mod:`ppmedia.planners_audio`): one layout per features key."""
+    names = {"input_features": "audio_features", "audio_input_ids": "audio_codes"}
+    return [
+        MediaLayout(
+            names[key], "audio", (key,), audio_planner(key), ("input_features", "input_features_mask"),
+            optional=AUDIO_MASKS[key], axis0={key: "audio clips", **{m: "audio clips" for m in AUDIO_MASKS[key]}},
+        )
+        for key in AUDIO_FEATURE_KEYS
+    ]
+
+
 #: ppmedia's own layouts, in the order ties and keys are reported (``IMAGE_GRID_KEYS`` order first).
 BUILTIN_LAYOUTS: tuple[MediaLayout, ...] = (
     *_image_layouts(),
     MediaLayout(
         "video_patch_rows", "video", ("pixel_values_videos", "video_grid_thw"), plan_videos,
-        ("pixel_values_videos", "video_grid", "second_per_grid_ts"), optional=("second_per_grid_ts", "num_chunks_per_video"),
-        sequences=("second_per_grid_ts", "num_chunks_per_video"),
+        ("pixel_values_videos", "video_grid", "second_per_grid_ts"),
+        optional=("second_per_grid_ts", "video_second_per_grid", "num_chunks_per_video"),
+        sequences=("second_per_grid_ts", "video_second_per_grid", "num_chunks_per_video"),
         axis0={"pixel_values_videos": "patch rows, each video's grid product", "video_grid_thw": "videos",
-               "second_per_grid_ts": "videos", "num_chunks_per_video": "videos (grid rows each spans)"},
+               "second_per_grid_ts": "videos", "video_second_per_grid": "videos (the Qwen Omnis' second_per_grid_ts)",
+               "num_chunks_per_video": "videos (grid rows each spans)"},
     ),
+    _frames_layout(),
     MediaLayout(
         "step3_crops", "crop", (), plan_step3, ("patch_pixel_values", "num_patches", "patch_newline_mask"),
         optional=("patch_pixel_values", "num_patches", "patch_newline_mask"), counted=False,
         axis0={"patch_pixel_values": "crop patches", "num_patches": "samples", "patch_newline_mask": "crop patches"},
     ),
+    *_audio_layouts(),
 )
 
 assert [k for k in dict.fromkeys(k for layout in BUILTIN_LAYOUTS for k in layout.requires) if k in IMAGE_GRID_KEYS] == [

@@ -23,7 +23,8 @@ Built-in layouts (registered in :mod:`ppmedia.layouts`):
 * image-major (:func:`image_major_planner`): one row per image (complete images, padded patches with
   ``image_position_ids``, LLaVA-NeXT crops with ``image_sizes``); :func:`plan_pan_and_scan`:
   ``1 + num_crops`` rows per image (Gemma 3 pan-and-scan);
-* videos (:func:`plan_videos`): patch rows per ``video_grid_thw`` row, with ``second_per_grid_ts``;
+* videos (:func:`plan_videos`): patch rows per ``video_grid_thw`` row, with ``second_per_grid_ts`` (or
+  the Qwen Omnis' ``video_second_per_grid``);
 * Step3 crops (:func:`plan_step3`): ``num_patches`` crop patches per sample.
 """
 
@@ -49,6 +50,7 @@ __all__ = [
     "FieldSplit",
     "IMAGE_GRID_KEYS",
     "Part",
+    "TIMING_KEYS",
     "check_counts",
     "check_range",
     "default_counts",
@@ -84,6 +86,9 @@ IMAGE_GRID_KEYS: tuple[str, ...] = (
     "num_crops",
 )
 _INT64_MAX = 2**63 - 1
+#: batch keys of the video timing ``[videos]``, staged as the chunk's ``second_per_grid_ts``: Qwen2.5-VL's
+#: name, and the Qwen Omni processors' ``video_second_per_grid``; at most one per batch.
+TIMING_KEYS: tuple[str, ...] = ("second_per_grid_ts", "video_second_per_grid")
 _STRIDED = torch.strided
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32})
 # the ufuncs themselves: their reduce skips numpy's Python wrappers (a few hundred ns per call)
@@ -566,7 +571,11 @@ def plan_videos(ctx: Context, media: Media, counts: Counts | None) -> Callable[[
     """Plan ``pixel_values_videos`` (patch rows per ``video_grid_thw`` row) and ``second_per_grid_ts``."""
     pixels: Tensor = media["pixel_values_videos"]
     grid: Tensor = media["video_grid_thw"]
-    timing = media.get("second_per_grid_ts")
+    timing_keys = [k for k in TIMING_KEYS if media.get(k) is not None]
+    if len(timing_keys) > 1:
+        raise ValueError(f"video timing: got {' and '.join(timing_keys)}; expected at most one of them")
+    timing_key = timing_keys[0] if timing_keys else "second_per_grid_ts"
+    timing = media.get(timing_key)
     check_chunks_per_video(media.get("num_chunks_per_video"))
     if pixels.dim() < 2:
         raise ValueError(f"pixel_values_videos: shape {shape_of(pixels)}; expected at least 2 dims (patches first)")
@@ -577,7 +586,7 @@ def plan_videos(ctx: Context, media: Media, counts: Counts | None) -> Callable[[
         counts = default_counts(ctx, "pixel_values_videos", n_videos, "videos", "n_videos_per_sample", "videos_per_sample")
     meta = [("video_grid", "video_grid_thw", grid)]
     if timing is not None:
-        meta.append(("second_per_grid_ts", "second_per_grid_ts", video_timing(timing, n_videos)))
+        meta.append(("second_per_grid_ts", timing_key, video_timing(timing, n_videos, timing_key)))
     slot = ctx.reader.add(grid)
     pending: Counts = counts
 
@@ -618,11 +627,10 @@ def is_empty(value: object) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 0
 
 
-def video_timing(value: object, n_videos: int) -> Tensor:
+def video_timing(value: object, n_videos: int, key: str = "second_per_grid_ts") -> Tensor:
     """``second_per_grid_ts`` as a ``[videos]`` tensor: a tensor as it is (its views are staged), a
     sequence of numbers as one new tensor on the host (as the processor's ``return_tensors="pt"``
-    would make it)."""
-    key = "second_per_grid_ts"
+    would make it). ``key`` names it in messages (``video_second_per_grid`` for the Qwen Omnis)."""
     if isinstance(value, Tensor):
         t = require_tensor(key, value)
         if t.dtype.is_complex or t.dtype == torch.bool:

@@ -36,6 +36,7 @@ def split_media(
     *,
     images_per_sample: CountsArgument = None,
     videos_per_sample: CountsArgument = None,
+    audios_per_sample: CountsArgument = None,
     batch_size: int | None = None,
     balance: Any = False,
     counts: Mapping[str, CountsArgument] | None = None,
@@ -54,7 +55,12 @@ def split_media(
     ``n_images_per_sample`` / ``n_videos_per_sample`` ``[B]``; ``num_chunks_per_video`` ``[videos]``
     (MiniMax-M3-VL, Kimi-K2.5: how many ``video_grid_thw`` rows each video spans; the models do not
     read it and nothing stages it: a grid row is one video here, and those adapters' ``media_counts``
-    check it against the samples).
+    check it against the samples); the Qwen Omnis' ``video_second_per_grid`` ``[videos]`` (staged as
+    ``second_per_grid_ts``); Gemma 4's padded video frames ``pixel_values_videos`` ``[frames,
+    max_patches, D]`` with ``video_position_ids`` ``[frames, max_patches, 2]`` and
+    ``num_frames_per_video`` ``[videos]``; audio clips ``input_features`` ``[audios, ...]`` or
+    ``audio_input_ids`` ``[audios, frames, bins]`` with ``input_features_mask``,
+    ``feature_attention_mask`` or ``audio_input_ids_mask`` ``[audios, T]``, and ``n_audios_per_sample`` ``[B]``.
 
     Rows of ``pixel_values`` per image: with ``image_grid_thw``/``image_grid_hws``, the grid's product
     (flat patch rows ``[patches, D]``, patch-major ``[patches, C, ph, pw]``) when the products add up to
@@ -78,6 +84,8 @@ def split_media(
             never gives more microbatches than samples).
         images_per_sample: ``[B]`` image counts, e.g. from an adapter's ``media_per_sample``.
         videos_per_sample: ``[B]`` video counts.
+        audios_per_sample: ``[B]`` audio-clip counts (``counts={"audio": ...}``; the batch's
+            ``n_audios_per_sample``, else this, else one clip per sample when there are exactly ``B``).
         batch_size: ``B``; by default ``batch["input_ids"].shape[0]``.
         counts: ``{modality: [B] counts}`` for any counted modality (``counts={"video": ...}`` is
             ``videos_per_sample=``; a plugin's modality has no argument of its own).
@@ -111,10 +119,11 @@ def split_media(
         from .balance import balanced_split
 
         return balanced_split(batch, n_microbatches, balance, images_per_sample=images_per_sample,
-                              videos_per_sample=videos_per_sample, batch_size=batch_size, counts=counts,
-                              sample_inputs=sample_inputs, layouts=layouts)
+                              videos_per_sample=videos_per_sample, audios_per_sample=audios_per_sample,
+                              batch_size=batch_size, counts=counts, sample_inputs=sample_inputs, layouts=layouts)
     planned = plan_split(batch, n_microbatches, images_per_sample=images_per_sample, videos_per_sample=videos_per_sample,
-                         counts=counts, batch_size=batch_size, sample_inputs=sample_inputs, layouts=layouts)
+                         audios_per_sample=audios_per_sample, counts=counts, batch_size=batch_size,
+                         sample_inputs=sample_inputs, layouts=layouts)
     staged = assemble(planned)  # every view made here, before anything is popped
     pop_media(batch, planned)
     return staged

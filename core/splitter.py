@@ -199,13 +199,12 @@ def _checked_selection(layouts: LayoutSet, media: Mapping[str, Any]) -> Selectio
 
 
 def _count_arguments(layouts: LayoutSet, images: CountsArgument, videos: CountsArgument,
-                     counts: Mapping[str, CountsArgument] | None) -> dict[str, CountsArgument]:
+                     counts: Mapping[str, CountsArgument] | None, audios: CountsArgument = None) -> dict[str, CountsArgument]:
     """``{modality: counts argument}`` of the arguments given (``None`` ones left out), each for a counted modality."""
     given: dict[str, CountsArgument] = {}
-    if images is not None:
-        given["image"] = images
-    if videos is not None:
-        given["video"] = videos
+    for modality, value in (("image", images), ("video", videos), ("audio", audios)):
+        if value is not None:
+            given[modality] = value
     for modality, value in (counts or {}).items():
         if value is None:
             continue
@@ -227,6 +226,7 @@ def plan_split(
     *,
     images_per_sample: CountsArgument = None,
     videos_per_sample: CountsArgument = None,
+    audios_per_sample: CountsArgument = None,
     counts: Mapping[str, CountsArgument] | None = None,
     batch_size: int | None = None,
     sample_inputs: SampleInputsArgument = None,
@@ -244,7 +244,7 @@ def plan_split(
     bounds, at, samples = cached_bounds(B, _microbatches(n_microbatches, B))
     ctx = Context(B, bounds, at)
     _check_left_over(batch, B, popped)
-    arguments = _count_arguments(layouts, images_per_sample, videos_per_sample, counts)
+    arguments = _count_arguments(layouts, images_per_sample, videos_per_sample, counts, audios_per_sample)
     selection = _checked_selection(layouts, media)
     finishers: list[tuple[MediaLayout | None, Callable[[], Part]]] = []
     for layout, key, argument in selection.plans:

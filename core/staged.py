@@ -65,7 +65,8 @@ class StagedMedia:
         sources: staged name -> the batch key it was popped from.
         ranges: staged name -> ``n`` ``(start, stop)`` pairs along dim 0.
         samples: per microbatch, its ``(first, stop)`` samples.
-        images, videos: per microbatch, its number of images and videos (``items["image"]``, ...).
+        images, videos: per microbatch, its number of images and videos (``items["image"]``, ...);
+            :attr:`audios` likewise for audio clips.
         image_rows, video_rows, crop_rows: per microbatch, its rows of the image, video and Step3
             crop pixels (``rows["image"]``, ``rows["video"]``, ``rows["crop"]``).
         permutation: with ``split_media(..., balance=...)``, the reordering applied to the batch:
@@ -120,6 +121,12 @@ class StagedMedia:
             setattr(self, name, value)
         self.chunks = {}
         self.__post_init__()
+
+    @property
+    def audios(self) -> tuple[int, ...]:
+        """Per microbatch, its number of audio clips (``items["audio"]``; zeros without audio)."""
+        found = self.items.get("audio")
+        return tuple(found) if found is not None else (0,) * self.n_microbatches
 
     @property
     def extra_names(self) -> tuple[str, ...]:

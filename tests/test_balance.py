@@ -144,20 +144,22 @@ def test_balanced_split_equals_plain_split_of_reordered_batch(family):
             by_hand[key] = tensor[perm]
         else:
             by_hand[key] = torch.cat([tensor[slice(*per.ranges[name][s])] for s in perm])
+    audios = torch.tensor(per.audios)
     inputs = [key for name, key in per.sources.items() if per.kinds.get(name) == "input"]  # per-sample inputs
-    plain = split_media(by_hand, 4, images_per_sample=images[perm], videos_per_sample=videos[perm], sample_inputs=inputs)
+    plain = split_media(by_hand, 4, images_per_sample=images[perm], videos_per_sample=videos[perm],
+                        audios_per_sample=audios[perm], sample_inputs=inputs)
+
     for k in range(4):
         got, want = staged.chunk(k), plain.chunk(k)
         assert (got is None) == (want is None)
         if got is not None:
-            for f in ("pixel_values", "image_grid", "pixel_values_videos", "video_grid", "patch_pixel_values",
-                      "num_patches", "patch_newline_mask"):
+            for f in ppmedia.STAGED_ATTRIBUTES:  # every chunk field, audio and Gemma 4's frames too
                 a, b = getattr(got, f), getattr(want, f)
                 assert (a is None) == (b is None), f
                 if a is not None:
                     assert torch.equal(a, b), f
     assert staged.images == plain.images and staged.image_rows == plain.image_rows
-    assert staged.videos == plain.videos and staged.crop_rows == plain.crop_rows
+    assert staged.videos == plain.videos and staged.crop_rows == plain.crop_rows and staged.audios == plain.audios
     for name, views in staged.chunks.items():  # chunks are views of the (reordered) whole tensors
         assert all(v.numel() == 0 or same_storage(v, staged.tensors[name]) for v in views)
     again = pickle.loads(pickle.dumps(staged))

@@ -19,7 +19,11 @@ def test_dataclass_fields_in_contract_order():
         ("patch_pixel_values", None),
         ("num_patches", None),
         ("patch_newline_mask", None),
-        ("second_per_grid_ts", None),  # ppmedia's addition after the seven contract fields
+        ("second_per_grid_ts", None),  # ppmedia's additions after the seven contract fields
+        ("input_features", None),  # audio clips
+        ("input_features_mask", None),
+        ("video_position_ids", None),  # Gemma 4's padded video frames
+        ("num_frames_per_video", None),
         ("extras", None),  # always last: a layout's or a per-sample input's other names (a dict per chunk)
     ]
 
@@ -39,7 +43,11 @@ def test_attribute_names_match_nemo_automodel_staging():
         "patch_pixel_values": "_vlm_patch_pixel_values_chunks",
         "num_patches": "_vlm_num_patches_chunks",
         "patch_newline_mask": "_vlm_patch_newline_mask_chunks",
-        "second_per_grid_ts": "_vlm_second_per_grid_ts_chunks",  # ppmedia only; NeMo never sets it
+        "second_per_grid_ts": "_vlm_second_per_grid_ts_chunks",  # ppmedia only; NeMo never sets these
+        "input_features": "_vlm_input_features_chunks",
+        "input_features_mask": "_vlm_input_features_mask_chunks",
+        "video_position_ids": "_vlm_video_position_ids_chunks",
+        "num_frames_per_video": "_vlm_num_frames_per_video_chunks",
     }
     assert CURSOR_ATTRIBUTE == "_vlm_chunk_idx"
 
@@ -188,12 +196,26 @@ def _outcome(take, module):
     return views, getattr(module, CURSOR_ATTRIBUTE, None)
 
 
-def test_every_partial_combination_of_absent_none_and_set_lists():
-    """3**8 layouts: each list absent from the module, set to None, or staged; 4 calls each."""
+def _layouts():
+    """Each of the first 8 lists (the seven and the timing) absent, None or staged with the audio and
+    frame lists absent (3**8), and each of those four absent, None or staged with the first 8 in each
+    of 3 layouts (3 * 3**4): every list's every state meets every state of the others' groups."""
     import itertools
 
-    combos = 0
-    for states in itertools.product((_ABSENT, _NONE, _LIST), repeat=len(_NAMES)):
+    first, rest = 8, len(_NAMES) - 8
+    for states in itertools.product((_ABSENT, _NONE, _LIST), repeat=first):
+        yield states + (_ABSENT,) * rest
+    for head in ((_LIST,) + (_ABSENT,) * 7, (_NONE,) * 8, (_ABSENT,) * 8):
+        for tail in itertools.product((_ABSENT, _NONE, _LIST), repeat=rest):
+            if any(t != _ABSENT for t in tail):
+                yield head + tail
+
+
+def test_every_partial_combination_of_absent_none_and_set_lists():
+    """The layouts of _layouts: each list absent from the module, set to None, or staged; 4 calls each."""
+    combos = layouts_with_lists = 0
+    for states in _layouts():
+        layouts_with_lists += _LIST in states
         module = torch.nn.Module()
         staged = {}
         for name, state in zip(_NAMES, states):
@@ -221,7 +243,7 @@ def test_every_partial_combination_of_absent_none_and_set_lists():
         assert module._vlm_chunk_idx == 3, states
         for name in _NAMES:  # nothing was added to or removed from the module
             assert (name in module.__dict__) == (states[_NAMES.index(name)] != _ABSENT)
-    assert combos == 3**8 - 2**8
+    assert combos == layouts_with_lists == 3**8 - 2**8 + 3 * (3**4 - 1) - 2 * (2**4 - 1)
 
 
 def test_cursor_absent_with_lists_staged_returns_none_and_adds_no_cursor():

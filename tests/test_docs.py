@@ -831,7 +831,7 @@ def test_planted_errors_are_reported(tmp_path):
     ]
     assert wrong_signatures(PLANTED) == [
         "split_media(batch, n) is split_media(batch, n_microbatches, *, images_per_sample=None, "
-        "videos_per_sample=None, batch_size=None, balance=False, counts=None, "
+        "videos_per_sample=None, audios_per_sample=None, batch_size=None, balance=False, counts=None, "
         "sample_inputs=None, layouts=None)"
     ]
 

@@ -152,6 +152,42 @@ def step3(draw: Any) -> Case:
     return case
 
 
+@st.composite
+def audio(draw: Any) -> Case:
+    """Audio clips, one per row: Gemma 4 log-mel frames [audios, T, mel] + input_features_mask,
+    Whisper features [audios, mel, T] + feature_attention_mask (the Qwen Omnis), or Inkling's codes
+    audio_input_ids [audios, frames, bins] + audio_input_ids_mask; bool or integer masks."""
+    B, n, batch = _base(draw)
+    counts = _counts(draw, B, 2)
+    clips, T = sum(counts), draw(st.integers(1, 5))
+    kind = draw(st.sampled_from(["gemma4", "whisper", "inkling"]))
+    mask = torch.ones(clips, T, dtype=draw(st.sampled_from([torch.bool, torch.long, torch.int32])))
+    if kind == "gemma4":
+        features, key, mask_key = torch.randn(clips, T, 4), "input_features", "input_features_mask"
+    elif kind == "whisper":
+        features, key, mask_key = torch.randn(clips, 4, T), "input_features", "feature_attention_mask"
+    else:
+        features, key, mask_key = torch.randint(0, 9, (clips, T, 3)), "audio_input_ids", "audio_input_ids_mask"
+    batch[key], batch[mask_key] = features, mask
+    case = Case(batch, n, pixels=key, unread=mask_key)
+    _place_counts(draw, case, counts, "n_audios_per_sample", "audios_per_sample")
+    return case
+
+
+@st.composite
+def video_frames(draw: Any) -> Case:
+    """Gemma 4 videos: padded frames [frames, max_patches, D] + video_position_ids, num_frames_per_video."""
+    B, n, batch = _base(draw)
+    counts = _counts(draw, B, 2)
+    frames = draw(st.lists(st.integers(1, 3), min_size=sum(counts), max_size=sum(counts)))
+    batch["pixel_values_videos"] = torch.randn(sum(frames), 4, 6)
+    batch["video_position_ids"] = torch.zeros(sum(frames), 4, 2, dtype=torch.long)
+    batch["num_frames_per_video"] = torch.tensor(frames, dtype=torch.long)
+    case = Case(batch, n, pixels="pixel_values_videos", grid="num_frames_per_video", unread="video_position_ids")
+    _place_counts(draw, case, counts, "n_videos_per_sample", "videos_per_sample")
+    return case
+
+
 # -------------------------------------------------------------------------------------- breakages
 # Each takes (case, draw) and returns the keys one of which the message must name, or None when it
 # does not apply to this case.
@@ -333,6 +369,60 @@ def bad_microbatches(case: Case, draw: Any) -> set[str] | None:
     return {"n_microbatches"}
 
 
+def mask_disagrees(case: Case, draw: Any) -> set[str] | None:
+    """The audio mask and the features disagree: a frame or a clip more or fewer, or a third dim."""
+    mask = case.batch.get(case.unread) if case.unread and case.unread.endswith("mask") else None
+    if mask is None:
+        return None
+    clips, T = mask.shape
+    shape = draw(st.sampled_from([(clips, T + 1), (clips, max(T - 1, 0)), (clips + 1, T), (clips, T, 1)]))
+    assume(shape != (clips, T) and not (clips == 0 and len(shape) == 2 and shape[0] == 0))
+    case.batch[case.unread] = torch.ones(shape, dtype=mask.dtype)
+    return {case.unread}
+
+
+def audio_dtype(case: Case, draw: Any) -> set[str] | None:
+    """A float mask, integer features (input_features) or float codes (audio_input_ids)."""
+    if case.unread is None or not case.unread.endswith("mask"):
+        return None
+    if draw(st.booleans()):
+        mask = case.batch[case.unread]
+        case.batch[case.unread] = mask.to(draw(st.sampled_from([torch.float32, torch.complex64])))
+        return {case.unread}
+    features = case.batch[case.pixels]
+    case.batch[case.pixels] = features.long() if features.is_floating_point() else features.float()
+    return {case.pixels}
+
+
+def audio_keys_wrong(case: Case, draw: Any) -> set[str] | None:
+    """A mask without its features, two feature keys, or features without a clip axis and a frame axis."""
+    if case.unread is None or not case.unread.endswith("mask"):
+        return None
+    how = draw(st.sampled_from(["no features", "both", "flat"]))
+    if how == "no features":
+        del case.batch[case.pixels]
+        return {case.unread}
+    if how == "both":
+        other = "audio_input_ids" if case.pixels == "input_features" else "input_features"
+        case.batch[other] = case.batch[case.pixels].clone()
+        return {"input_features", "audio_input_ids"}
+    case.batch[case.pixels] = case.batch[case.pixels].reshape(-1)
+    return {case.pixels}
+
+
+def frames_off(case: Case, draw: Any) -> set[str] | None:
+    """num_frames_per_video with a video of 0 frames, or one frame more or fewer."""
+    frames = case.batch.get("num_frames_per_video")
+    if frames is None or frames.shape[0] == 0:
+        return None
+    frames = frames.clone()
+    i = draw(st.integers(0, frames.shape[0] - 1))
+    frames[i] = draw(st.sampled_from([0, int(frames[i]) + 1, int(frames[i]) - 1]))
+    assume(not bool((frames == case.batch["num_frames_per_video"]).all()))
+    case.batch["num_frames_per_video"] = frames
+    return {"num_frames_per_video"}
+
+
 COMMON: list[Breakage] = [
     wrapping_counts, absurd_count, count_not_an_int, counts_wrong_length, metadata_dtype, metadata_on_meta,
     pixel_rows_off, metadata_rows_off, not_a_tensor, left_over_key, bad_microbatches,
@@ -393,3 +483,22 @@ def test_videos_refused_all_or_nothing(case: Case, data: st.DataObject) -> None:
 @given(step3(), st.data())
 def test_step3_refused_all_or_nothing(case: Case, data: st.DataObject) -> None:
     _refused_all_or_nothing(case, data, COMMON + [counts_off_by_one])
+
+
+AUDIO: list[Breakage] = [
+    wrapping_counts, absurd_count, count_not_an_int, counts_wrong_length, counts_off_by_one, metadata_on_meta,
+    pixel_rows_off, metadata_rows_off, not_a_tensor, left_over_key, bad_microbatches,
+    mask_disagrees, audio_dtype, audio_keys_wrong,
+]
+
+
+@EXAMPLES
+@given(audio(), st.data())
+def test_audio_refused_all_or_nothing(case: Case, data: st.DataObject) -> None:
+    _refused_all_or_nothing(case, data, AUDIO)
+
+
+@EXAMPLES
+@given(video_frames(), st.data())
+def test_video_frames_refused_all_or_nothing(case: Case, data: st.DataObject) -> None:
+    _refused_all_or_nothing(case, data, COMMON + [counts_off_by_one, frames_off])

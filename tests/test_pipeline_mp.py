@@ -48,6 +48,9 @@ EXTRA_SCENARIOS: dict[str, tuple[Scenario, ...]] = {
 #: (Mistral Large 4, Mistral Small 4, LLaVA, MiniMax-M3-VL, Inkling 2, Kimi-K2.5 video) run their
 #: parity in one shared spawn in tests/test_state_families_mp.py.
 FAMILIES = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3")
+#: the audio families run their parity in one shared spawn in tests/test_audio_families_mp.py; their
+#: stage split is checked here in process too
+SPLIT_FAMILIES = FAMILIES + ("gemma4", "qwen2_5_omni", "qwen3_omni", "inkling")
 
 _reports: dict[str, object] = {}
 
@@ -187,7 +190,7 @@ def test_bad_arguments_fail_before_spawning():
 # in-process: the stage split
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
 def test_stage_modules_prune_and_keep_full_model_names(family, one_thread):
     model = tiny.load(family).build_model(0)
     full = dict(model.named_parameters(remove_duplicate=False))
@@ -203,15 +206,16 @@ def test_stage_modules_prune_and_keep_full_model_names(family, one_thread):
     # the vision side and the embedding only on the first stage; norm and head only on the last
     assert all(stages[1].is_language_parameter(n) for n in last)
     assert any(not stages[0].is_language_parameter(n) for n in first)
-    assert "model.language_model.layers.0.input_layernorm.weight" in first
-    assert "model.language_model.layers.1.input_layernorm.weight" in last
-    assert not any("language_model.layers.1." in n for n in first)
-    assert not any("language_model.layers.0." in n for n in last)
+    cut = stages[0].layer_range[1]  # the first layer of the last stage (1 of 2 layers; Gemma 4: 2 of 4)
+    assert f"model.language_model.layers.{cut - 1}.input_layernorm.weight" in first
+    assert f"model.language_model.layers.{cut}.input_layernorm.weight" in last
+    assert not any(f"language_model.layers.{i}." in n for n in first for i in range(cut, stages[1].layer_range[1]))
+    assert not any(f"language_model.layers.{i}." in n for n in last for i in range(cut))
     assert "lm_head.weight" in last and "lm_head.weight" not in first
     assert "model.language_model.norm.weight" in last and "model.language_model.norm.weight" not in first
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
 def test_a_later_stage_keeps_nothing_else_alive(family, one_thread):
     """Pruned, not hidden: once the full model is dropped, the vision side, the embedding and the
     other stages' layers are freed; only the last stage's own modules stay."""
@@ -224,7 +228,8 @@ def test_a_later_stage_keeps_nothing_else_alive(family, one_thread):
     del model, lm, watched
     gc.collect()
     assert [name for name, ref in refs.items() if ref() is not None] == []
-    assert stage.layer_range == (1, 2) and stage.is_last and not stage.is_first
+    layers = stage.layer_range[1]
+    assert stage.layer_range == (layers - default_layer_split(layers, 2)[1], layers) and stage.is_last and not stage.is_first
 
 
 def test_default_layer_split():

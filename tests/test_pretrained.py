@@ -42,7 +42,13 @@ from ppmedia.testing.tiny_models import kimi_vl, qwen3_vl
 #: are remote code: refused below), with a tiny model each
 VARIANTS = ("qwen2_5_vl", "qwen2_vl", "llava_next", "step3p7", "kimi_k25", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
             "qwen3_5_moe", "gemma3", "mistral3", "mistral_large4", "mistral_small4", "llava", "llava_pixtral",
-            "minimax_m3_vl", "inkling2", "idefics3", "paligemma")  # idefics3: LM at model.text_model; paligemma: Gemma 2, tied head
+            "minimax_m3_vl", "inkling2", "idefics3", "paligemma",  # idefics3: LM at model.text_model; paligemma: Gemma 2, tied head
+            "gemma4", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "inkling_mm_model")
+#: model type -> its tiny family, where the names differ
+_FAMILY_OF = {"step3p7": "step3", "qwen2_5_omni_thinker": "qwen2_5_omni", "qwen3_omni_moe_thinker": "qwen3_omni",
+              "inkling_mm_model": "inkling"}
+
+
 def splits(model_layers: int) -> tuple[tuple[int, Any], ...]:
     """2 and 3 stages by the default split, and an uneven 2-stage split (every layer on the last)."""
     return ((2, None), (3, None), (2, (0, model_layers)))
@@ -73,7 +79,7 @@ def build_variant(variant: str, seed: int = 0) -> torch.nn.Module:
         return kimi_vl.build_checkpoint_model(seed)  # q_lora_rank set: see test_kimi_without_q_lora_is_refused
     if variant in qwen3_vl.VARIANTS:
         return qwen3_vl.build_variant(variant, seed)
-    return tiny.load({"step3p7": "step3"}.get(variant, variant)).build_model(seed)
+    return tiny.load(_FAMILY_OF.get(variant, variant)).build_model(seed)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -350,6 +356,30 @@ def test_remote_code_and_kimi_without_q_lora_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"could not read model\.language_model\.layers\.0\.self_attn\.q_proj\.weight back"):
         save_pretrained_stages(build_stage_modules(model, 2), tmp_path / "kimi-export")
     assert not (tmp_path / "kimi-export").exists()  # refused before anything was written
+
+
+def test_a_full_omni_model_is_refused_naming_its_thinker(tmp_path):
+    """The top-level Qwen2.5-Omni (model type ``qwen2_5_omni``, served by the thinker's adapter) holds its
+    thinker (and talker) as sub-models: cutting it, or loading its checkpoint, is a TypeError saying to
+    cut the thinker; a checkpoint of the thinker alone loads (``qwen2_5_omni_thinker`` in VARIANTS)."""
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+    from ppmedia.testing.tiny_models import qwen2_5_omni
+
+    talker = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "embedding_size": 32}
+    config = Qwen2_5OmniConfig(thinker_config=qwen2_5_omni.build_config().to_dict(), talker_config=talker,
+                               enable_audio_output=False)  # the thinker alone: tiny, and saved in a blink
+    model = tiny.seeded(Qwen2_5OmniForConditionalGeneration, config, 0)
+    hint = r"as thinker \(decoder stacks at thinker\.model\.language_model\): cut the one you train, e\.g\. build_stage_modules\(model\.thinker"
+    with pytest.raises(TypeError, match=hint):
+        build_stage_modules(model, 2)
+    model.save_pretrained(tmp_path / "omni", max_shard_size="40KB")
+    with pytest.raises(TypeError, match=r"model\.thinker\.save_pretrained\(path\)"):
+        stages_from_pretrained(tmp_path / "omni", 2)
+    model.thinker.save_pretrained(tmp_path / "thinker", max_shard_size="40KB")
+    first, last = stages_from_pretrained(tmp_path / "thinker", 2)
+    _assert_same(last, build_stage_modules(model.thinker, 2)[1], "the thinker's checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------

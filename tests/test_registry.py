@@ -63,13 +63,18 @@ def test_every_declared_model_type_and_alias_resolves():
                 "kimi-vl": "kimi_vl", "llava-next": "llava_next", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
                 "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "gemma3": "gemma3", "mistral3": "mistral3",
                 "mistral_large4": "mistral_large4", "llava": "llava", "minimax_m3_vl": "minimax_m3_vl",
-                "inkling2": "inkling2", "llava_onevision": "llava_onevision", "idefics3": "idefics3", "smolvlm": "smolvlm",
+                "inkling2": "inkling2", "gemma4": "gemma4", "qwen2_5_omni_thinker": "qwen2_5_omni",
+                "qwen2_5_omni": "qwen2_5_omni", "qwen3_omni_moe_thinker": "qwen3_omni", "qwen3_omni_moe": "qwen3_omni",
+                "qwen3_omni": "qwen3_omni", "inkling_mm_model": "inkling", "inkling": "inkling",
+                "llava_onevision": "llava_onevision", "idefics3": "idefics3", "smolvlm": "smolvlm",
                 "paligemma": "paligemma", "aya_vision": "aya_vision", "llama4": "llama4", "internvl": "internvl",
                 "glm4v": "glm4v", "glm4v_moe": "glm4v", "glm46v": "glm4v", "ernie4_5_vl_moe": "ernie4_5_vl_moe"}
+
     for model_type, name in expected.items():
         assert registry.get(model_type).name == name, model_type
     assert [i.name for i in registry.list()] == ["qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3",
                                                  "mistral3", "mistral_large4", "llava", "minimax_m3_vl", "inkling2",
+                                                 "gemma4", "qwen2_5_omni", "qwen3_omni", "inkling",
                                                  "llava_onevision", "idefics3", "smolvlm", "paligemma", "aya_vision",
                                                  "llama4", "internvl", "glm4v", "ernie4_5_vl_moe"]
     assert {i.provider for i in registry.list()} == {"ppmedia (built-in)"}

@@ -18,7 +18,9 @@ length, ``H`` = text hidden size)::
     *wire tensors               what the adapter declares for the receiving stage
                                 (``adapter.wire_tensors(config, first_layer)``, each a
                                 :class:`~ppmedia.adapters.base.WireTensor`: name, batch-first static
-                                shape, int64 or float-with-gradient), in declared order
+                                shape, int64 (or the no-gradient dtype it names, e.g.
+                                Qwen3-Omni's float32 positions) or float-with-gradient), in
+                                declared order
 
 The default declaration is empty, or the mrope positions ``position_ids`` ``[b, 3, S]`` (batch-first:
 the ``[3, b, S]`` positions transposed) for adapters that override ``position_ids`` (Qwen2.5-VL).
@@ -26,8 +28,8 @@ Qwen3-VL adds its visual position mask ``[b, S]`` and one ``[b, S, H]`` tensor p
 still ahead (the level's features scattered to the visual positions, zeros elsewhere), so features of
 decoder layers on later stages cross the boundary and their gradients flow back to the vision tower.
 The first stage builds the wire tensors that come from the media (``adapter.first_stage``); state one
-decoder layer hands to a later one (Mistral Large 4's top-k indices and shared KV, Inkling 2's block
-states) is made by the layers of whichever stage holds them: each stage runs its language model with
+decoder layer hands to a later one (Mistral Large 4's top-k indices and shared KV, Gemma 4's shared
+KV, Inkling 2's block states) is made by the layers of whichever stage holds them: each stage runs its language model with
 the adapter's hooks on its modules (``adapter.stage_hooks``: hand the model's own code what the stage
 received, store what its layers made). Each stage turns what it holds into its language model's
 keyword arguments (``adapter.decoder_kwargs``) and sends on what later stages need, received or made
@@ -37,7 +39,8 @@ what the model's own forward does after it, e.g. soft-capping).
 A stage module keeps only what its stage runs: the first stage the vision tower, projector and
 embedding; every stage its decoder layers (under their ORIGINAL indices) and the language model's
 rotary embedding; the last stage the final norm and ``lm_head`` (the norm is ``Identity`` elsewhere;
-``adapter.prune_stage`` may replace other last-stage-only modules of the language model likewise).
+``adapter.prune_stage`` may replace other last-stage-only modules of the language model likewise, or
+drop first-stage-only ones: Gemma 4's per-layer-embedding tables).
 Parameter names are the full model's (``model.language_model.layers.3.mlp.up_proj.weight`` stays
 that on whichever stage holds layer 3), so gradients compare one to one with the full model.
 The modules share parameters with ``model``; drop your reference to ``model`` to free the rest.

@@ -25,6 +25,7 @@ def shard_batch(
     *,
     images_per_sample: Any = None,
     videos_per_sample: Any = None,
+    audios_per_sample: Any = None,
 ) -> dict[str, Any]:
     """Data-parallel replica ``dp_rank``'s share of a global batch, media included.
 
@@ -37,7 +38,8 @@ def shard_batch(
     Args:
         batch: a processor/collator batch (not modified).
         dp_rank, dp_size: the replica and the number of replicas.
-        images_per_sample, videos_per_sample: as for :func:`ppmedia.split_media` (for the GLOBAL batch).
+        images_per_sample, videos_per_sample, audios_per_sample: as for :func:`ppmedia.split_media`
+            (for the GLOBAL batch).
 
     Raises:
         ValueError: ``dp_rank`` out of range; anything :func:`ppmedia.split_media` refuses (e.g. a
@@ -48,8 +50,9 @@ def shard_batch(
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"shard_batch: dp_rank {dp_rank}; expected 0 <= dp_rank < dp_size ({dp_size})")
     rest = dict(batch)
-    counts = {k: rest[k] for k in ("n_images_per_sample", "n_videos_per_sample") if k in rest}
-    staged = split_media(rest, dp_size, images_per_sample=images_per_sample, videos_per_sample=videos_per_sample)
+    counts = {k: rest[k] for k in ("n_images_per_sample", "n_videos_per_sample", "n_audios_per_sample") if k in rest}
+    staged = split_media(rest, dp_size, images_per_sample=images_per_sample, videos_per_sample=videos_per_sample,
+                         audios_per_sample=audios_per_sample)
     a, b = staged.samples[dp_rank]
     out: dict[str, Any] = {}
     for key, value in rest.items():

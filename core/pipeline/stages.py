@@ -325,7 +325,10 @@ def static_stage_args(
         extra = []
         for spec in wire:
             shape = _wire_shape(spec, b, S, hidden_size)
-            extra.append(floats(*shape) if spec.floating else ints(*shape))
+            if spec.floating:
+                extra.append(floats(*shape))
+            else:  # int64, or the no-gradient dtype the spec names (Qwen3-Omni's float positions)
+                extra.append(torch.zeros(shape, dtype=getattr(torch, spec.dtype), device=device))
         return (floats(b, S, hidden_size), ints(b, S), *extra)
 
     inputs = (ints(b, S), ints(b, S)) if module.is_first else between(module.wire_in)

@@ -125,6 +125,23 @@ def find_language_model(model: nn.Module, adapter: Any = None) -> tuple[str, Any
     raise TypeError(
         f"{type(model).__name__}: no language model with a `layers` list at any of "
         f"{', '.join(_LANGUAGE_MODEL_PATHS)}; an adapter says where its family keeps it with language_model_path"
+        f"{_sub_models_hint(model)}"
+    )
+
+
+def _sub_models_hint(model: nn.Module) -> str:
+    """For a model holding its models as sub-models (the Qwen Omnis: thinker, talker), where their decoder
+    stacks are and how to cut the one that is trained; ``""`` when it holds none."""
+    stacks = [name for name, module in model.named_modules()
+              if name and isinstance(getattr(module, "layers", None), nn.ModuleList)
+              and isinstance(getattr(module, "embed_tokens", None), nn.Module)]  # text decoders, not towers
+    tops = list(dict.fromkeys(name.split(".")[0] for name in stacks))
+    if not tops:
+        return ""
+    return (
+        f". It holds its model{'s' if len(tops) > 1 else ''} as {', '.join(tops)} (decoder stacks at {', '.join(stacks)}): "
+        f"cut the one you train, e.g. build_stage_modules(model.{tops[0]}, ...), or stages_from_pretrained on a "
+        f"checkpoint of it alone (model.{tops[0]}.save_pretrained(path))"
     )
 
 

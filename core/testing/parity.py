@@ -277,6 +277,7 @@ class MicrobatchInfo:
     crop_rows: int
     placeholder_tokens: int
     replica: int = 0
+    audios: int = 0
 
     @property
     def patch_rows(self) -> int:
@@ -285,7 +286,7 @@ class MicrobatchInfo:
 
     @property
     def text_only(self) -> bool:
-        return self.images == 0 and self.videos == 0 and self.crop_rows == 0
+        return self.images == 0 and self.videos == 0 and self.crop_rows == 0 and self.audios == 0
 
 
 @dataclass
@@ -482,9 +483,9 @@ class ParityReport:
             )
             lines.append(
                 _table(
-                    ("replica", "mb", "samples", "images", "videos", "patch rows", "placeholders", ""),
+                    ("replica", "mb", "samples", "images", "videos", "audios", "patch rows", "placeholders", ""),
                     [
-                        (m.replica, m.index, m.samples, m.images, m.videos, m.patch_rows, m.placeholder_tokens,
+                        (m.replica, m.index, m.samples, m.images, m.videos, m.audios, m.patch_rows, m.placeholder_tokens,
                          "text-only" if m.text_only else "")
                         for m in f.microbatches
                     ],
@@ -556,6 +557,7 @@ def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int, 
                 video_rows=staged.video_rows[k],
                 crop_rows=staged.crop_rows[k],
                 placeholder_tokens=int(placeholders[a:b].sum()),
+                audios=staged.audios[k],
             )
         )
     return infos
@@ -767,9 +769,22 @@ def _build(
                 param.requires_grad_(False)
     return _Built(
         stages, modules, schedule, next((st for st in stages if st.is_first), None), tied, owned,
-        torch.optim.SGD(unique, lr=job.lr), reference, torch.optim.SGD(reference.parameters(), lr=job.lr),
+        torch.optim.SGD(unique, lr=_lr(job, tiny_module)), reference,
+        torch.optim.SGD(reference.parameters(), lr=_lr(job, tiny_module)),
         n_stages, layers_per_stage, indices,
     )
+
+
+def _lr(job: _Job, tiny_module: Any) -> float:
+    """The SGD learning rate of a family's run: ``job.lr``, capped by its tiny module's ``MAX_PARITY_LR``.
+
+    A tiny model may be so curved that one SGD step turns float32 rounding differences into gradient
+    differences above the tolerance, in the model's own microbatched forward too (Gemma 4's: its
+    RMSNorms of small vectors; see ``ppmedia.testing.tiny_models.gemma4``); its module then says how
+    large a step keeps the comparison meaningful.
+    """
+    cap = getattr(tiny_module, "MAX_PARITY_LR", None)
+    return job.lr if cap is None else min(job.lr, float(cap))
 
 
 class _Probe:
@@ -1394,6 +1409,8 @@ def run_parity(
         steps: training steps per scenario; an SGD step (``lr``) follows each, on both sides.
         n_microbatches: microbatches per step (the tiny batches have 8 samples).
         seed: model and batch seed (step ``k`` uses batch ``seed + k``).
+        lr: the SGD learning rate of the steps, at most a tiny module's ``MAX_PARITY_LR`` (Gemma 4's
+            tiny model: 1e-4).
         tolerance: what :meth:`ScenarioResult.passed` and :attr:`ParityReport.ok` accept.
         world_size: processes to spawn (ignored under torchrun).
         family_scenarios: more scenarios for single families, run in the same processes after

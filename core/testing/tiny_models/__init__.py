@@ -15,7 +15,10 @@ Each family module defines:
 * ``reference_inputs(batch)``: the keyword arguments of the model's own full-batch forward;
 * optionally ``ADAPTER``: the name of the adapter serving the model, when it is not the family's name
   (a variant: ``mistral_small4`` is served by ``mistral3``, ``llava_pixtral`` by ``llava``,
-  ``kimi_k25_video`` by ``kimi_vl``).
+  ``kimi_k25_video`` by ``kimi_vl``);
+* optionally ``MAX_PARITY_LR``: the largest SGD step the parity harness takes on the model (Gemma 4's
+  tiny model is so curved that a larger one turns float32 rounding into gradient differences above
+  the tolerance, in its own microbatched forward too).
 
 A plugin's own tiny-family module follows the same protocol (:data:`PROTOCOL`); the parity harness
 needs its ``build_batch`` to hold 8 samples, like the built-ins'.
@@ -59,6 +62,10 @@ FAMILIES: tuple[str, ...] = (
     "minimax_m3_vl",
     "inkling2",
     "kimi_k25_video",
+    "gemma4",
+    "qwen2_5_omni",
+    "qwen3_omni",
+    "inkling",
     "llava_onevision",
     "idefics3",
     "smolvlm",
