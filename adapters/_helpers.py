@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 from ..hostreads import HostReader
-from .base import inner_model
+from .base import config_get, config_value, inner_model
 
 __all__ = [
     "as_tower_dtype",
@@ -33,6 +33,7 @@ __all__ = [
     "run_lengths",
     "shape",
     "tower_dtype",
+    "tower_image_rows",
 ]
 
 
@@ -134,6 +135,29 @@ def check_image_rows(pixels: Tensor, family: str, channels: int, height: int, wi
         )
     if not pixels.is_floating_point():
         raise TypeError(f"{family} pixel_values: dtype {pixels.dtype}; expected a floating dtype")
+
+
+def tower_image_rows(
+    chunk: VlmMediaChunk, config: Any, family: str, *, rows: str, note: str, what: str = "image grid", grid_note: str = ""
+) -> int:
+    """The rows of ``chunk.pixel_values`` ``[rows, C, S, S]`` (0 without pixels), after refusing videos
+    (:func:`refuse_videos`) and an image grid (:func:`refuse_grid` with ``what`` and ``grid_note``) and
+    checking the rows are at the tower's ``vision_config.num_channels`` (3 when unset) and square
+    ``vision_config.image_size`` (:func:`check_image_rows` with ``rows`` and ``note``). Shapes only.
+
+    Raises:
+        ValueError: videos, a grid, or pixels of another shape.
+        TypeError: pixels not floating point.
+    """
+    refuse_videos(chunk, family)
+    refuse_grid(chunk, family, what, grid_note)
+    pixels = chunk.pixel_values
+    if pixels is None:
+        return 0
+    vision = config_value(config, "vision_config")
+    size, channels = int(config_value(vision, "image_size")), int(config_get(vision, "num_channels") or 3)
+    check_image_rows(pixels, family, channels, size, size, rows=rows, note=note)
+    return int(pixels.shape[0])
 
 
 def pooled_image_features(model: torch.nn.Module, pixels: Tensor, expected: str, tower: str = "vision_tower") -> Tensor:

@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, check_image_rows, refuse_grid, refuse_videos, rows_from_tokens
-from .base import HostValues, VlmAdapter, config_get, config_value
+from ._helpers import as_tower_dtype, rows_from_tokens, tower_image_rows
+from .base import HostValues, VlmAdapter, config_value
 
 __all__ = ["Llama4Adapter", "tokens_per_tile"]
 
@@ -100,16 +100,11 @@ class Llama4Adapter(VlmAdapter):
                 at the tower's channels and ``image_size``.
             TypeError: ``pixel_values`` not floating point.
         """
-        refuse_videos(chunk, self.name)
-        refuse_grid(chunk, self.name, "per-image metadata", " (the processor's aspect_ratios are not model inputs)")
-        pixels = chunk.pixel_values
-        if pixels is None:
-            return {"image": 0}
-        vision = config_value(config, "vision_config")
-        size = int(config_value(vision, "image_size"))
-        channels = int(config_get(vision, "num_channels") or 3)
-        check_image_rows(pixels, self.name, channels, size, size, rows="tiles", note="tiles at vision_config.image_size")
-        return {"image": pixels.shape[0] * tokens_per_tile(config)}
+        tiles = tower_image_rows(
+            chunk, config, self.name, rows="tiles", note="tiles at vision_config.image_size",
+            what="per-image metadata", grid_note=" (the processor's aspect_ratios are not model inputs)",
+        )
+        return {"image": tiles * tokens_per_tile(config)}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The vision model, then the projector on the flattened tile features, as the model's forward:

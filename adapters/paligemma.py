@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import check_image_rows, pooled_image_features, refuse_grid, refuse_videos, rows_from_tokens, shape
+from ._helpers import pooled_image_features, rows_from_tokens, shape, tower_image_rows
 from .base import HostValues, SampleInput, VlmAdapter, config_get, config_value
 
 __all__ = ["PaliGemmaAdapter", "tokens_per_image"]
@@ -103,16 +103,8 @@ class PaliGemmaAdapter(VlmAdapter):
             ValueError: videos or a grid in the chunk, pixels not ``[images, C, S, S]`` at the tower's size.
             TypeError: pixels not floating point.
         """
-        refuse_videos(chunk, self.name)
-        refuse_grid(chunk, self.name)
-        pixels = chunk.pixel_values
-        if pixels is None:
-            return {"image": 0}
-        vision = config_get(config, "vision_config")
-        size, channels = int(config_value(vision, "image_size")), int(config_get(vision, "num_channels") or 3)
-        note = "complete images at vision_config.image_size"
-        check_image_rows(pixels, self.name, channels, size, size, rows="images", note=note)
-        return {"image": pixels.shape[0] * tokens_per_image(config)}
+        images = tower_image_rows(chunk, config, self.name, rows="images", note="complete images at vision_config.image_size")
+        return {"image": images * tokens_per_image(config)}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The model's own ``get_image_features``: ``{"image": [images * tokens_per_image, text_hidden]}``."""
