@@ -19,6 +19,28 @@ def same_storage(view: torch.Tensor, base: torch.Tensor) -> bool:
 # these fixtures build that family's seeded model, batch and reference once per module.
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test, the previous count restored after it (a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def check_microbatches(family, n, atol, **kwargs):
+    """``check_adapter(family, microbatches=[n], **kwargs)``, asserting ``n`` checks all within ``atol``
+    and, at ``n = 4``, that only microbatch 2 (the tiny batches' text-only one) has no media."""
+    from ppmedia.testing import check_adapter
+
+    checks = check_adapter(family, microbatches=[n], **kwargs)
+    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= atol
+    if n == 4:
+        assert [c.has_media for c in checks] == [True, True, False, True]
+    return checks
+
+
 @pytest.fixture(scope="module")
 def model(request) -> torch.nn.Module:
     torch.set_num_threads(1)
