@@ -1,4 +1,6 @@
-"""Pieces the built-in adapters share: grids, placeholder runs, dtype casts, refusing videos.
+"""Pieces the built-in adapters share: grids, placeholder runs, dtype casts, refusing videos, the
+checks and encoder calls of fixed-size image rows, and the calls of grid families' own encoders and
+``get_rope_index``.
 
 Private to ``ppmedia.adapters``; the public adapter protocol is in :mod:`ppmedia.adapters.base`.
 """
@@ -12,18 +14,26 @@ from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 from ..hostreads import HostReader
+from .base import config_get, config_value, inner_model
 
 __all__ = [
     "as_tower_dtype",
+    "check_image_rows",
     "check_video_chunks",
     "count_runs",
+    "encode_grid_modalities",
     "grid_products",
+    "grid_rope_positions",
     "grid_thw",
     "images_from_runs",
+    "pooled_image_features",
+    "refuse_grid",
     "refuse_videos",
+    "rows_from_tokens",
     "run_lengths",
     "shape",
     "tower_dtype",
+    "tower_image_rows",
 ]
 
 
@@ -90,6 +100,117 @@ def refuse_videos(chunk: VlmMediaChunk, family: str) -> None:
             f"{family} takes images only, but the chunk carries videos: pixel_values_videos "
             f"{shape(chunk.pixel_values_videos)}, video_grid {shape(chunk.video_grid)}"
         )
+
+
+def refuse_grid(chunk: VlmMediaChunk, family: str, what: str = "image grid", note: str = "") -> None:
+    """Raise ``ValueError`` when ``chunk`` carries an image grid: ``"{family} takes no {what}, but the
+    chunk carries image_grid [n, k]{note}"``."""
+    if chunk.image_grid is not None:
+        raise ValueError(f"{family} takes no {what}, but the chunk carries image_grid {shape(chunk.image_grid)}{note}")
+
+
+# -- fixed-size image rows (complete images or tiles, a fixed number of tokens each) -----------------
+
+
+def rows_from_tokens(input_ids: Tensor, token_id: int, per_row: int) -> tuple[Tensor, Tensor]:
+    """Rows (images, tiles) per sample ``[B]`` int64 = the placeholder tokens ``token_id`` in each row of
+    ``input_ids`` ``[B, S]`` divided by ``per_row``, rounded up: a partial row counts one more, which the
+    split or the merge's count check refuses. Device ops only. The second tensor (videos) is zeros."""
+    tokens = (input_ids == token_id).sum(dim=-1, dtype=torch.int64)
+    rows = torch.div(tokens + per_row - 1, per_row, rounding_mode="floor")
+    return rows, torch.zeros_like(rows)
+
+
+def check_image_rows(pixels: Tensor, family: str, channels: int, height: int, width: int, *, rows: str, note: str) -> None:
+    """Check ``pixels`` is ``[n, channels, height, width]`` floating point (``rows`` names ``n`` and
+    ``note`` says where the size comes from, in the message).
+
+    Raises:
+        ValueError: another shape (seen and expected in the message).
+        TypeError: an integer dtype.
+    """
+    if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, height, width):
+        raise ValueError(
+            f"{family} pixel_values: shape {shape(pixels)}; expected [{rows}, {channels}, {height}, {width}] ({note})"
+        )
+    if not pixels.is_floating_point():
+        raise TypeError(f"{family} pixel_values: dtype {pixels.dtype}; expected a floating dtype")
+
+
+def tower_image_rows(
+    chunk: VlmMediaChunk, config: Any, family: str, *, rows: str, note: str, what: str = "image grid", grid_note: str = ""
+) -> int:
+    """The rows of ``chunk.pixel_values`` ``[rows, C, S, S]`` (0 without pixels), after refusing videos
+    (:func:`refuse_videos`) and an image grid (:func:`refuse_grid` with ``what`` and ``grid_note``) and
+    checking the rows are at the tower's ``vision_config.num_channels`` (3 when unset) and square
+    ``vision_config.image_size`` (:func:`check_image_rows` with ``rows`` and ``note``). Shapes only.
+
+    Raises:
+        ValueError: videos, a grid, or pixels of another shape.
+        TypeError: pixels not floating point.
+    """
+    refuse_videos(chunk, family)
+    refuse_grid(chunk, family, what, grid_note)
+    pixels = chunk.pixel_values
+    if pixels is None:
+        return 0
+    vision = config_value(config, "vision_config")
+    size, channels = int(config_value(vision, "image_size")), int(config_get(vision, "num_channels") or 3)
+    check_image_rows(pixels, family, channels, size, size, rows=rows, note=note)
+    return int(pixels.shape[0])
+
+
+def pooled_image_features(model: torch.nn.Module, pixels: Tensor, expected: str, tower: str = "vision_tower") -> Tensor:
+    """The model's own ``get_image_features(pixel_values=pixels)`` (``model.model``'s, or ``model``'s
+    when it is the inner model; ``expected`` names the model in the ``TypeError`` when neither has it),
+    pixels cast to the dtype of its ``tower`` when it has one: the pooled features flattened to
+    ``[rows * tokens, hidden]`` in row order."""
+    inner = inner_model(model, "get_image_features", expected)
+    pixels = as_tower_dtype(pixels, getattr(inner, tower, None))
+    features = inner.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
+    return features.reshape(-1, features.shape[-1])
+
+
+# -- grid families' own encoders and positions --------------------------------------------------------
+
+
+def encode_grid_modalities(inner: Any, chunk: VlmMediaChunk, tower: str, missing_grid: str) -> dict[str, Tensor]:
+    """The model's own ``get_image_features`` / ``get_video_features`` (of ``inner``, pixels cast to the
+    dtype of ``inner.<tower>``) per modality present in ``chunk``, each ``[rows, D]`` with its grid:
+    ``{modality: [tokens, text_hidden]}`` in placeholder order.
+
+    Raises:
+        ValueError: patch rows without their grid; the message is ``missing_grid`` formatted with
+            ``modality`` and ``shape`` (the rows' shape).
+    """
+    out: dict[str, Tensor] = {}
+    for modality, pixels, grid, encoder in (
+        ("image", chunk.pixel_values, chunk.image_grid, inner.get_image_features),
+        ("video", chunk.pixel_values_videos, chunk.video_grid, inner.get_video_features),
+    ):
+        if pixels is None:
+            continue
+        if grid is None:
+            raise ValueError(missing_grid.format(modality=modality, shape=shape(pixels)))
+        rows = as_tower_dtype(pixels, getattr(inner, tower))
+        features = encoder(rows, grid_thw(grid, f"{modality} grid"), return_dict=True).pooler_output
+        out[modality] = torch.cat(list(features), dim=0)
+    return out
+
+
+def grid_rope_positions(
+    inner: Any, input_ids: Tensor, chunk: VlmMediaChunk | None, mm_token_type_ids: Tensor, attention_mask: Tensor | None
+) -> Tensor:
+    """mrope positions ``[3, b, S]`` from ``inner.get_rope_index(input_ids, mm_token_type_ids=,
+    image_grid_thw=, video_grid_thw=, attention_mask=)``, with the chunk's grids as ``[n, 3]`` (none for a
+    text-only microbatch, ``chunk`` ``None``)."""
+    kwargs: dict[str, Any] = {"attention_mask": attention_mask}
+    if chunk is not None and chunk.image_grid is not None:
+        kwargs["image_grid_thw"] = grid_thw(chunk.image_grid, "image grid")
+    if chunk is not None and chunk.video_grid is not None:
+        kwargs["video_grid_thw"] = grid_thw(chunk.video_grid, "video grid")
+    positions: Tensor = inner.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs)[0]
+    return positions
 
 
 # -- placeholder runs ------------------------------------------------------------------------------

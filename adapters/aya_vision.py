@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, refuse_videos, shape
-from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
+from ._helpers import pooled_image_features, rows_from_tokens, shape, tower_image_rows
+from .base import HostValues, VlmAdapter, config_get, config_value
 
 __all__ = ["AyaVisionAdapter", "tokens_per_tile"]
 
@@ -74,10 +74,7 @@ class AyaVisionAdapter(VlmAdapter):
     ) -> tuple[Tensor, Tensor]:
         """Tiles per sample = patch tokens / tokens per tile (rounded up: a partial tile counts one
         more, which the split or the merge's count check refuses); device ops only. No videos."""
-        tokens = (input_ids == _image_token_id(config)).sum(dim=-1, dtype=torch.int64)
-        per = tokens_per_tile(config)
-        tiles = torch.div(tokens + per - 1, per, rounding_mode="floor")
-        return tiles, torch.zeros_like(tiles)
+        return rows_from_tokens(input_ids, _image_token_id(config), tokens_per_tile(config))
 
     def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """Tiles per sample for :func:`ppmedia.split_media`.
@@ -106,28 +103,12 @@ class AyaVisionAdapter(VlmAdapter):
             ValueError: videos or a grid in the chunk, tiles not ``[tiles, C, S, S]`` at the tower's size.
             TypeError: pixels not floating point.
         """
-        refuse_videos(chunk, self.name)
-        if chunk.image_grid is not None:
-            raise ValueError(f"{self.name} takes no image grid, but the chunk carries image_grid {shape(chunk.image_grid)}")
-        pixels = chunk.pixel_values
-        if pixels is None:
-            return {"image": 0}
-        vision = config_get(config, "vision_config")
-        size, channels = int(config_value(vision, "image_size")), int(config_get(vision, "num_channels") or 3)
-        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, size, size):
-            raise ValueError(
-                f"{self.name} pixel_values: shape {shape(pixels)}; expected [tiles, {channels}, {size}, {size}] (tiles at "
-                f"vision_config.image_size)"
-            )
-        if not pixels.is_floating_point():
-            raise TypeError(f"{self.name} pixel_values: dtype {pixels.dtype}; expected a floating dtype")
-        return {"image": pixels.shape[0] * tokens_per_tile(config)}
+        tiles = tower_image_rows(chunk, config, self.name, rows="tiles", note="tiles at vision_config.image_size")
+        return {"image": tiles * tokens_per_tile(config)}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The model's own ``get_image_features``: ``{"image": [tiles * tokens_per_tile, text_hidden]}``."""
         if chunk.pixel_values is None:
             return {}
-        inner = inner_model(model, "get_image_features", "an AyaVisionForConditionalGeneration or AyaVisionModel")
-        pixels = as_tower_dtype(chunk.pixel_values, getattr(inner, "vision_tower", None))
-        features = inner.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
-        return {"image": features.reshape(-1, features.shape[-1])}
+        expected = "an AyaVisionForConditionalGeneration or AyaVisionModel"
+        return {"image": pooled_image_features(model, chunk.pixel_values, expected)}

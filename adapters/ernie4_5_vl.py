@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, count_runs, grid_products, grid_thw, shape
+from ._helpers import count_runs, encode_grid_modalities, grid_products, grid_rope_positions
 from .base import HostValues, SampleInput, config_get, config_value, inner_model
 from .qwen2_5_vl import Qwen2_5_VLAdapter
 
@@ -130,19 +130,8 @@ class Ernie4_5_VLAdapter(Qwen2_5_VLAdapter):
         """The model's own ``get_image_features`` / ``get_video_features`` per present modality:
         ``{modality: [tokens, text_hidden]}`` in placeholder order."""
         inner = inner_model(model, "get_image_features", _ERNIE)
-        out: dict[str, Tensor] = {}
-        for modality, pixels, grid, encoder in (
-            ("image", chunk.pixel_values, chunk.image_grid, inner.get_image_features),
-            ("video", chunk.pixel_values_videos, chunk.video_grid, inner.get_video_features),
-        ):
-            if pixels is None:
-                continue
-            if grid is None:
-                raise ValueError(f"ernie4_5_vl_moe {modality}: the chunk has patch rows {shape(pixels)} but no grid")
-            rows = as_tower_dtype(pixels, inner.vision_tower)
-            features = encoder(rows, grid_thw(grid, f"{modality} grid"), return_dict=True).pooler_output
-            out[modality] = torch.cat(list(features), dim=0)
-        return out
+        missing_grid = "ernie4_5_vl_moe {modality}: the chunk has patch rows {shape} but no grid"
+        return encode_grid_modalities(inner, chunk, "vision_tower", missing_grid)
 
     # -- positions and token types on every stage -------------------------------------------
     def position_ids(
@@ -154,14 +143,7 @@ class Ernie4_5_VLAdapter(Qwen2_5_VLAdapter):
     ) -> Tensor:
         """mrope positions ``[3, b, S]`` from the model's own ``get_rope_index`` (also text-only)."""
         inner = inner_model(model, "get_rope_index", _ERNIE)
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask}
-        if chunk is not None and chunk.image_grid is not None:
-            kwargs["image_grid_thw"] = grid_thw(chunk.image_grid, "image grid")
-        if chunk is not None and chunk.video_grid is not None:
-            kwargs["video_grid_thw"] = grid_thw(chunk.video_grid, "video grid")
-        types = self.token_types(input_ids, model.config)
-        positions: Tensor = inner.get_rope_index(input_ids, mm_token_type_ids=types, **kwargs)[0]
-        return positions
+        return grid_rope_positions(inner, input_ids, chunk, self.token_types(input_ids, model.config), attention_mask)
 
     def first_stage(
         self,

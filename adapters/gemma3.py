@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, refuse_videos, shape
-from .base import HostValues, VlmAdapter, WireTensor, config_get, config_value, inner_model
+from ._helpers import pooled_image_features, refuse_videos, rows_from_tokens
+from .base import HostValues, VlmAdapter, WireTensor, config_get, config_value
 
 __all__ = ["Gemma3Adapter"]
 
@@ -75,10 +75,7 @@ class Gemma3Adapter(VlmAdapter):
         than it fully holds, so :func:`ppmedia.split_media` or the merge's count check refuses it. No
         videos in this family: the second tensor is zeros.
         """
-        tokens = (input_ids == _image_token_id(config)).sum(dim=-1, dtype=torch.int64)
-        per_image = _tokens_per_image(config)
-        rows = torch.div(tokens + per_image - 1, per_image, rounding_mode="floor")
-        return rows, torch.zeros_like(rows)
+        return rows_from_tokens(input_ids, _image_token_id(config), _tokens_per_image(config))
 
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
         return {"image": input_ids == _image_token_id(config)}
@@ -122,10 +119,8 @@ class Gemma3Adapter(VlmAdapter):
         """The model's own ``get_image_features``: ``{"image": [rows * mm_tokens_per_image, text_hidden]}``."""
         if chunk.pixel_values is None:
             return {}
-        inner = inner_model(model, "get_image_features", "a Gemma3ForConditionalGeneration or Gemma3Model")
-        pixels = as_tower_dtype(chunk.pixel_values, inner.vision_tower)
-        features = inner.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
-        return {"image": features.reshape(-1, features.shape[-1])}
+        expected = "a Gemma3ForConditionalGeneration or Gemma3Model"
+        return {"image": pooled_image_features(model, chunk.pixel_values, expected)}
 
     # -- every stage ------------------------------------------------------------------------
     def wire_tensors(self, config: Any, first_layer: int) -> tuple[WireTensor, ...]:

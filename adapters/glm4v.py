@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, grid_thw, shape
+from ._helpers import encode_grid_modalities, grid_rope_positions
 from .base import HostValues, config_value, inner_model
 from .qwen2_5_vl import Qwen2_5_VLAdapter
 
@@ -103,19 +103,8 @@ class Glm4vAdapter(Qwen2_5_VLAdapter):
         """The model's own ``get_image_features`` / ``get_video_features`` per present modality:
         ``{modality: [tokens, text_hidden]}`` in placeholder order."""
         inner = inner_model(model, "get_image_features", _GLM)
-        out: dict[str, Tensor] = {}
-        for modality, pixels, grid, encoder in (
-            ("image", chunk.pixel_values, chunk.image_grid, inner.get_image_features),
-            ("video", chunk.pixel_values_videos, chunk.video_grid, inner.get_video_features),
-        ):
-            if pixels is None:
-                continue
-            if grid is None:
-                raise ValueError(f"glm4v {modality}: the chunk has patch rows {shape(pixels)} but no grid")
-            rows = as_tower_dtype(pixels, inner.visual)
-            features = encoder(rows, grid_thw(grid, f"{modality} grid"), return_dict=True).pooler_output
-            out[modality] = torch.cat(list(features), dim=0)
-        return out
+        missing_grid = "glm4v {modality}: the chunk has patch rows {shape} but no grid"
+        return encode_grid_modalities(inner, chunk, "visual", missing_grid)
 
     # -- positions --------------------------------------------------------------------------
     def position_ids(
@@ -128,11 +117,4 @@ class Glm4vAdapter(Qwen2_5_VLAdapter):
         """mrope positions ``[3, b, S]`` from the model's own ``get_rope_index``, with the token types of
         :meth:`mm_token_type_ids`; also for a text-only microbatch (``chunk`` ``None``)."""
         inner = inner_model(model, "get_rope_index", _GLM)
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask}
-        if chunk is not None and chunk.image_grid is not None:
-            kwargs["image_grid_thw"] = grid_thw(chunk.image_grid, "image grid")
-        if chunk is not None and chunk.video_grid is not None:
-            kwargs["video_grid_thw"] = grid_thw(chunk.video_grid, "video grid")
-        types = self.mm_token_type_ids(input_ids, model.config)
-        positions: Tensor = inner.get_rope_index(input_ids, mm_token_type_ids=types, **kwargs)[0]
-        return positions
+        return grid_rope_positions(inner, input_ids, chunk, self.mm_token_type_ids(input_ids, model.config), attention_mask)

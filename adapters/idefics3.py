@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, refuse_videos, shape
+from ._helpers import as_tower_dtype, refuse_grid, refuse_videos, rows_from_tokens, shape
 from .base import HostValues, VlmAdapter, config_value, inner_model
 
 __all__ = ["Idefics3Adapter", "tokens_per_crop"]
@@ -75,10 +75,7 @@ class Idefics3Adapter(VlmAdapter):
         sample with a partial crop is refused by the merge's count check); no videos (zeros).
 
         The split itself needs no counts (samples are on axis 0): :meth:`media_counts` passes none."""
-        tokens = (input_ids == _image_token_id(config)).sum(dim=-1, dtype=torch.int64)
-        per = tokens_per_crop(config)
-        crops = torch.div(tokens + per - 1, per, rounding_mode="floor")
-        return crops, torch.zeros_like(crops)
+        return rows_from_tokens(input_ids, _image_token_id(config), tokens_per_crop(config))
 
     def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """No counts: the layout has the samples on axis 0 (``pixel_values`` ``[B, ...]``).
@@ -108,8 +105,7 @@ class Idefics3Adapter(VlmAdapter):
         """
         refuse_videos(chunk, self.name)
         pixels, mask = chunk.pixel_values, (chunk.extras or {}).get(_MASK)
-        if chunk.image_grid is not None:
-            raise ValueError(f"{self.name} takes no image grid, but the chunk carries image_grid {shape(chunk.image_grid)}")
+        refuse_grid(chunk, self.name)
         if pixels is None:
             if mask is not None:
                 raise ValueError(f"{self.name} chunk has {_MASK} {shape(mask)} but no pixel_values")

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, refuse_videos, shape
-from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
+from ._helpers import check_image_rows, pooled_image_features, refuse_grid, refuse_videos, rows_from_tokens
+from .base import HostValues, VlmAdapter, config_get, config_value
 
 __all__ = ["InternVLAdapter", "tokens_per_row"]
 
@@ -89,10 +89,7 @@ class InternVLAdapter(VlmAdapter):
         """Rows (tiles and frames) per sample = image tokens / ``image_seq_length`` (device ops, no host
         read); a partial row counts as one, so the split or the merge's count check refuses it. Videos
         are rows of ``pixel_values`` too: the second tensor is zeros."""
-        per_row = tokens_per_row(config)
-        tokens = (input_ids == _image_token_id(config)).sum(dim=-1, dtype=torch.int64)
-        rows = torch.div(tokens + per_row - 1, per_row, rounding_mode="floor")
-        return rows, torch.zeros_like(rows)
+        return rows_from_tokens(input_ids, _image_token_id(config), tokens_per_row(config))
 
     def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """:meth:`VlmAdapter.media_counts`, after refusing an image processor's ``num_patches``.
@@ -126,28 +123,18 @@ class InternVLAdapter(VlmAdapter):
             TypeError: ``pixel_values`` not floating point.
         """
         refuse_videos(chunk, self.name)
-        if chunk.image_grid is not None:
-            raise ValueError(f"internvl takes no per-image metadata, but the chunk carries image_grid {shape(chunk.image_grid)}")
+        refuse_grid(chunk, self.name, "per-image metadata")
         pixels = chunk.pixel_values
         if pixels is None:
             return {"image": 0}
         vision = config_value(config, "vision_config")
         h, w = _pair(config_value(vision, "image_size"))
         channels = int(config_get(vision, "num_channels") or 3)
-        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, h, w):
-            raise ValueError(
-                f"internvl pixel_values: shape {shape(pixels)}; expected [rows, {channels}, {h}, {w}] (tiles and frames "
-                f"at vision_config.image_size)"
-            )
-        if not pixels.is_floating_point():
-            raise TypeError(f"internvl pixel_values: dtype {pixels.dtype}; expected a floating dtype")
+        check_image_rows(pixels, self.name, channels, h, w, rows="rows", note="tiles and frames at vision_config.image_size")
         return {"image": pixels.shape[0] * tokens_per_row(config)}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The model's own ``get_image_features``: ``{"image": [rows * image_seq_length, text_hidden]}``."""
         if chunk.pixel_values is None:
             return {}
-        inner = inner_model(model, "get_image_features", _INTERNVL)
-        pixels = as_tower_dtype(chunk.pixel_values, inner.vision_tower)
-        features = inner.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
-        return {"image": features.reshape(-1, features.shape[-1])}
+        return {"image": pooled_image_features(model, chunk.pixel_values, _INTERNVL)}

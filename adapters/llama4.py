@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, refuse_videos, shape
-from .base import HostValues, VlmAdapter, config_get, config_value
+from ._helpers import as_tower_dtype, rows_from_tokens, tower_image_rows
+from .base import HostValues, VlmAdapter, config_value
 
 __all__ = ["Llama4Adapter", "tokens_per_tile"]
 
@@ -86,10 +86,7 @@ class Llama4Adapter(VlmAdapter):
         A sample whose patch tokens are not whole tiles counts one tile more than it holds, so
         :func:`ppmedia.split_media` or the merge's count check refuses it. No videos: zeros.
         """
-        per_tile = tokens_per_tile(config)
-        tokens = (input_ids == _patch_token_id(config)).sum(dim=-1, dtype=torch.int64)
-        tiles = torch.div(tokens + per_tile - 1, per_tile, rounding_mode="floor")
-        return tiles, torch.zeros_like(tiles)
+        return rows_from_tokens(input_ids, _patch_token_id(config), tokens_per_tile(config))
 
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
         return {"image": input_ids == _patch_token_id(config)}
@@ -103,26 +100,11 @@ class Llama4Adapter(VlmAdapter):
                 at the tower's channels and ``image_size``.
             TypeError: ``pixel_values`` not floating point.
         """
-        refuse_videos(chunk, self.name)
-        if chunk.image_grid is not None:
-            raise ValueError(
-                f"llama4 takes no per-image metadata, but the chunk carries image_grid {shape(chunk.image_grid)} "
-                f"(the processor's aspect_ratios are not model inputs)"
-            )
-        pixels = chunk.pixel_values
-        if pixels is None:
-            return {"image": 0}
-        vision = config_value(config, "vision_config")
-        size = int(config_value(vision, "image_size"))
-        channels = int(config_get(vision, "num_channels") or 3)
-        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, size, size):
-            raise ValueError(
-                f"llama4 pixel_values: shape {shape(pixels)}; expected [tiles, {channels}, {size}, {size}] (tiles at "
-                f"vision_config.image_size)"
-            )
-        if not pixels.is_floating_point():
-            raise TypeError(f"llama4 pixel_values: dtype {pixels.dtype}; expected a floating dtype")
-        return {"image": pixels.shape[0] * tokens_per_tile(config)}
+        tiles = tower_image_rows(
+            chunk, config, self.name, rows="tiles", note="tiles at vision_config.image_size",
+            what="per-image metadata", grid_note=" (the processor's aspect_ratios are not model inputs)",
+        )
+        return {"image": tiles * tokens_per_tile(config)}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The vision model, then the projector on the flattened tile features, as the model's forward:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, check_video_chunks, grid_thw, shape
+from ._helpers import check_video_chunks, encode_grid_modalities
 from .base import HostValues, VlmAdapter, inner_model
 from .qwen3_vl import Qwen3VLAdapter
 
@@ -83,16 +83,5 @@ class MiniMaxM3VLAdapter(Qwen3VLAdapter):
         """The model's own ``get_image_features`` / ``get_video_features`` per present modality:
         ``{modality: [tokens, text_hidden]}`` in placeholder order."""
         inner = inner_model(model, "get_image_features", _MINIMAX)
-        out: dict[str, Tensor] = {}
-        for modality, pixels, grid, encoder in (
-            ("image", chunk.pixel_values, chunk.image_grid, inner.get_image_features),
-            ("video", chunk.pixel_values_videos, chunk.video_grid, inner.get_video_features),
-        ):
-            if pixels is None:
-                continue
-            if grid is None:
-                raise ValueError(f"minimax_m3_vl {modality}: the chunk has {shape(pixels)} patch rows but no grid")
-            rows = as_tower_dtype(pixels, inner.vision_tower)
-            features = encoder(rows, grid_thw(grid, f"{modality} grid"), return_dict=True).pooler_output
-            out[modality] = torch.cat(list(features), dim=0)
-        return out
+        missing_grid = "minimax_m3_vl {modality}: the chunk has {shape} patch rows but no grid"
+        return encode_grid_modalities(inner, chunk, "vision_tower", missing_grid)

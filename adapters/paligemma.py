@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, refuse_videos, shape
-from .base import HostValues, SampleInput, VlmAdapter, config_get, config_value, inner_model
+from ._helpers import pooled_image_features, rows_from_tokens, shape, tower_image_rows
+from .base import HostValues, SampleInput, VlmAdapter, config_get, config_value
 
 __all__ = ["PaliGemmaAdapter", "tokens_per_image"]
 
@@ -75,10 +75,7 @@ class PaliGemmaAdapter(VlmAdapter):
     ) -> tuple[Tensor, Tensor]:
         """Images per sample = image tokens / tokens per image (rounded up: a partial image counts one
         more, which the split or the merge's count check refuses); device ops only. No videos."""
-        tokens = (input_ids == _image_token_id(config)).sum(dim=-1, dtype=torch.int64)
-        per = tokens_per_image(config)
-        images = torch.div(tokens + per - 1, per, rounding_mode="floor")
-        return images, torch.zeros_like(images)
+        return rows_from_tokens(input_ids, _image_token_id(config), tokens_per_image(config))
 
     def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """Counts, and the batch's ``token_type_ids`` to stage with the samples.
@@ -106,31 +103,15 @@ class PaliGemmaAdapter(VlmAdapter):
             ValueError: videos or a grid in the chunk, pixels not ``[images, C, S, S]`` at the tower's size.
             TypeError: pixels not floating point.
         """
-        refuse_videos(chunk, self.name)
-        if chunk.image_grid is not None:
-            raise ValueError(f"{self.name} takes no image grid, but the chunk carries image_grid {shape(chunk.image_grid)}")
-        pixels = chunk.pixel_values
-        if pixels is None:
-            return {"image": 0}
-        vision = config_get(config, "vision_config")
-        size, channels = int(config_value(vision, "image_size")), int(config_get(vision, "num_channels") or 3)
-        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, size, size):
-            raise ValueError(
-                f"{self.name} pixel_values: shape {shape(pixels)}; expected [images, {channels}, {size}, {size}] (complete "
-                f"images at vision_config.image_size)"
-            )
-        if not pixels.is_floating_point():
-            raise TypeError(f"{self.name} pixel_values: dtype {pixels.dtype}; expected a floating dtype")
-        return {"image": pixels.shape[0] * tokens_per_image(config)}
+        images = tower_image_rows(chunk, config, self.name, rows="images", note="complete images at vision_config.image_size")
+        return {"image": images * tokens_per_image(config)}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The model's own ``get_image_features``: ``{"image": [images * tokens_per_image, text_hidden]}``."""
         if chunk.pixel_values is None:
             return {}
-        inner = inner_model(model, "get_image_features", "a PaliGemmaForConditionalGeneration or PaliGemmaModel")
-        pixels = as_tower_dtype(chunk.pixel_values, getattr(inner, "vision_tower", None))
-        features = inner.get_image_features(pixels, return_dict=True).pooler_output
-        return {"image": features.reshape(-1, features.shape[-1])}
+        expected = "a PaliGemmaForConditionalGeneration or PaliGemmaModel"
+        return {"image": pooled_image_features(model, chunk.pixel_values, expected)}
 
     # -- every stage ------------------------------------------------------------------------
     def decoder_kwargs(

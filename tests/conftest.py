@@ -19,6 +19,28 @@ def same_storage(view: torch.Tensor, base: torch.Tensor) -> bool:
 # these fixtures build that family's seeded model, batch and reference once per module.
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test, the previous count restored after it (a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def check_microbatches(family, n, atol, **kwargs):
+    """``check_adapter(family, microbatches=[n], **kwargs)``, asserting ``n`` checks all within ``atol``
+    and, at ``n = 4``, that only microbatch 2 (the tiny batches' text-only one) has no media."""
+    from ppmedia.testing import check_adapter
+
+    checks = check_adapter(family, microbatches=[n], **kwargs)
+    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= atol
+    if n == 4:
+        assert [c.has_media for c in checks] == [True, True, False, True]
+    return checks
+
+
 @pytest.fixture(scope="module")
 def model(request) -> torch.nn.Module:
     torch.set_num_threads(1)
@@ -99,3 +121,47 @@ def pixtral_processor_batch(layout, sizes_per_sample, seed=3):
     for i, ids in enumerate(rows):
         input_ids[i, : len(ids)], mask[i, : len(ids)] = torch.tensor(ids), 1
     return {"input_ids": input_ids, "attention_mask": mask, **out}
+
+
+# -- multi-process family modules (tests/test_*_mp.py): one spawn per module, every test reads its report --
+
+
+def parity_once(families, scenarios, *, tolerance, steps=2, n_microbatches=4):
+    """A function returning ``run_parity(families, scenarios, ...)``'s report, run on its first call only:
+    one spawn for the whole test module. A :class:`~ppmedia.testing.parity.ParityError` is kept too and
+    raised again by every later call, so each test of the module fails with it (not only the first)."""
+    from ppmedia.testing.parity import ParityError, run_parity
+
+    report: list[object] = []
+
+    def run():
+        if not report:
+            try:
+                report.append(run_parity(families, scenarios, steps=steps, n_microbatches=n_microbatches, tolerance=tolerance))
+            except ParityError as exc:  # one spawn for the module, failure included
+                report.append(exc)
+        if isinstance(report[0], Exception):
+            raise report[0]
+        return report[0]
+
+    return run
+
+
+def assert_pipeline_matches(result, family, scenario, tolerance, layers_per_stage):
+    """The checks every family gets from a 2-step, 4-microbatch parity run of one scenario: all
+    parameters placed, the expected layers per stage, loss and gradients (vision and language model,
+    both non-trivial) within ``tolerance`` at every step, stage 0 called once per microbatch (plus the
+    shape-inference call on an inferred schedule's first step) consuming the chunks in order, and
+    the SGD step changing the reference loss."""
+    assert result.missing_params == [], "every parameter on some stage"
+    assert result.layers_per_stage == layers_per_stage
+    for st in result.steps:
+        where = f"{family} {scenario} step {st.step}"
+        assert st.loss_diff <= tolerance, f"{where}: loss {st.loss_pipeline} vs {st.loss_reference}"
+        assert st.grad_diff_vision <= tolerance and st.grad_diff_lm <= tolerance, f"{where}: {st.grad_diff_vision}, {st.grad_diff_lm}"
+        assert st.vision_params_compared > 0 and st.reference_grad_max_vision > 1e-4 and st.reference_grad_max_lm > 1e-4
+        inference = scenario.endswith("inferred") and st.step == 0
+        assert st.first_stage_calls == st.expected_first_stage_calls == 4 + inference
+        assert st.chunk_trace == [0] * inference + [0, 1, 2, 3]
+    assert result.steps[0].loss_reference != result.steps[1].loss_reference  # the SGD step happened
+    assert result.passed(tolerance)

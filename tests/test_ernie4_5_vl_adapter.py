@@ -22,16 +22,11 @@ from ppmedia.testing.stages import reference_run, stage_run
 from ppmedia.testing.tiny_models import constant_parameters
 from ppmedia.testing.tiny_models import ernie4_5_vl_moe as tiny
 
+from conftest import check_microbatches
+
 ATOL = 1e-5
 KEY = "moe_mm_token_type_ids"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +75,7 @@ def test_the_batch_token_types_are_staged_as_views(model, batch, adapter):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_merge_and_positions_match_the_models_own(model, batch, n):
-    checks = check_adapter(tiny, microbatches=[n], model=model, batch=batch)
-    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= ATOL
-    if n == 4:
-        assert [c.has_media for c in checks] == [True, True, False, True]
+    check_microbatches(tiny, n, ATOL, model=model, batch=batch)
 
 
 def test_stage_splits_carry_positions_and_token_types(model, batch):

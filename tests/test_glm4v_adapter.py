@@ -28,16 +28,11 @@ from ppmedia.testing.tiny_models import capture_merged_embeds, capture_reference
 from ppmedia.testing.tiny_models import glm4v as tiny
 from ppmedia.testing.tiny_models import glm4v_moe, glm46v
 
+from conftest import check_microbatches
+
 ATOL = 1e-5
 FAMILIES = {"glm4v": tiny, "glm4v_moe": glm4v_moe, "glm46v": glm46v}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +71,7 @@ def test_masks_and_counts_follow_the_video_blocks(models, mixed, adapter):
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_merge_and_positions_match_the_models_own(models, family, n):
     """Merged embeddings within 1e-5 and mrope positions exactly (check_adapter compares both)."""
-    checks = check_adapter(FAMILIES[family], microbatches=[n], model=models[family])
-    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= ATOL
-    if n == 4:
-        assert [c.has_media for c in checks] == [True, True, False, True]
+    check_microbatches(FAMILIES[family], n, ATOL, model=models[family])
 
 
 def test_transformers_cannot_run_images_and_videos_together(models, mixed):

@@ -12,21 +12,16 @@ import torch
 
 import ppmedia
 from ppmedia.adapters.inkling2 import Inkling2Adapter, blocks_before
-from ppmedia.testing import check_adapter, check_stage_splits
+from ppmedia.testing import check_stage_splits
 from ppmedia.testing.checks import AdapterMismatch
 from ppmedia.testing.stages import reference_run, stage_run
 from ppmedia.testing.tiny_models import constant_parameters
 from ppmedia.testing.tiny_models import inkling2 as tiny
 
+from conftest import check_microbatches
+
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_found_by_model_type_and_block_state_queries_drawn(model):
@@ -47,10 +42,7 @@ def test_images_back_to_back_need_the_grid(model, batch, adapter):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_merge_matches_the_models_own_per_microbatch(model, batch, n):
-    checks = check_adapter(tiny, microbatches=[n], model=model, batch=batch)
-    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= ATOL
-    if n == 4:
-        assert [c.has_media for c in checks] == [True, True, False, True]
+    check_microbatches(tiny, n, ATOL, model=model, batch=batch)
 
 
 def test_block_states_on_the_wire(model):

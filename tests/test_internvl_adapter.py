@@ -21,15 +21,10 @@ from ppmedia.testing import check_adapter, check_stage_splits
 from ppmedia.testing.tiny_models import capture_merged_embeds, constant_parameters
 from ppmedia.testing.tiny_models import internvl as tiny
 
+from conftest import check_microbatches
+
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_found_by_model_type_and_every_parameter_distinct(model, adapter):
@@ -54,10 +49,7 @@ def test_rows_per_sample_in_prompt_order(model, batch, adapter):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_merge_matches_the_models_own_per_microbatch(model, batch, n):
-    checks = check_adapter(tiny, microbatches=[n], model=model, batch=batch)
-    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= ATOL
-    if n == 4:
-        assert [c.has_media for c in checks] == [True, True, False, True]
+    check_microbatches(tiny, n, ATOL, model=model, batch=batch)
 
 
 def test_stage_splits_match_the_model(model, batch):

@@ -13,18 +13,13 @@ import torch
 
 import ppmedia
 from ppmedia.adapters.kimi_vl import KimiVLAdapter
-from ppmedia.testing import check_adapter, check_stage_splits
+from ppmedia.testing import check_stage_splits
 from ppmedia.testing.tiny_models import kimi_k25_video as tiny
 
+from conftest import check_microbatches
+
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_transformers_own_forward_fails_on_these_videos(batch):
@@ -48,10 +43,7 @@ def test_chunks_per_sample(model, batch, adapter):
 def test_merge_matches_the_models_own_per_microbatch(model, batch, n):
     """Chunks of 2, 3 and 4 frames, several in one microbatch (n = 1, 2: one tower call per run of
     equal t), against the model's own merge with per-chunk features."""
-    checks = check_adapter(tiny, microbatches=[n], model=model, batch=batch)
-    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= ATOL
-    if n == 4:
-        assert [c.has_media for c in checks] == [True, True, False, True]
+    check_microbatches(tiny, n, ATOL, model=model, batch=batch)
 
 
 def test_stage_split_matches_the_model(model, batch):

@@ -15,20 +15,15 @@ import torch
 import ppmedia
 from ppmedia.adapters.llama4 import Llama4Adapter, tokens_per_tile
 from ppmedia.pipeline import build_stage_modules
-from ppmedia.testing import check_adapter, check_stage_splits
+from ppmedia.testing import check_stage_splits
 from ppmedia.testing.stages import reference_run
 from ppmedia.testing.tiny_models import constant_parameters
 from ppmedia.testing.tiny_models import llama4 as tiny
 
+from conftest import check_microbatches
+
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_found_by_model_type_with_its_language_model_path(model, adapter):
@@ -80,10 +75,7 @@ def test_llama4_image_processor_needs_torchvision():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_merge_matches_the_models_own_per_microbatch(model, batch, n):
-    checks = check_adapter(tiny, microbatches=[n], model=model, batch=batch)
-    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= ATOL
-    if n == 4:
-        assert [c.has_media for c in checks] == [True, True, False, True]
+    check_microbatches(tiny, n, ATOL, model=model, batch=batch)
 
 
 def test_stage_splits_match_the_model(model, batch):

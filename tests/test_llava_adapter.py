@@ -18,18 +18,11 @@ import ppmedia
 from ppmedia.adapters.llava import LlavaAdapter, is_pixtral, tokens_per_image
 from ppmedia.testing import check_adapter, check_stage_splits
 from ppmedia.testing.tiny_models import capture_merged_embeds, llava, llava_pixtral
-from conftest import pixtral_processor_batch
+from conftest import check_microbatches, pixtral_processor_batch
 
 ATOL = 1e-5
 tiny = llava
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +42,7 @@ def test_one_adapter_two_layouts(model, pixtral_model):
 @pytest.mark.parametrize("family", [llava, llava_pixtral])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_merge_matches_the_models_own_per_microbatch(family, n, model, pixtral_model):
-    checks = check_adapter(family, microbatches=[n], model=pixtral_model if family is llava_pixtral else model)
-    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= ATOL
-    if n == 4:
-        assert [c.has_media for c in checks] == [True, True, False, True]
+    check_microbatches(family, n, ATOL, model=pixtral_model if family is llava_pixtral else model)
 
 
 def test_images_back_to_back_are_counted_by_tokens(model, batch, adapter):

@@ -12,22 +12,17 @@ import torch
 
 import ppmedia
 from ppmedia.adapters.minimax_m3_vl import MiniMaxM3VLAdapter
-from ppmedia.testing import check_adapter, check_stage_splits
+from ppmedia.testing import check_stage_splits
 from ppmedia.testing.stages import reference_run, stage_run
 from ppmedia.testing.tiny_models import constant_parameters
 from ppmedia.testing.tiny_models import minimax_m3_vl as tiny
 
+from conftest import check_microbatches
+
 ATOL = 1e-5
 IMAGES = [1, 2, 0, 1, 0, 0, 1, 2]
 CHUNKS = [0, 0, 2, 1, 0, 0, 2, 1]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_found_by_model_type_and_every_parameter_distinct(model):
@@ -55,10 +50,7 @@ def test_num_chunks_per_video_is_checked(model, batch, adapter):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_merge_matches_the_models_own_per_microbatch(model, batch, n):
-    checks = check_adapter(tiny, microbatches=[n], model=model, batch=batch)
-    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= ATOL
-    if n == 4:
-        assert [c.has_media for c in checks] == [True, True, False, True]
+    check_microbatches(tiny, n, ATOL, model=model, batch=batch)
 
 
 def test_stage_splits_match_the_model(model, batch):

@@ -18,17 +18,10 @@ from ppmedia.adapters.mistral_large4 import MistralLarge4Adapter, crossing_state
 from ppmedia.testing import check_adapter, check_stage_splits
 from ppmedia.testing.tiny_models import capture_merged_embeds, constant_parameters
 from ppmedia.testing.tiny_models import mistral_large4 as tiny
-from conftest import pixtral_processor_batch
+from conftest import check_microbatches, pixtral_processor_batch
 
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_found_by_model_type_and_every_parameter_distinct(model):
@@ -42,10 +35,7 @@ def test_found_by_model_type_and_every_parameter_distinct(model):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_merge_matches_the_models_own_per_microbatch(model, batch, n):
-    checks = check_adapter(tiny, microbatches=[n], model=model, batch=batch)
-    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= ATOL
-    if n == 4:
-        assert [c.has_media for c in checks] == [True, True, False, True]  # microbatch 2 is text-only
+    check_microbatches(tiny, n, ATOL, model=model, batch=batch)
 
 
 def test_what_crosses_each_boundary(model):

@@ -4,23 +4,17 @@ served by the Mistral 3 adapter; tiny seeded model, merges and stage splits agai
 from __future__ import annotations
 
 import pytest
-import torch
 
 import ppmedia
 from ppmedia.adapters.mistral3 import Mistral3Adapter
-from ppmedia.testing import check_adapter, check_stage_splits
+from ppmedia.testing import check_stage_splits
 from ppmedia.testing.tiny_models import constant_parameters
 from ppmedia.testing.tiny_models import mistral_small4 as tiny
 
+from conftest import check_microbatches
+
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_mistral3_model_with_a_mistral4_text_model(model):
@@ -33,10 +27,7 @@ def test_a_mistral3_model_with_a_mistral4_text_model(model):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_merge_matches_the_models_own_per_microbatch(model, batch, n):
-    checks = check_adapter(tiny, microbatches=[n], model=model, batch=batch)
-    assert len(checks) == n and max(c.max_abs_diff for c in checks) <= ATOL
-    if n == 4:
-        assert [c.has_media for c in checks] == [True, True, False, True]
+    check_microbatches(tiny, n, ATOL, model=model, batch=batch)
 
 
 def test_stage_splits_match_the_model(model, batch):

@@ -22,14 +22,7 @@ from ppmedia.testing.tiny_models import qwen3_vl as tiny
 IMAGES_PER_SAMPLE = [1, 2, 0, 1, 0, 0, 1, 2]
 VIDEOS_PER_SAMPLE = [0, 0, 1, 1, 0, 0, 1, 1]
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

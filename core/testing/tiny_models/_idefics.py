@@ -35,6 +35,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ._batch import right_padded
+
 VOCAB_SIZE = 128
 PAD_TOKEN_ID = 0
 IMAGE_TOKEN_ID = VOCAB_SIZE - 1
@@ -117,12 +119,7 @@ def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Te
                 mask[s, crop + k, :h, :w] = 1
             crop += r * c + 1
         rows.append(ids + torch.randint(3, ROW_COL_TOKEN_ID, (_SUFFIX[i],), generator=gen).tolist())
-    seq = max(map(len, rows))
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros_like(input_ids)
-    for r, ids in enumerate(rows):
-        input_ids[r, : len(ids)] = torch.tensor(ids)
-        attention_mask[r, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixels, "pixel_attention_mask": mask}
 
 

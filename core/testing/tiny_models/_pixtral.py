@@ -13,6 +13,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ._batch import right_padded
+
 __all__ = ["PixtralLayout", "image_ids", "pixtral_batch"]
 
 
@@ -66,12 +68,7 @@ def pixtral_batch(layout: PixtralLayout, seed: int) -> dict[str, Tensor]:
             ids += (text(1) if j else []) + image_ids(layout, size)
         ids += text(layout.suffix[i])
         rows.append(ids)
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), layout.pad, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, layout.pad)
     all_sizes = [size for sizes in layout.sizes for size in sizes]
     pixel_values = torch.zeros(len(all_sizes), 3, layout.max_size, layout.max_size)
     for k, (h, w) in enumerate(all_sizes):

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = ["IMAGE_TOKEN_ID", "MODEL_TYPE", "SAMPLES", "TOKENS_PER_TILE", "build_batch", "build_config", "build_model",
            "image_ids", "reference_inputs"]
@@ -103,12 +104,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
         for k, tiles in enumerate(images):
             ids += image_ids(tiles) + ([] if i == 6 and k == 0 else text(1))  # sample 6: back to back
         rows.append(ids + text(_SUFFIX[i]))
-    seq = max(map(len, rows))
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
     tiles = sum(sum(s) for s in SAMPLES)
     return {"input_ids": input_ids, "attention_mask": attention_mask,
             "pixel_values": torch.randn(tiles, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen)}

@@ -45,6 +45,7 @@ from torch import Tensor
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
 from . import seeded
+from ._batch import right_padded
 
 __all__ = [
     "BOI_TOKEN_ID",
@@ -159,12 +160,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
                 ids += image_block_ids() + (text(1) if b + 1 < blocks else [])
         ids += text(_SUFFIX[i])
         rows.append(ids)
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
     n_rows = sum(sum(images) for images in ROWS_PER_IMAGE)
     pixel_values = torch.randn(n_rows, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen)
     return {

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = [
     "IMAGE_END_TOKEN_ID",
@@ -195,12 +196,7 @@ def batch_of(samples: tuple[tuple[Any, ...], ...], seed: int = 0) -> dict[str, T
                     ids += _image_block(h * w // MERGE**2) + text(1)
                 ids.append(VIDEO_END_TOKEN_ID)
         rows.append(ids + [EOS_TOKEN_ID])
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": mm_token_type_ids(input_ids)}
     for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw")):
         if grids[kind]:

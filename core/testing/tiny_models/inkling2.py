@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = ["IMAGE_TOKEN_ID", "MODEL_TYPE", "PAD_TOKEN_ID", "TILE", "build_batch", "build_config", "build_model",
            "reference_inputs"]
@@ -106,12 +107,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
                 grids.append((1, *part))
                 ids += [IMAGE_TOKEN_ID] * (part[0] * part[1])
         rows.append(ids + [2])
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
     grid = torch.tensor(grids, dtype=torch.int64)
     pixel_values = torch.rand((int(grid.prod(-1).sum()), TILE, TILE, 3), generator=gen) * 2 - 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values, "image_grid_thw": grid}

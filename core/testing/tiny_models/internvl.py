@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = [
     "IMAGE_END_TOKEN_ID",
@@ -130,12 +131,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
                     ids += text(2) + _block(TOKENS_PER_ROW)
                 n_rows += part[1]
         rows.append(ids + [EOS_TOKEN_ID])
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
     pixel_values = torch.randn(n_rows, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values}
 

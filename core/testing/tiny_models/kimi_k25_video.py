@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 from .kimi_vl import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -142,12 +143,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
                     chunks.append((t, h, w))
                     ids += text(2) + _block(VIDEO_TOKEN_ID, h * w // _AREA)
         rows.append(ids + [EOS_TOKEN_ID])
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
 
     def patches(grid: list[tuple[int, int, int]]) -> Tensor:
         n = sum(t * h * w for t, h, w in grid)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = ["IMAGE_SIZE", "IMAGE_TOKEN_ID", "MODEL_TYPE", "PAD_TOKEN_ID", "TOKENS_PER_IMAGE", "build_batch",
            "build_config", "build_model", "reference_inputs"]
@@ -89,12 +90,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
                 ids += [IMAGE_TOKEN_ID] * (TOKENS_PER_IMAGE * len(part))
                 images += len(part)
         rows.append(ids)
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
     pixel_values = torch.randn(images, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values}
 

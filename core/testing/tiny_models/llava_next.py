@@ -44,6 +44,7 @@ from transformers.models.llava_next.modeling_llava_next import (
 )
 
 from . import seeded
+from ._batch import right_padded
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -167,12 +168,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
             ids += [IMAGE_TOKEN_ID] * tokens_per_image(size)
         ids += text(_SUFFIX[i])
         rows.append(ids)
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
 
     all_sizes = [size for sizes in SAMPLE_IMAGE_SIZES for size in sizes]
     crops = [crops_per_image(size) for size in all_sizes]

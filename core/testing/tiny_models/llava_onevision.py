@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = ["BASE_TOKENS", "FRAMES", "IMAGE_TOKEN_ID", "MODEL_TYPE", "SAMPLES", "VIDEO_TOKENS", "VIDEO_TOKEN_ID",
            "build_batch", "build_config", "build_model", "reference_inputs", "tiled_tokens"]
@@ -144,12 +145,7 @@ def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Te
         for _ in range(videos):
             ids += text(1) + [VIDEO_TOKEN_ID] * VIDEO_TOKENS
         rows.append(ids + text(_SUFFIX[i]))
-    seq = max(map(len, rows))
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros_like(input_ids)
-    for r, ids in enumerate(rows):
-        input_ids[r, : len(ids)] = torch.tensor(ids)
-        attention_mask[r, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
     images = [(size, len(SAMPLES[i][0]) == 1) for i in order for size in SAMPLES[i][0]]
     crops = [image_size_to_num_patches(list(size), PINPOINTS, CROP) if tiled else 1 for size, tiled in images]
     pixel_values = torch.zeros(len(images), max(crops), 3, CROP, CROP)

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -147,12 +148,7 @@ def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, An
                     for _ in range(t):  # one timestamped block per temporal step
                         ids += text(2) + _block(VIDEO_TOKEN_ID, h * w // MERGE**2)
         rows.append(ids + [EOS_TOKEN_ID])
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
 
     def pixels(kind: str) -> Tensor:
         n = sum(t * h * w for t, h, w in grids[kind])

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = ["IMAGE_TOKEN_ID", "MODEL_TYPE", "TOKENS_PER_IMAGE", "build_batch", "build_config", "build_model",
            "reference_inputs"]
@@ -93,14 +94,8 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
         answer = text(suffix) + [EOS_TOKEN_ID]
         rows.append(prefix + answer)
         types.append([0] * len(prefix) + [1] * len(answer))
-    seq = max(map(len, rows))
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    token_type_ids = torch.ones_like(input_ids)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, (ids, tt) in enumerate(zip(rows, types)):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        token_type_ids[i, : len(tt)] = torch.tensor(tt)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
+    token_type_ids, _ = right_padded(types, 1)  # padding: 1 (causal suffix), as the processor pads
     pixel_values = torch.randn(sum(s[0] for s in SAMPLES), 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
             "pixel_values": pixel_values}

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from . import seeded
+from ._batch import right_padded
 
 __all__ = [
     "BOS_TOKEN_ID",
@@ -167,11 +168,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
     longest = max(len(ids) for ids in rows)
     if longest != SEQ_LEN:  # keeps the documented layout honest
         raise AssertionError(f"tiny qwen2_5_vl batch is {longest} tokens long, documented {SEQ_LEN}")
-    input_ids = torch.full((len(rows), SEQ_LEN), PAD_TOKEN_ID, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), SEQ_LEN), dtype=torch.long)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID, SEQ_LEN)
 
     def pixels(grids: list[tuple[int, int, int]]) -> Tensor:
         n = sum(t * h * w for t, h, w in grids)

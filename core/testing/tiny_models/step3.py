@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from . import seeded
+from ._batch import right_padded
 
 __all__ = [
     "CROP_GRIDS",
@@ -171,12 +172,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
         crops_per_sample.append(columns * nrows)
         newline += _newline_mask(columns, nrows)
 
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, r in enumerate(rows):
-        input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-        attention_mask[i, : len(r)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
 
     images = sum(grid is not None for grid in CROP_GRIDS)
     patches = sum(crops_per_sample)
