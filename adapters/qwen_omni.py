@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, grid_thw, shape
+from ._helpers import as_tower_dtype, check_audio_mask, grid_thw, shape, token_ids
 from .base import HostValues, WireTensor, config_get, config_value, inner_model
 from .qwen2_5_vl import Qwen2_5_VLAdapter
 from .qwen3_vl import Qwen3VLAdapter
@@ -49,11 +49,12 @@ def thinker_config(config: Any) -> Any:
     return config if inner is None else inner
 
 
+_TOKENS = {"image": "image_token_id", "video": "video_token_id", "audio": "audio_token_id",
+           "vision_start": "vision_start_token_id", "audio_start": "audio_start_token_id"}
+
+
 def _ids(config: Any) -> dict[str, int]:
-    config = thinker_config(config)
-    names = {"image": "image_token_id", "video": "video_token_id", "audio": "audio_token_id",
-             "vision_start": "vision_start_token_id", "audio_start": "audio_start_token_id"}
-    return {k: int(config_value(config, v)) for k, v in names.items()}
+    return token_ids(thinker_config(config), _TOKENS)
 
 
 def _after(input_ids: Tensor, first: int, second: int) -> Tensor:
@@ -121,11 +122,11 @@ class _OmniThinker(Qwen2_5_VLAdapter):
             if mask is not None:
                 raise ValueError(f"audio: input_features_mask {shape(mask)} given without input_features")
             return {}
-        if mask is None or feats.dim() != 3 or mask.dim() != 2 or mask.shape[0] != feats.shape[0] or mask.shape[1] != feats.shape[2]:
-            raise ValueError(
-                f"audio: input_features {shape(feats)} with feature_attention_mask {shape(mask)}; expected "
-                f"[audios, mel, T] with [audios, T] (Whisper features and their valid frames)"
-            )
+        mask = check_audio_mask(
+            feats, mask, time_dim=2,
+            message="audio: input_features {features} with feature_attention_mask {mask}; expected "
+            "[audios, mel, T] with [audios, T] (Whisper features and their valid frames)",
+        )
         return {"audio_frames": mask.to(torch.int64).sum(dim=-1)}
 
     def audio_tokens(self, config: Any, frames: list[int]) -> int:
