@@ -23,6 +23,7 @@ from ppmedia.pipeline import build_stage_modules
 from ppmedia.testing.stages import reference_run, stage_run
 from ppmedia.testing.tiny_models import capture_merged_embeds
 from ppmedia.testing.tiny_models import gemma4 as tiny
+from ppmedia.testing.tiny_models._batch import right_padded
 
 IMAGES = [1, 1, 0, 1, 0, 0, 1, 1]
 VIDEOS = [0, 0, 1, 1, 0, 0, 0, 1]
@@ -281,9 +282,7 @@ def test_real_image_processor_and_audio_feature_extractor(adapter):
             ids += [tiny.BOA_TOKEN_ID] + [tiny.AUDIO_TOKEN_ID] * int(clips[j]) + [tiny.EOA_TOKEN_ID, 9]
             j += 1
         rows.append(ids + [tiny.EOS_TOKEN_ID])
-    S = max(map(len, rows))
-    input_ids = torch.tensor([r + [tiny.PAD_TOKEN_ID] * (S - len(r)) for r in rows])
-    attention_mask = (torch.arange(S) < torch.tensor([len(r) for r in rows])[:, None]).long()
+    input_ids, attention_mask = right_padded(rows, tiny.PAD_TOKEN_ID)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": tiny.mm_token_type_ids(input_ids),
              "pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"],
              "input_features": feats, "input_features_mask": fmask}

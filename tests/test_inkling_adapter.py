@@ -18,6 +18,7 @@ from ppmedia.pipeline import static_stage_args
 from ppmedia.testing.stages import reference_run, stage_run
 from ppmedia.testing.tiny_models import capture_merged_embeds
 from ppmedia.testing.tiny_models import inkling as tiny
+from ppmedia.testing.tiny_models._batch import right_padded
 
 ROWS = [3, 2, 4, 1, 0, 0, 1, 5]  # image tokens = pixel_values rows per sample
 AUDIOS = [1, 1, 0, 2, 0, 0, 1, 0]
@@ -121,9 +122,7 @@ def test_real_feature_extractor_output(model):
         for j in clips:
             ids += [tiny.AUDIO_BOS_TOKEN_ID] + [tiny.AUDIO_TOKEN_ID] * int(frames[j]) + [21]
         rows.append(ids + [2])
-    S = max(map(len, rows))
-    input_ids = torch.tensor([r + [0] * (S - len(r)) for r in rows])
-    attention_mask = (torch.arange(S) < torch.tensor([len(r) for r in rows])[:, None]).long()
+    input_ids, attention_mask = right_padded(rows, 0)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "audio_input_ids": codes, "audio_input_ids_mask": mask}
     reference = capture_merged_embeds(model, **batch, use_cache=False)
     adapter = ppmedia.get_adapter(model)

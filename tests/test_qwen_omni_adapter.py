@@ -18,6 +18,7 @@ from ppmedia.adapters.qwen_omni import Qwen2_5OmniThinkerAdapter, Qwen3OmniThink
 from ppmedia.pipeline import make_labels
 from ppmedia.testing.stages import reference_run, stage_run
 from ppmedia.testing.tiny_models import capture_reference, load
+from ppmedia.testing.tiny_models._batch import right_padded
 
 FAMILIES = ("qwen2_5_omni", "qwen3_omni")
 IMAGES = [1, 1, 0, 1, 0, 0, 0, 1]
@@ -201,9 +202,7 @@ def test_whisper_feature_extractor_output(family):
         for j in clips:
             ids += [tiny.AUDIO_START_TOKEN_ID] + [tiny.AUDIO_TOKEN_ID] * tokens[j] + [tiny.AUDIO_END_TOKEN_ID, 21]
         rows.append(ids + [2])
-    S = max(map(len, rows))
-    input_ids = torch.tensor([r + [0] * (S - len(r)) for r in rows])
-    attention_mask = (torch.arange(S) < torch.tensor([len(r) for r in rows])[:, None]).long()
+    input_ids, attention_mask = right_padded(rows, 0)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "input_features": feats, "feature_attention_mask": fmask}
     reference = _capture(model, {**batch, "use_cache": False})
     staged = ppmedia.split_media(dict(batch), 2, **adapter.media_counts(batch, model.config))
