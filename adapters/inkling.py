@@ -25,17 +25,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import (
-    check_audio_mask,
-    pooled_image_features,
-    refuse_videos,
-    rows_from_tokens,
-    shape,
-    text_config,
-    token_ids,
-    unpadded_logits,
-    unpadded_width,
-)
+from ._helpers import check_audio_mask, pooled_image_features, refuse_videos, rows_from_tokens, shape
+from ._helpers import text_config, token_ids, unpadded_logits, unpadded_width
 from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = ["InklingAdapter"]

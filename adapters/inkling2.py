@@ -33,19 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from ..chunk import VlmMediaChunk
-from ._helpers import (
-    as_tower_dtype,
-    count_runs,
-    grid_products,
-    grid_thw,
-    images_from_runs,
-    refuse_videos,
-    shape,
-    softcapped,
-    text_config,
-    unpadded_logits,
-    unpadded_width,
-)
+from ._helpers import as_tower_dtype, count_runs, grid_products, grid_thw, images_from_runs, refuse_videos
+from ._helpers import shape, softcapped, text_config, unpadded_logits, unpadded_width
 from .base import HostValues, LayerHook, VlmAdapter, WireTensor, config_value, inner_model
 
 __all__ = ["Inkling2Adapter", "blocks_before"]
