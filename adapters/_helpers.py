@@ -1,6 +1,6 @@
 """Pieces the built-in adapters share: grids, placeholder runs, dtype casts, refusing videos, the
-checks and encoder calls of fixed-size image rows, and the calls of grid families' own encoders and
-``get_rope_index``.
+checks and encoder calls of fixed-size image rows, the calls of grid families' own encoders and
+``get_rope_index``, token ids and head settings from configs, and the check of audio features' masks.
 
 Private to ``ppmedia.adapters``; the public adapter protocol is in :mod:`ppmedia.adapters.base`.
 """
@@ -18,6 +18,7 @@ from .base import config_get, config_value, inner_model
 
 __all__ = [
     "as_tower_dtype",
+    "check_audio_mask",
     "check_image_rows",
     "check_video_chunks",
     "count_runs",
@@ -32,8 +33,13 @@ __all__ = [
     "rows_from_tokens",
     "run_lengths",
     "shape",
+    "softcapped",
+    "text_config",
+    "token_ids",
     "tower_dtype",
     "tower_image_rows",
+    "unpadded_logits",
+    "unpadded_width",
 ]
 
 
@@ -107,6 +113,59 @@ def refuse_grid(chunk: VlmMediaChunk, family: str, what: str = "image grid", not
     chunk carries image_grid [n, k]{note}"``."""
     if chunk.image_grid is not None:
         raise ValueError(f"{family} takes no {what}, but the chunk carries image_grid {shape(chunk.image_grid)}{note}")
+
+
+# -- configs: token ids, the text config, the head ---------------------------------------------------
+
+
+def text_config(config: Any) -> Any:
+    """``config.get_text_config()`` (a multimodal config's text part), or ``config`` itself without it."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def token_ids(config: Any, fields: dict[str, str]) -> dict[str, int]:
+    """``{name: int(config.<field>)}`` for each ``name: field`` of ``fields`` (:func:`config_value`:
+    a missing field raises naming it)."""
+    return {name: int(config_value(config, field)) for name, field in fields.items()}
+
+
+def softcapped(logits: Tensor, config: Any) -> Tensor:
+    """``tanh(logits / c) * c`` with ``c`` = the text config's ``final_logit_softcapping`` (the model's
+    own soft-capping), or ``logits`` as they are when it is unset."""
+    cap = config_get(text_config(config), "final_logit_softcapping")
+    return logits if cap is None else torch.tanh(logits / float(cap)) * float(cap)
+
+
+def unpadded_logits(logits: Tensor, config: Any) -> Tensor:
+    """The first ``unpadded_vocab_size`` (text config) logits of ``logits`` ``[..., vocab]``, or all of
+    them when it is unset."""
+    width = config_get(text_config(config), "unpadded_vocab_size")
+    return logits if width is None else logits[..., : int(width)]
+
+
+def unpadded_width(config: Any, head_width: int) -> int:
+    """The width :func:`unpadded_logits` leaves of a head ``head_width`` wide."""
+    width = config_get(text_config(config), "unpadded_vocab_size")
+    return head_width if width is None else min(head_width, int(width))
+
+
+# -- audio features ----------------------------------------------------------------------------------
+
+
+def check_audio_mask(features: Tensor, mask: Tensor | None, *, time_dim: int, message: str) -> Tensor:
+    """``mask``, after checking ``features`` is 3-D (``[audios, T, bins]`` or ``[audios, bins, T]``,
+    ``T`` at ``time_dim``) and ``mask`` is its ``[audios, T]``. Shapes only.
+
+    Raises:
+        ValueError: no mask, or shapes that do not fit; the message is ``message`` formatted with
+            ``features`` and ``mask`` (their shapes).
+    """
+    if (
+        mask is None or features.dim() != 3 or mask.dim() != 2
+        or mask.shape[0] != features.shape[0] or mask.shape[1] != features.shape[time_dim]
+    ):
+        raise ValueError(message.format(features=shape(features), mask=shape(mask)))
+    return mask
 
 
 # -- fixed-size image rows (complete images or tiles, a fixed number of tokens each) -----------------

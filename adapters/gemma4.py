@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, shape
+from ._helpers import as_tower_dtype, check_audio_mask, shape, softcapped, text_config, token_ids
 from .base import HostValues, LayerHook, VlmAdapter, WireTensor, config_get, config_value, inner_model
 
 __all__ = ["Gemma4Adapter"]
@@ -58,14 +58,17 @@ _GEMMA4 = "a Gemma4ForConditionalGeneration or Gemma4Model"
 PLE_MODULES: tuple[str, ...] = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
 
 
-def _text(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+_TOKENS = {"image": "image_token_id", "video": "video_token_id", "audio": "audio_token_id",
+           "boi": "boi_token_id", "boa": "boa_token_id"}
 
 
 def _ids(config: Any) -> dict[str, int]:
-    names = {"image": "image_token_id", "video": "video_token_id", "audio": "audio_token_id",
-             "boi": "boi_token_id", "boa": "boa_token_id"}
-    return {k: int(config_value(config, v)) for k, v in names.items()}
+    return token_ids(config, _TOKENS)
+
+
+def _vision(chunk: VlmMediaChunk) -> tuple[tuple[str, Tensor | None, Tensor | None], ...]:
+    """``(modality, padded patches, their positions)`` of the chunk's images and video frames."""
+    return (("image", chunk.pixel_values, chunk.image_grid), ("video", chunk.pixel_values_videos, chunk.video_position_ids))
 
 
 def _pairs(input_ids: Tensor, first: int, second: int) -> Tensor:
@@ -74,7 +77,7 @@ def _pairs(input_ids: Tensor, first: int, second: int) -> Tensor:
 
 
 def _bidirectional(config: Any) -> bool:
-    return config_get(_text(config), "use_bidirectional_attention") == "vision"
+    return config_get(text_config(config), "use_bidirectional_attention") == "vision"
 
 
 def kv_links(text_config: Any) -> dict[str, tuple[int, int]]:
@@ -168,8 +171,7 @@ class Gemma4Adapter(VlmAdapter):
         """Real patches per image and per frame, frames per video, tokens per audio clip (device ops on
         the metadata, read in merge's one host read); every shape checked first."""
         out: dict[str, Tensor] = {}
-        for what, pixels, positions in (("image", chunk.pixel_values, chunk.image_grid),
-                                        ("video", chunk.pixel_values_videos, chunk.video_position_ids)):
+        for what, pixels, positions in _vision(chunk):
             if pixels is None:
                 if positions is not None:
                     raise ValueError(f"gemma4 {what}: positions of shape {shape(positions)} given without pixels")
@@ -189,13 +191,11 @@ class Gemma4Adapter(VlmAdapter):
         elif chunk.video_grid is not None:
             raise ValueError(f"gemma4 takes no video_grid; the chunk carries one of shape {shape(chunk.video_grid)}")
         if chunk.input_features is not None:
-            mask = chunk.input_features_mask
-            feats = chunk.input_features
-            if mask is None or feats.dim() != 3 or list(mask.shape) != list(feats.shape[:2]):
-                raise ValueError(
-                    f"gemma4 audio: input_features {shape(feats)} with input_features_mask {shape(mask)}; "
-                    f"expected [audios, T, mel] with [audios, T]"
-                )
+            mask = check_audio_mask(
+                chunk.input_features, chunk.input_features_mask, time_dim=1,
+                message="gemma4 audio: input_features {features} with input_features_mask {mask}; "
+                "expected [audios, T, mel] with [audios, T]",
+            )
             out["audio_tokens"] = mask[:, ::2][:, ::2].to(torch.int64).sum(dim=-1)
         return out
 
@@ -234,8 +234,7 @@ class Gemma4Adapter(VlmAdapter):
         """The model's own towers and embedders: ``{modality: [tokens, text_hidden]}``."""
         inner = inner_model(model, "vision_tower", _GEMMA4)
         out: dict[str, Tensor] = {}
-        for what, pixels, positions in (("image", chunk.pixel_values, chunk.image_grid),
-                                        ("video", chunk.pixel_values_videos, chunk.video_position_ids)):
+        for what, pixels, positions in _vision(chunk):
             if pixels is not None:
                 tower = inner.vision_tower(pixel_values=as_tower_dtype(pixels, inner.vision_tower),
                                            pixel_position_ids=positions)
@@ -251,7 +250,7 @@ class Gemma4Adapter(VlmAdapter):
         """``mm_token_type_ids`` ``[b, S]`` (bidirectional vision blocks); the per-layer inputs of the
         layers ``first_layer ..`` still ahead; each attention type's shared ``key`` / ``value``
         ``[b, kv_heads, S, head_dim]`` while its producer is behind and a consumer ahead."""
-        text = _text(config)
+        text = text_config(config)
         specs = []
         if _bidirectional(config):
             specs.append(WireTensor("mm_token_type_ids", ("b", "S")))
@@ -281,7 +280,7 @@ class Gemma4Adapter(VlmAdapter):
         wire: dict[str, Tensor] = {}
         if _bidirectional(config):
             wire["mm_token_type_ids"] = self.mm_token_type_ids(input_ids, config)
-        if config_get(_text(config), "hidden_size_per_layer_input"):
+        if config_get(text_config(config), "hidden_size_per_layer_input"):
             wire["per_layer_inputs"] = self.per_layer_inputs(model, input_ids, hidden, masks)
         return hidden, wire
 
@@ -291,7 +290,7 @@ class Gemma4Adapter(VlmAdapter):
         ``Gemma4Model`` does) and the merged embeddings ``merged`` ``[b, S, H]``."""
         lm = inner_model(model, "language_model", _GEMMA4).language_model
         multimodal = masks["image"] | masks["video"] | masks["audio"]
-        pad = int(config_value(_text(model.config), "pad_token_id"))
+        pad = int(config_value(text_config(model.config), "pad_token_id"))
         token_part = lm.get_per_layer_inputs(torch.where(multimodal, pad, input_ids))
         # the class's method: a stage's language model answers project_per_layer_inputs with its input
         return type(lm).project_per_layer_inputs(lm, merged, token_part)
@@ -315,10 +314,10 @@ class Gemma4Adapter(VlmAdapter):
             kwargs["attention_mask"] = self.attention_masks(lm, hidden, attention_mask, wire["mm_token_type_ids"])
         if "per_layer_inputs" in wire:
             kwargs["per_layer_inputs"] = wire["per_layer_inputs"][:, :, : len(layers)]
-        elif ple := config_get(_text(stage.config), "hidden_size_per_layer_input"):  # no layer ahead: none needed
+        elif ple := config_get(text_config(stage.config), "hidden_size_per_layer_input"):  # no layer ahead: none needed
             kwargs["per_layer_inputs"] = hidden.new_zeros(*hidden.shape[:2], 0, int(ple))
         shared = KVSharingDict()
-        for layer_type in kv_links(_text(stage.config)):
+        for layer_type in kv_links(text_config(stage.config)):
             key = wire.get(f"shared_kv_{layer_type}_key")
             if key is not None:
                 shared[layer_type] = (key, wire[f"shared_kv_{layer_type}_value"])
@@ -359,9 +358,7 @@ class Gemma4Adapter(VlmAdapter):
     def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:
         """``lm_head``, then the model's soft-capping ``tanh(logits / c) * c``
         (``c = text_config.final_logit_softcapping``)."""
-        logits = super().logits(stage, hidden)
-        cap = config_get(_text(getattr(stage, "config")), "final_logit_softcapping")
-        return logits if cap is None else torch.tanh(logits / float(cap)) * float(cap)
+        return softcapped(super().logits(stage, hidden), getattr(stage, "config"))
 
     def attention_masks(
         self, language_model: torch.nn.Module, inputs_embeds: Tensor, attention_mask: Tensor | None,

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, refuse_videos, shape
+from ._helpers import check_audio_mask, pooled_image_features, refuse_videos, rows_from_tokens, shape
+from ._helpers import text_config, token_ids, unpadded_logits, unpadded_width
 from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = ["InklingAdapter"]
@@ -33,13 +34,11 @@ __all__ = ["InklingAdapter"]
 _INKLING = "an InklingForConditionalGeneration or InklingModel"
 
 
+_TOKENS = {"image": "image_token_id", "audio": "audio_token_id", "audio_bos": "audio_bos_token_id"}
+
+
 def _ids(config: Any) -> dict[str, int]:
-    names = {"image": "image_token_id", "audio": "audio_token_id", "audio_bos": "audio_bos_token_id"}
-    return {k: int(config_value(config, v)) for k, v in names.items()}
-
-
-def _text(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return token_ids(config, _TOKENS)
 
 
 class InklingAdapter(VlmAdapter):
@@ -63,8 +62,7 @@ class InklingAdapter(VlmAdapter):
         self, input_ids: Tensor, config: Any, *, media: Mapping[str, Any] | None = None
     ) -> tuple[Tensor, Tensor]:
         """``([B], [B])``: each sample's ``pixel_values`` ROWS (its image tokens: one per patch) and no videos."""
-        rows = (input_ids == _ids(config)["image"]).sum(dim=1, dtype=torch.int64)
-        return rows, torch.zeros_like(rows)
+        return rows_from_tokens(input_ids, _ids(config)["image"], 1)
 
     def audios_per_sample(
         self, input_ids: Tensor, config: Any, *, media: Mapping[str, Any] | None = None
@@ -92,11 +90,11 @@ class InklingAdapter(VlmAdapter):
         codes, mask = chunk.input_features, chunk.input_features_mask
         if codes is None:
             return {}
-        if mask is None or codes.dim() != 3 or list(mask.shape) != list(codes.shape[:2]):
-            raise ValueError(
-                f"inkling audio: audio_input_ids {shape(codes)} with audio_input_ids_mask {shape(mask)}; "
-                f"expected [audios, frames, bins] with [audios, frames]"
-            )
+        mask = check_audio_mask(
+            codes, mask, time_dim=1,
+            message="inkling audio: audio_input_ids {features} with audio_input_ids_mask {mask}; "
+            "expected [audios, frames, bins] with [audios, frames]",
+        )
         return {"audio_frames": mask.to(torch.int64).sum(dim=-1)}
 
     def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
@@ -110,10 +108,8 @@ class InklingAdapter(VlmAdapter):
         """The model's own towers: ``{"image": [patches, H], "audio": [frames, H]}``."""
         inner = inner_model(model, "get_audio_features", _INKLING)
         out: dict[str, Tensor] = {}
-        if chunk.pixel_values is not None:
-            pixels = as_tower_dtype(chunk.pixel_values, inner.vision_tower)
-            pooled = inner.get_image_features(pixels, return_dict=True).pooler_output  # [patches, 1, H]
-            out["image"] = pooled.reshape(-1, pooled.shape[-1])  # one row per patch, as the model's masked_scatter reads it
+        if chunk.pixel_values is not None:  # [patches, H]: one row per patch, as the model's masked_scatter reads it
+            out["image"] = pooled_image_features(model, chunk.pixel_values, _INKLING)
         if chunk.input_features is not None:
             out["audio"] = inner.get_audio_features(chunk.input_features, chunk.input_features_mask).last_hidden_state
         return out
@@ -121,12 +117,9 @@ class InklingAdapter(VlmAdapter):
     def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:
         """As the model's head: the hidden states divided by ``logits_mup_width_multiplier``, ``lm_head``,
         then the first ``unpadded_vocab_size`` logits."""
-        text = _text(getattr(stage, "config"))
+        text = text_config(getattr(stage, "config"))
         multiplier = float(config_get(text, "logits_mup_width_multiplier") or 1.0)
-        logits = super().logits(stage, hidden / multiplier)
-        width = config_get(text, "unpadded_vocab_size")
-        return logits if width is None else logits[..., : int(width)]
+        return unpadded_logits(super().logits(stage, hidden / multiplier), getattr(stage, "config"))
 
     def logits_width(self, config: Any, head_width: int) -> int:
-        width = config_get(_text(config), "unpadded_vocab_size")
-        return head_width if width is None else min(head_width, int(width))
+        return unpadded_width(config, head_width)

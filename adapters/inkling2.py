@@ -33,22 +33,21 @@ import torch
 from torch import Tensor, nn
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, count_runs, grid_products, grid_thw, images_from_runs, refuse_videos, shape
-from .base import HostValues, LayerHook, VlmAdapter, WireTensor, config_get, config_value, inner_model
+from ._helpers import as_tower_dtype, count_runs, grid_products, grid_thw, images_from_runs, refuse_videos
+from ._helpers import shape, softcapped, text_config, unpadded_logits, unpadded_width
+from .base import HostValues, LayerHook, VlmAdapter, WireTensor, config_value, inner_model
 
 __all__ = ["Inkling2Adapter", "blocks_before"]
 
 _INKLING2 = "an Inkling 2 model (Inkling2ForConditionalGeneration or Inkling2Model)"
 
 
-def _text(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def blocks_before(config: Any, layer: int) -> int:
     """Block states the language model holds before decoder layer ``layer``: ``ceil(layer / n)``
     (``n = n_layers_per_attn_res_block``; layers ``0, n, 2n, ...`` open a block)."""
-    return math.ceil(layer / int(config_value(_text(config), "n_layers_per_attn_res_block")))
+    return math.ceil(layer / int(config_value(text_config(config), "n_layers_per_attn_res_block")))
 
 
 class _PassPartial(nn.Module):
@@ -185,14 +184,8 @@ class Inkling2Adapter(VlmAdapter):
 
     def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:
         """``lm_head`` in float32, soft-capped ``tanh(x / c) * c``, cut to ``unpadded_vocab_size``."""
-        logits = super().logits(stage, hidden).float()
-        text = _text(getattr(stage, "config"))
-        cap = config_get(text, "final_logit_softcapping")
-        if cap is not None:
-            logits = torch.tanh(logits / float(cap)) * float(cap)
-        width = config_get(text, "unpadded_vocab_size")
-        return logits if width is None else logits[..., : int(width)]
+        config = getattr(stage, "config")
+        return unpadded_logits(softcapped(super().logits(stage, hidden).float(), config), config)
 
     def logits_width(self, config: Any, head_width: int) -> int:
-        width = config_get(_text(config), "unpadded_vocab_size")
-        return head_width if width is None else min(head_width, int(width))
+        return unpadded_width(config, head_width)

@@ -37,7 +37,8 @@ from typing import Any, ClassVar, Mapping, MutableMapping, Sequence
 import torch
 from torch import Tensor
 
-from .base import LayerHook, WireTensor, config_get, config_value
+from ._helpers import softcapped, text_config
+from .base import LayerHook, WireTensor, config_value
 from .mistral3 import Mistral3Adapter
 
 __all__ = ["MistralLarge4Adapter", "crossing_state", "pad_topk"]
@@ -46,8 +47,6 @@ __all__ = ["MistralLarge4Adapter", "crossing_state", "pad_topk"]
 _KINDS = ("rope", "nope")
 
 
-def _text(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def crossing_state(config: Any, boundary: int) -> tuple[bool, tuple[str, ...]]:
@@ -57,7 +56,7 @@ def crossing_state(config: Any, boundary: int) -> tuple[bool, tuple[str, ...]]:
     before). ``kinds``: the ``KVSharingDict`` entries (``"rope"``, ``"nope"``) a layer at or after the
     boundary reads from a source layer before it. Nothing crosses before layer 0 or past the last.
     """
-    text = _text(config)
+    text = text_config(config)
     n = int(config_value(text, "num_hidden_layers"))
     if not 0 < boundary < n:
         return False, ()
@@ -110,7 +109,7 @@ class MistralLarge4Adapter(Mistral3Adapter):
         indexer layer; ``kv_{kind}_pass`` ``[b, 1, S, kv_lora_rank]`` (and ``kv_rope_rot`` ``[b, 1, S,
         qk_rope_head_dim]``) for each KV entry a later layer reads from an earlier source."""
         topk, kinds = crossing_state(config, first_layer)
-        text = _text(config)
+        text = text_config(config)
         specs = []
         if topk:
             specs.append(WireTensor("topk_indices", ("b", "S", int(config_value(text, "index_topk")))))
@@ -130,7 +129,7 @@ class MistralLarge4Adapter(Mistral3Adapter):
         if not layers:
             return ()
         decoder = list(getattr(stage, "stage_language_model").layers)
-        width = int(config_value(_text(getattr(stage, "config")), "index_topk"))
+        width = int(config_value(text_config(getattr(stage, "config")), "index_topk"))
 
         def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             indices = state.get("topk_indices")
@@ -159,8 +158,4 @@ class MistralLarge4Adapter(Mistral3Adapter):
     def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:
         """``lm_head``, then the model's soft-capping ``tanh(logits / c) * c``
         (``c = text_config.final_logit_softcapping``)."""
-        logits = super().logits(stage, hidden)
-        cap = config_get(_text(getattr(stage, "config")), "final_logit_softcapping")
-        if cap is None:
-            return logits
-        return torch.tanh(logits / float(cap)) * float(cap)
+        return softcapped(super().logits(stage, hidden), getattr(stage, "config"))

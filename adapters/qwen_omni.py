@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, grid_thw, shape
+from ._helpers import as_tower_dtype, check_audio_mask, grid_thw, shape, token_ids
 from .base import HostValues, WireTensor, config_get, config_value, inner_model
 from .qwen2_5_vl import Qwen2_5_VLAdapter
 from .qwen3_vl import Qwen3VLAdapter
@@ -49,11 +49,12 @@ def thinker_config(config: Any) -> Any:
     return config if inner is None else inner
 
 
+_TOKENS = {"image": "image_token_id", "video": "video_token_id", "audio": "audio_token_id",
+           "vision_start": "vision_start_token_id", "audio_start": "audio_start_token_id"}
+
+
 def _ids(config: Any) -> dict[str, int]:
-    config = thinker_config(config)
-    names = {"image": "image_token_id", "video": "video_token_id", "audio": "audio_token_id",
-             "vision_start": "vision_start_token_id", "audio_start": "audio_start_token_id"}
-    return {k: int(config_value(config, v)) for k, v in names.items()}
+    return token_ids(thinker_config(config), _TOKENS)
 
 
 def _after(input_ids: Tensor, first: int, second: int) -> Tensor:
@@ -61,8 +62,31 @@ def _after(input_ids: Tensor, first: int, second: int) -> Tensor:
     return (input_ids[:, :-1] == first) & (input_ids[:, 1:] == second)
 
 
-class _OmniAudio:
-    """The audio half of both thinkers (mixed into the image/video adapters below)."""
+def _require_timing(chunk: VlmMediaChunk) -> None:
+    """Refuse a chunk with videos but no ``video_second_per_grid`` (the thinker's positions need it)."""
+    if chunk.pixel_values_videos is not None and chunk.second_per_grid_ts is None:
+        raise ValueError(
+            f"video: the chunk has videos {shape(chunk.video_grid)} but no video_second_per_grid; the "
+            f"thinker's positions space frames by it (the Omni processor returns it)"
+        )
+
+
+class _OmniThinker(Qwen2_5_VLAdapter):
+    """What both thinkers add to their vision adapters (Qwen2.5-VL's, Qwen3-VL's): the audio, the token
+    ids and merge size from the thinker config, positions from the thinker's own ``get_rope_index``.
+    Put first among a thinker adapter's bases, so its methods come before the vision adapter's."""
+
+    #: set padding positions to 0 on a microbatch without grids (Qwen3-Omni; see its ``position_ids``)
+    zero_padding_positions: ClassVar[bool] = False
+
+    @staticmethod
+    def _token_ids(config: Any) -> tuple[int, int]:
+        ids = _ids(config)
+        return ids["image"], ids["video"]
+
+    @staticmethod
+    def _merge(config: Any) -> int:
+        return int(config_value(thinker_config(config), "vision_config.spatial_merge_size"))
 
     def _thinker(self, model: torch.nn.Module) -> Any:
         thinker = getattr(model, "thinker", None)  # the top-level Omni model
@@ -92,21 +116,17 @@ class _OmniAudio:
     def audio_host_inputs(self, chunk: VlmMediaChunk) -> dict[str, Tensor]:
         """``{"audio_frames": [audios]}``: each clip's valid frames (a device op on the mask). Also
         checks, before any tower runs, that a chunk with videos has their timing."""
-        if chunk.pixel_values_videos is not None and chunk.second_per_grid_ts is None:
-            raise ValueError(
-                f"video: the chunk has videos {shape(chunk.video_grid)} but no video_second_per_grid; the "
-                f"thinker's positions space frames by it (the Omni processor returns it)"
-            )
+        _require_timing(chunk)
         feats, mask = chunk.input_features, chunk.input_features_mask
         if feats is None:
             if mask is not None:
                 raise ValueError(f"audio: input_features_mask {shape(mask)} given without input_features")
             return {}
-        if mask is None or feats.dim() != 3 or mask.dim() != 2 or mask.shape[0] != feats.shape[0] or mask.shape[1] != feats.shape[2]:
-            raise ValueError(
-                f"audio: input_features {shape(feats)} with feature_attention_mask {shape(mask)}; expected "
-                f"[audios, mel, T] with [audios, T] (Whisper features and their valid frames)"
-            )
+        mask = check_audio_mask(
+            feats, mask, time_dim=2,
+            message="audio: input_features {features} with feature_attention_mask {mask}; expected "
+            "[audios, mel, T] with [audios, T] (Whisper features and their valid frames)",
+        )
         return {"audio_frames": mask.to(torch.int64).sum(dim=-1)}
 
     def audio_tokens(self, config: Any, frames: list[int]) -> int:
@@ -130,11 +150,7 @@ class _OmniAudio:
             kwargs["image_grid_thw"] = grid_thw(chunk.image_grid, "image grid")
         if chunk.pixel_values_videos is not None and chunk.video_grid is not None:
             kwargs["video_grid_thw"] = grid_thw(chunk.video_grid, "video grid")
-            if chunk.second_per_grid_ts is None:
-                raise ValueError(
-                    f"video: the chunk has videos {shape(chunk.video_grid)} but no video_second_per_grid; the "
-                    f"thinker's positions space frames by it (the Omni processor returns it)"
-                )
+            _require_timing(chunk)
             kwargs["second_per_grids"] = chunk.second_per_grid_ts
             ids = _ids(config)
             tracks = int(_after(input_ids, ids["vision_start"], ids["audio_start"]).sum())
@@ -149,8 +165,39 @@ class _OmniAudio:
             kwargs["audio_seqlens"] = chunk.input_features_mask.to(torch.int64).sum(dim=-1)
         return kwargs
 
+    def host_inputs(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor]:
+        return {**super().host_inputs(chunk, config), **self.audio_host_inputs(chunk)}
 
-class Qwen2_5OmniThinkerAdapter(_OmniAudio, Qwen2_5_VLAdapter):
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
+        counts = super().feature_counts(chunk, config, host)
+        if "audio_frames" in host.values:
+            counts["audio"] = self.audio_tokens(config, host.values["audio_frames"])
+        return counts
+
+    def position_ids(
+        self,
+        model: torch.nn.Module,
+        input_ids: Tensor,
+        chunk: VlmMediaChunk | None,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        """3-D positions ``[3, b, S]`` from the thinker's own ``get_rope_index`` on the microbatch (int64;
+        Qwen3-Omni's float32: they may be fractional).
+
+        With :attr:`zero_padding_positions` (Qwen3-Omni), padding positions are 0, as the model's own
+        per-sample loop writes them; its shortcut for a microbatch without grids writes 1 there (a
+        padding position changes no loss, but the positions then differ from the full batch's), so they
+        are set to 0 here.
+        """
+        kwargs = self.rope_kwargs(input_ids, chunk, model.config)
+        positions: Tensor = self._thinker(model).get_rope_index(input_ids, attention_mask=attention_mask, **kwargs)[0]
+        no_grids = "image_grid_thw" not in kwargs and "video_grid_thw" not in kwargs
+        if self.zero_padding_positions and attention_mask is not None and no_grids:
+            positions = positions.masked_fill(attention_mask == 0, 0)
+        return positions
+
+
+class Qwen2_5OmniThinkerAdapter(_OmniThinker):
     """Qwen2.5-Omni thinker (``Qwen2_5OmniThinkerForConditionalGeneration``; layout in the module docstring).
 
     Module paths used: ``model.model.visual`` (Qwen2.5-VL's), ``model.model.audio_tower`` through
@@ -168,48 +215,18 @@ class Qwen2_5OmniThinkerAdapter(_OmniAudio, Qwen2_5_VLAdapter):
         "Whisper input_features [audios, mel, T] + feature_attention_mask; 3-D positions include audio"
     )
 
-    @staticmethod
-    def _token_ids(config: Any) -> tuple[int, int]:
-        ids = _ids(config)
-        return ids["image"], ids["video"]
-
-    @staticmethod
-    def _merge(config: Any) -> int:
-        return int(config_value(thinker_config(config), "vision_config.spatial_merge_size"))
-
-    def host_inputs(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor]:
-        return {**super().host_inputs(chunk, config), **self.audio_host_inputs(chunk)}
-
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
-        counts = super().feature_counts(chunk, config, host)
-        if "audio_frames" in host.values:
-            counts["audio"] = self.audio_tokens(config, host.values["audio_frames"])
-        return counts
-
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         return {**super().encode(model, chunk, host), **self.encode_audio(model, chunk)}
 
-    def position_ids(
-        self,
-        model: torch.nn.Module,
-        input_ids: Tensor,
-        chunk: VlmMediaChunk | None,
-        attention_mask: Tensor | None = None,
-    ) -> Tensor:
-        """3-D positions ``[3, b, S]`` (int64) from the thinker's own ``get_rope_index`` on the microbatch."""
-        inner = self._thinker(model)
-        kwargs = self.rope_kwargs(input_ids, chunk, model.config)
-        positions: Tensor = inner.get_rope_index(input_ids, attention_mask=attention_mask, **kwargs)[0]
-        return positions
 
-
-class Qwen3OmniThinkerAdapter(_OmniAudio, Qwen3VLAdapter):
+class Qwen3OmniThinkerAdapter(_OmniThinker, Qwen3VLAdapter):
     """Qwen3-Omni (MoE) thinker (``Qwen3OmniMoeThinkerForConditionalGeneration``): the Qwen2.5-Omni
     layout with a Qwen3-VL vision tower (deepstack features cross stage boundaries as Qwen3-VL's) and
     Qwen3-Omni's audio encoder (windows of ``n_window`` frames; tokens per clip from the model's own
     ``_get_feat_extract_output_lengths``)."""
 
     name: ClassVar[str] = "qwen3_omni"
+    zero_padding_positions: ClassVar[bool] = True
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_omni_moe_thinker", "qwen3_omni_moe")
     layout: ClassVar[str] = (
         "flat patch rows [patches, D] with grids [n, 3] for images and videos (+ video_second_per_grid); "
@@ -217,27 +234,9 @@ class Qwen3OmniThinkerAdapter(_OmniAudio, Qwen3VLAdapter):
         "deepstack features cross stage boundaries"
     )
 
-    @staticmethod
-    def _token_ids(config: Any) -> tuple[int, int]:
-        ids = _ids(config)
-        return ids["image"], ids["video"]
-
-    @staticmethod
-    def _merge(config: Any) -> int:
-        return int(config_value(thinker_config(config), "vision_config.spatial_merge_size"))
-
     def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """Images, videos and audio clips per sample from the tokens (a video is one block here)."""
         return Qwen2_5_VLAdapter.media_counts(self, batch, config)
-
-    def host_inputs(self, chunk: VlmMediaChunk, config: Any) -> dict[str, Tensor]:
-        return {**super().host_inputs(chunk, config), **self.audio_host_inputs(chunk)}
-
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
-        counts = super().feature_counts(chunk, config, host)
-        if "audio_frames" in host.values:
-            counts["audio"] = self.audio_tokens(config, host.values["audio_frames"])
-        return counts
 
     def audio_tokens(self, config: Any, frames: list[int]) -> int:
         """Qwen3-Omni's audio arithmetic (windows of 100 frames, three stride-2 convolutions)."""
@@ -251,27 +250,6 @@ class Qwen3OmniThinkerAdapter(_OmniAudio, Qwen3VLAdapter):
     ) -> tuple[dict[str, Tensor], dict[str, list[Tensor]]]:
         features, deepstack = super().encode_with_deepstack(model, chunk)
         return {**features, **self.encode_audio(model, chunk)}, deepstack
-
-    def position_ids(
-        self,
-        model: torch.nn.Module,
-        input_ids: Tensor,
-        chunk: VlmMediaChunk | None,
-        attention_mask: Tensor | None = None,
-    ) -> Tensor:
-        """3-D positions ``[3, b, S]`` (float32: Qwen3-Omni's may be fractional) from the thinker's own
-        ``get_rope_index`` on the microbatch.
-
-        Padding positions are 0, as the model's own per-sample loop writes them; its shortcut for a
-        microbatch without grids writes 1 there (a padding position changes no loss, but the positions
-        then differ from the full batch's), so they are set to 0 here.
-        """
-        inner = self._thinker(model)
-        kwargs = self.rope_kwargs(input_ids, chunk, model.config)
-        positions: Tensor = inner.get_rope_index(input_ids, attention_mask=attention_mask, **kwargs)[0]
-        if attention_mask is not None and "image_grid_thw" not in kwargs and "video_grid_thw" not in kwargs:
-            positions = positions.masked_fill(attention_mask == 0, 0)
-        return positions
 
     def wire_tensors(self, config: Any, first_layer: int) -> tuple[WireTensor, ...]:
         """Qwen3-VL's (positions, deepstack), the positions as float32."""

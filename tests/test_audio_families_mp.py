@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import pytest
 
-from ppmedia.testing.parity import ParityError, Scenario, microbatch_table, run_parity
+from conftest import assert_pipeline_matches, parity_once
+from ppmedia.testing.parity import Scenario, microbatch_table
 
 TOL = 1e-5
 FAMILIES = ("gemma4", "qwen2_5_omni", "qwen3_omni", "inkling")
@@ -27,33 +28,12 @@ WRONG_BATCH = Scenario("1f1b", "static", "wrong_batch")
 PRETRAINED = Scenario("1f1b", "static", pretrained=True)
 #: decoder layers per stage of each family's tiny model under the 2-stage and the 4-stage schedules
 LAYERS = {"gemma4": ([2, 2], [1, 1, 1, 1])}
-_report: list[object] = []
+_run = parity_once(FAMILIES, [*SCENARIOS, WRONG_BATCH, PRETRAINED], tolerance=TOL)
 
 
-def _run():
-    if not _report:
-        try:
-            _report.append(run_parity(FAMILIES, [*SCENARIOS, WRONG_BATCH, PRETRAINED], steps=2, n_microbatches=4,
-                                      tolerance=TOL))
-        except ParityError as exc:  # one spawn for the module, failure included
-            _report.append(exc)
-    if isinstance(_report[0], Exception):
-        raise _report[0]
-    return _report[0]
-
-
-def _check_parity(family: str, result, inferred: bool) -> None:
-    assert result.missing_params == [], "every parameter on some stage"
-    for st in result.steps:
-        where = f"{family} {result.name} step {st.step}"
-        assert st.loss_diff <= TOL, f"{where}: loss {st.loss_pipeline} vs {st.loss_reference}"
-        assert st.grad_diff_vision <= TOL and st.grad_diff_lm <= TOL, f"{where}: {st.grad_diff_vision}, {st.grad_diff_lm}"
-        assert st.vision_params_compared > 0 and st.reference_grad_max_vision > 1e-4 and st.reference_grad_max_lm > 1e-4
-        inference = inferred and st.step == 0
-        assert st.first_stage_calls == st.expected_first_stage_calls == 4 + inference
-        assert st.chunk_trace == [0] * inference + [0, 1, 2, 3]
-    assert result.steps[0].loss_reference != result.steps[1].loss_reference  # the SGD step happened
-    assert result.passed(TOL)
+def _layers(family: str, scenario: str) -> list[int]:
+    two, four = LAYERS.get(family, ([1, 1], [0, 1, 1, 0]))
+    return four if scenario.startswith("interleaved") else two
 
 
 @pytest.mark.multiprocess
@@ -61,10 +41,8 @@ def _check_parity(family: str, result, inferred: bool) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pipeline_matches_the_full_batch_model(family, scenario):
     result = _run().family(family).scenario(scenario)
-    two, four = LAYERS.get(family, ([1, 1], [0, 1, 1, 0]))
-    interleaved = scenario.startswith("interleaved")
-    assert result.n_stages == (4 if interleaved else 2) and result.layers_per_stage == (four if interleaved else two)
-    _check_parity(family, result, scenario.endswith("inferred"))
+    assert result.n_stages == (4 if scenario.startswith("interleaved") else 2)
+    assert_pipeline_matches(result, family, scenario, TOL, _layers(family, scenario))
 
 
 @pytest.mark.multiprocess
@@ -73,7 +51,7 @@ def test_a_pipeline_loaded_from_a_checkpoint_matches_the_model(family):
     """Each rank reads only its stages from the checkpoint (Gemma 4: the PLE tables on stage 0 only)."""
     result = _run().family(family).scenario(PRETRAINED.name)
     assert result.name == "1f1b/static/pretrained"
-    _check_parity(family, result, inferred=False)
+    assert_pipeline_matches(result, family, result.name, TOL, _layers(family, result.name))
 
 
 @pytest.mark.multiprocess

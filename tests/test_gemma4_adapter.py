@@ -5,7 +5,8 @@ References are the model's own: the ``inputs_embeds`` and ``per_layer_inputs`` i
 receives (a forward pre-hook; the per-layer inputs projected with the model's own
 ``project_per_layer_inputs``), and its logits and gradients. ppmedia's path: split_media ->
 stage_media -> next_vlm_media_chunk -> adapter.first_stage, then stage modules run one after the other
-in this process (the 2-process schedules are in test_pipeline_mp.py).
+in this process (``ppmedia.testing.stages.stage_run``; the 2-process schedules are in
+test_audio_families_mp.py). ``model``, ``batch`` and ``adapter`` are conftest's (seed 0).
 """
 
 from __future__ import annotations
@@ -18,36 +19,17 @@ import ppmedia
 from ppmedia import VlmMediaChunk
 from ppmedia.adapters.base import VlmAdapter
 from ppmedia.adapters.gemma4 import Gemma4Adapter
-from ppmedia.pipeline import build_stage_modules, count_valid_tokens, make_labels, pipeline_loss
+from ppmedia.pipeline import build_stage_modules
+from ppmedia.testing.stages import reference_run, stage_run
+from ppmedia.testing.tiny_models import capture_merged_embeds
 from ppmedia.testing.tiny_models import gemma4 as tiny
+from ppmedia.testing.tiny_models._batch import right_padded
 
 IMAGES = [1, 1, 0, 1, 0, 0, 1, 1]
 VIDEOS = [0, 0, 1, 1, 0, 0, 0, 1]
 AUDIOS = [1, 1, 0, 1, 0, 0, 2, 0]
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny.build_model(0)
-
-
-@pytest.fixture(scope="module")
-def batch():
-    return tiny.build_batch(0)
-
-
-@pytest.fixture(scope="module")
-def adapter():
-    return ppmedia.get_adapter("gemma4")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -64,37 +46,10 @@ def reference(model, batch):
     return seen
 
 
-def _model_run(model, batch):
-    targets = make_labels(batch["input_ids"], model.config, attention_mask=batch["attention_mask"], shift=False)
-    model.zero_grad(set_to_none=True)
-    out = model(**tiny.reference_inputs(batch), labels=targets)
-    out.loss.backward()
-    return out.logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.fixture(scope="module")
 def model_run(model, batch):
-    return _model_run(model, batch)
-
-
-def _stage_run(model, adapter, batch, split, n=4):
-    stages = build_stage_modules(model, len(split), layers_per_stage=list(split), adapter=adapter)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    staged = ppmedia.split_media(dict(batch), n, **adapter.media_counts(batch, model.config))
-    labels = make_labels(ids, model.config, adapter, attention_mask=mask)
-    valid = count_valid_tokens(labels)
-    model.zero_grad(set_to_none=True)
-    outs = []
-    with ppmedia.stage_media(stages[0], staged):
-        for a, b in staged.samples:
-            x = (ids[a:b], mask[a:b])
-            for module in stages:
-                x = module(*x)
-                x = x if isinstance(x, tuple) else (x,)
-            pipeline_loss(x[0], labels[a:b], valid).backward()
-            outs.append(x[0].detach())
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    return torch.cat(outs), grads, stages
+    """The model's own full-batch logits and gradients."""
+    return reference_run(model, tiny, batch)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -221,7 +176,7 @@ def test_bad_media_raise_before_the_towers(adapter, model, batch):
 @pytest.mark.parametrize("split", [(2, 2), (1, 3), (3, 1), (4, 0), (0, 4), (1, 1, 1, 1)])
 def test_stages_match_the_model_for_any_layer_split(adapter, model, batch, model_run, split):
     ref_logits, ref_grads = model_run
-    logits, grads, stages = _stage_run(model, adapter, batch, split)
+    logits, grads, stages = stage_run(model, batch, split, adapter=adapter)
     assert (logits - ref_logits).abs().max() <= ATOL
     assert set(grads) == set(ref_grads)  # every parameter (vision and audio towers too) got its gradient
     for name, grad in ref_grads.items():
@@ -272,14 +227,14 @@ def test_state_that_does_not_cross_fails_the_comparison(model, batch, model_run)
         def stage_hooks(self, stage, layers, state):
             return ()  # the KV the producers store never reaches the wire
 
-    logits, _, _ = _stage_run(model, DropsPLE(), batch, (2, 2))
+    logits, _, _ = stage_run(model, batch, (2, 2), adapter=DropsPLE())
     assert (logits - ref_logits).abs().max() > 1e-3
     with pytest.raises(KeyError, match="sliding_attention"):
-        _stage_run(model, DropsKV(), batch, (2, 2))
-    logits, _, _ = _stage_run(model, NoSoftcap(), batch, (2, 2))
+        stage_run(model, batch, (2, 2), adapter=DropsKV())
+    logits, _, _ = stage_run(model, batch, (2, 2), adapter=NoSoftcap())
     assert (logits - ref_logits).abs().max() > 1e-3
     with pytest.raises(TypeError, match="declares 'shared_kv_sliding_attention_key' for stage 1, but this stage does not hold it"):
-        _stage_run(model, NoHooks(), batch, (2, 2))
+        stage_run(model, batch, (2, 2), adapter=NoHooks())
 
 
 def test_static_stage_args_follow_the_wire(adapter, model):
@@ -327,17 +282,11 @@ def test_real_image_processor_and_audio_feature_extractor(adapter):
             ids += [tiny.BOA_TOKEN_ID] + [tiny.AUDIO_TOKEN_ID] * int(clips[j]) + [tiny.EOA_TOKEN_ID, 9]
             j += 1
         rows.append(ids + [tiny.EOS_TOKEN_ID])
-    S = max(map(len, rows))
-    input_ids = torch.tensor([r + [tiny.PAD_TOKEN_ID] * (S - len(r)) for r in rows])
-    attention_mask = (torch.arange(S) < torch.tensor([len(r) for r in rows])[:, None]).long()
+    input_ids, attention_mask = right_padded(rows, tiny.PAD_TOKEN_ID)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": tiny.mm_token_type_ids(input_ids),
              "pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"],
              "input_features": feats, "input_features_mask": fmask}
-    seen = {}
-    handle = model.model.language_model.register_forward_pre_hook(lambda _m, _a, kw: seen.update(kw), with_kwargs=True)
-    with torch.no_grad():
-        model(**tiny.reference_inputs(batch))
-    handle.remove()
+    reference = capture_merged_embeds(model, **tiny.reference_inputs(batch))
     counts = adapter.media_counts(batch, model.config)
     assert counts["audios_per_sample"].tolist() == [1, 0, 1, 1]
     staged = ppmedia.split_media(dict(batch), 2, **counts)
@@ -347,7 +296,7 @@ def test_real_image_processor_and_audio_feature_extractor(adapter):
             chunk = ppmedia.next_vlm_media_chunk(first)
             ids = input_ids[a:b]
             hidden, _ = adapter.first_stage(model, ids, attention_mask[a:b], model.get_input_embeddings()(ids), chunk)
-            assert (hidden - seen["inputs_embeds"][a:b]).abs().max() <= ATOL
+            assert (hidden - reference[a:b]).abs().max() <= ATOL
 
 
 def test_video_processor_needs_torchvision():

@@ -1,5 +1,6 @@
 """Inkling adapter (channels-last image patches, one token per patch; discrete audio codes) against the
-model's own full-batch forward (tiny seeded model)."""
+model's own full-batch forward (tiny seeded model; conftest's ``model``, ``batch`` and ``reference``,
+the merged ``inputs_embeds`` the model's language model receives)."""
 
 from __future__ import annotations
 
@@ -13,63 +14,16 @@ import ppmedia
 from ppmedia import VlmMediaChunk
 from ppmedia.adapters.base import VlmAdapter
 from ppmedia.adapters.inkling import InklingAdapter
-from ppmedia.pipeline import build_stage_modules, count_valid_tokens, make_labels, pipeline_loss, static_stage_args
+from ppmedia.pipeline import static_stage_args
+from ppmedia.testing.stages import reference_run, stage_run
+from ppmedia.testing.tiny_models import capture_merged_embeds
 from ppmedia.testing.tiny_models import inkling as tiny
+from ppmedia.testing.tiny_models._batch import right_padded
 
 ROWS = [3, 2, 4, 1, 0, 0, 1, 5]  # image tokens = pixel_values rows per sample
 AUDIOS = [1, 1, 0, 2, 0, 0, 1, 0]
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny.build_model(0)
-
-
-@pytest.fixture(scope="module")
-def batch():
-    return tiny.build_batch(0)
-
-
-def _capture(model, inputs):
-    seen = {}
-    handle = model.model.language_model.register_forward_pre_hook(lambda _m, _a, kw: seen.update(kw), with_kwargs=True)
-    with torch.no_grad():
-        model(**inputs)
-    handle.remove()
-    return seen["inputs_embeds"]
-
-
-@pytest.fixture(scope="module")
-def reference(model, batch):
-    return _capture(model, tiny.reference_inputs(batch))
-
-
-def _stage_run(model, adapter, batch, split=(1, 1), n=4):
-    stages = build_stage_modules(model, len(split), layers_per_stage=list(split), adapter=adapter)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    staged = ppmedia.split_media(dict(batch), n, **adapter.media_counts(batch, model.config))
-    labels = make_labels(ids, model.config, adapter, attention_mask=mask)
-    valid = count_valid_tokens(labels)
-    model.zero_grad(set_to_none=True)
-    outs = []
-    with ppmedia.stage_media(stages[0], staged):
-        for a, b in staged.samples:
-            x = (ids[a:b], mask[a:b])
-            for module in stages:
-                x = module(*x)
-                x = x if isinstance(x, tuple) else (x,)
-            pipeline_loss(x[0], labels[a:b], valid).backward()
-            outs.append(x[0].detach())
-    return torch.cat(outs), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}, stages
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_counts_rows_from_tokens(model, batch):
@@ -102,13 +56,9 @@ def test_stages_match_the_model_and_the_head_is_the_models(model, batch):
     """Logits sliced to unpadded_vocab_size after the mup scaling, as the model's own forward does; an
     adapter that leaves the head as a plain lm_head fails the comparison."""
     adapter = ppmedia.get_adapter(model)
-    targets = make_labels(batch["input_ids"], model.config, attention_mask=batch["attention_mask"], shift=False)
-    model.zero_grad(set_to_none=True)
-    out = model(**tiny.reference_inputs(batch), labels=targets)
-    out.loss.backward()
-    ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    logits, grads, stages = _stage_run(model, adapter, batch)
-    assert logits.shape[-1] == 120 and (logits - out.logits.detach()).abs().max() <= ATOL
+    ref_logits, ref = reference_run(model, tiny, batch)
+    logits, grads, stages = stage_run(model, batch, (1, 1), adapter=adapter)
+    assert logits.shape[-1] == 120 and (logits - ref_logits).abs().max() <= ATOL
     assert set(grads) == set(ref) and max((grads[k] - g).abs().max().item() for k, g in ref.items()) <= ATOL
     assert max(g.abs().max() for k, g in ref.items() if "audio_tower" in k) > 1e-4
     assert static_stage_args(stages[1], 2, batch["input_ids"].shape[1])[1][0].shape[-1] == 120
@@ -120,9 +70,9 @@ def test_stages_match_the_model_and_the_head_is_the_models(model, batch):
         def logits_width(self, config, head_width):
             return head_width
 
-    logits, _, _ = _stage_run(model, PlainHead(), batch)
+    logits, _, _ = stage_run(model, batch, (1, 1), adapter=PlainHead())
     assert logits.shape[-1] == 128  # the padded vocabulary: a softmax over rows the model never predicts
-    assert (logits[..., :120] - out.logits.detach()).abs().max() > 1e-3  # and no mup scaling
+    assert (logits[..., :120] - ref_logits).abs().max() > 1e-3  # and no mup scaling
 
 
 def test_bad_media_raise_before_the_towers(model, batch):
@@ -172,11 +122,9 @@ def test_real_feature_extractor_output(model):
         for j in clips:
             ids += [tiny.AUDIO_BOS_TOKEN_ID] + [tiny.AUDIO_TOKEN_ID] * int(frames[j]) + [21]
         rows.append(ids + [2])
-    S = max(map(len, rows))
-    input_ids = torch.tensor([r + [0] * (S - len(r)) for r in rows])
-    attention_mask = (torch.arange(S) < torch.tensor([len(r) for r in rows])[:, None]).long()
+    input_ids, attention_mask = right_padded(rows, 0)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "audio_input_ids": codes, "audio_input_ids_mask": mask}
-    reference = _capture(model, {**batch, "use_cache": False})
+    reference = capture_merged_embeds(model, **batch, use_cache=False)
     adapter = ppmedia.get_adapter(model)
     staged = ppmedia.split_media(dict(batch), 2, **adapter.media_counts(batch, model.config))
     first = torch.nn.Module()

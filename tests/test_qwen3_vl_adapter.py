@@ -16,7 +16,8 @@ import torch
 import ppmedia
 from ppmedia import VlmMediaChunk
 from ppmedia.adapters.qwen3_vl import Qwen3VLAdapter
-from ppmedia.pipeline import build_stage_modules, count_valid_tokens, make_labels, pipeline_loss
+from ppmedia.pipeline import build_stage_modules
+from ppmedia.testing.stages import reference_run, stage_run
 from ppmedia.testing.tiny_models import qwen3_vl as tiny
 
 IMAGES_PER_SAMPLE = [1, 2, 0, 1, 0, 0, 1, 2]
@@ -224,37 +225,8 @@ def test_bad_media_raise_before_the_encoder(adapter, model, batch):
 
 
 # -------------------------------------------------------------------------------------------------
-# deepstack across stage boundaries (stage modules run in sequence, forward and backward)
-
-
-def _stage_run(model, adapter, batch, split, n=4):
-    """Logits and every parameter's gradient of the stage modules run microbatch by microbatch."""
-    stages = build_stage_modules(model, len(split), layers_per_stage=split, adapter=adapter)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    staged = ppmedia.split_media(dict(batch), n, **adapter.media_counts(batch, model.config))
-    labels = make_labels(ids, model.config, adapter, attention_mask=mask)
-    valid = count_valid_tokens(labels)
-    model.zero_grad(set_to_none=True)
-    outs = []
-    with ppmedia.stage_media(stages[0], staged):
-        for a, b in staged.samples:
-            x = (ids[a:b], mask[a:b])
-            for module in stages:
-                x = module(*x)
-                x = x if isinstance(x, tuple) else (x,)
-            pipeline_loss(x[0], labels[a:b], valid).backward()
-            outs.append(x[0].detach())
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    return torch.cat(outs), grads, stages
-
-
-def _model_run(model, batch):
-    """The model's own forward and loss (mean token cross-entropy), as the parity harness runs it."""
-    targets = make_labels(batch["input_ids"], model.config, attention_mask=batch["attention_mask"], shift=False)
-    model.zero_grad(set_to_none=True)
-    out = model(**tiny.reference_inputs(batch), labels=targets)
-    out.loss.backward()
-    return out.logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+# deepstack across stage boundaries: stage modules run in sequence, forward and backward
+# (ppmedia.testing.stages.stage_run), against the model's own forward and loss (reference_run)
 
 
 @pytest.fixture(scope="module")
@@ -262,14 +234,14 @@ def deep():
     """4 decoder layers, 3 deepstack levels: room for boundaries before, inside and after them."""
     model = tiny.build_variant("qwen3_vl", 0, num_layers=4, deepstack_levels=3)
     model.train(False)
-    return model, tiny.build_batch(0), _model_run(model, tiny.build_batch(0))
+    return model, tiny.build_batch(0), reference_run(model, tiny, tiny.build_batch(0))
 
 
 @pytest.mark.parametrize("split", [(1, 3), (3, 1), (2, 2), (4, 0), (0, 1, 3), (1, 1, 1, 1)])
 def test_stages_match_the_model_for_any_layer_split(deep, split):
     model, batch, (ref_logits, ref_grads) = deep
     adapter = ppmedia.get_adapter(model)
-    logits, grads, stages = _stage_run(model, adapter, batch, split)
+    logits, grads, stages = stage_run(model, batch, split, adapter=adapter)
     assert (logits - ref_logits).abs().max() <= ATOL
     assert set(grads) == set(ref_grads)
     for name, grad in ref_grads.items():
@@ -303,7 +275,7 @@ def test_deepstack_that_does_not_cross_changes_the_result(deep):
             return super().decoder_kwargs(stage, layers, hidden, attention_mask, wire)
 
     model, batch, (ref_logits, ref_grads) = deep
-    logits, grads, _ = _stage_run(model, Dropping(), batch, (1, 3))
+    logits, grads, _ = stage_run(model, batch, (1, 3), adapter=Dropping())
     assert (logits - ref_logits).abs().max() > 1e-3
     for level in (1, 2):  # their layers are on stage 1
         assert f"model.visual.deepstack_merger_list.{level}.linear_fc2.weight" not in grads
@@ -349,8 +321,8 @@ def test_other_model_types_through_stages(model_type):
     model = tiny.build_variant(model_type, 0)
     assert model.config.model_type == model_type
     batch = tiny.build_batch(0)
-    ref_logits, ref_grads = _model_run(model, batch)
-    logits, grads, stages = _stage_run(model, ppmedia.get_adapter(model), batch, (1, 1))
+    ref_logits, ref_grads = reference_run(model, tiny, batch)
+    logits, grads, stages = stage_run(model, batch, (1, 1))
     assert (logits - ref_logits).abs().max() <= ATOL
     assert max((grads[k] - g).abs().max().item() for k, g in ref_grads.items()) <= ATOL
     crossing = [w.name for w in stages[0].wire_out]

@@ -2,7 +2,8 @@
 audio; Qwen3-Omni's deepstack) against the models' own full-batch forwards (tiny seeded models).
 
 References: the ``inputs_embeds`` and ``position_ids`` the thinker's language model receives (a
-forward pre-hook) and its logits and gradients. The 2-process schedules are in test_pipeline_mp.py.
+forward pre-hook) and its logits and gradients; stage modules run one after the other in this process
+(``ppmedia.testing.stages.stage_run``). The 2-process schedules are in test_audio_families_mp.py.
 """
 
 from __future__ import annotations
@@ -14,33 +15,22 @@ import torch
 import ppmedia
 from ppmedia import VlmMediaChunk
 from ppmedia.adapters.qwen_omni import Qwen2_5OmniThinkerAdapter, Qwen3OmniThinkerAdapter
-from ppmedia.pipeline import build_stage_modules, count_valid_tokens, make_labels, pipeline_loss
-from ppmedia.testing.tiny_models import load
+from ppmedia.pipeline import make_labels
+from ppmedia.testing.stages import reference_run, stage_run
+from ppmedia.testing.tiny_models import capture_reference, load
+from ppmedia.testing.tiny_models._batch import right_padded
 
 FAMILIES = ("qwen2_5_omni", "qwen3_omni")
 IMAGES = [1, 1, 0, 1, 0, 0, 0, 1]
 VIDEOS = [0, 0, 1, 0, 0, 0, 0, 1]
 AUDIOS = [1, 1, 1, 1, 0, 0, 2, 1]
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _capture(model, inputs):
-    seen = {}
-    handle = model.model.language_model.register_forward_pre_hook(lambda _m, _a, kw: seen.update(kw), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        handle.remove()
-    return seen
+    """The ``inputs_embeds`` and ``position_ids`` the thinker's language model receives."""
+    return dict(zip(("inputs_embeds", "position_ids"), capture_reference(model, **inputs)))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -49,25 +39,6 @@ def family(request):
     model = tiny.build_model(0)
     batch = tiny.build_batch(0)
     return request.param, tiny, model, batch, _capture(model, tiny.reference_inputs(batch))
-
-
-def _stage_run(model, adapter, batch, split, n=4):
-    stages = build_stage_modules(model, len(split), layers_per_stage=list(split), adapter=adapter)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    staged = ppmedia.split_media(dict(batch), n, **adapter.media_counts(batch, model.config))
-    labels = make_labels(ids, model.config, adapter, attention_mask=mask)
-    valid = count_valid_tokens(labels)
-    model.zero_grad(set_to_none=True)
-    outs = []
-    with ppmedia.stage_media(stages[0], staged):
-        for a, b in staged.samples:
-            x = (ids[a:b], mask[a:b])
-            for module in stages:
-                x = module(*x)
-                x = x if isinstance(x, tuple) else (x,)
-            pipeline_loss(x[0], labels[a:b], valid).backward()
-            outs.append(x[0].detach())
-    return torch.cat(outs), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}, stages
 
 
 def test_registry_covers_thinkers_and_top_level_model_types():
@@ -139,14 +110,10 @@ def test_first_stage_merge_and_positions_equal_the_models_own(family, n):
 def test_stages_match_the_model(family, split):
     name, tiny, model, batch, _ = family
     adapter = ppmedia.get_adapter(model)
-    targets = make_labels(batch["input_ids"], model.config, attention_mask=batch["attention_mask"], shift=False)
-    model.zero_grad(set_to_none=True)
-    out = model(**tiny.reference_inputs(batch), labels=targets)
-    out.loss.backward()
-    ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    logits, grads, stages = _stage_run(model, adapter, batch, split)
+    ref_logits, ref = reference_run(model, tiny, batch)
+    logits, grads, stages = stage_run(model, batch, split, adapter=adapter)
     real = batch["attention_mask"].bool()
-    assert (logits - out.logits.detach())[real].abs().max() <= ATOL
+    assert (logits - ref_logits)[real].abs().max() <= ATOL
     assert set(grads) == set(ref)
     assert max((grads[k] - g).abs().max().item() for k, g in ref.items()) <= ATOL
     assert max(g.abs().max() for k, g in ref.items() if "audio_tower" in k) > 1e-4  # the audio tower trains
@@ -176,7 +143,7 @@ def test_positions_that_ignore_the_audio_fail_the_comparison(family):
             kwargs.pop("audio_seqlens", None)
             return kwargs
 
-    logits, _, _ = _stage_run(model, FlatPositions(), batch, (1, 1))
+    logits, _, _ = stage_run(model, batch, (1, 1), adapter=FlatPositions())
     real = batch["attention_mask"].bool()
     assert (logits - ref_logits)[real].abs().max() > 1e-3
     staged = ppmedia.split_media(dict(batch), 4, **base().media_counts(batch, model.config))
@@ -235,9 +202,7 @@ def test_whisper_feature_extractor_output(family):
         for j in clips:
             ids += [tiny.AUDIO_START_TOKEN_ID] + [tiny.AUDIO_TOKEN_ID] * tokens[j] + [tiny.AUDIO_END_TOKEN_ID, 21]
         rows.append(ids + [2])
-    S = max(map(len, rows))
-    input_ids = torch.tensor([r + [0] * (S - len(r)) for r in rows])
-    attention_mask = (torch.arange(S) < torch.tensor([len(r) for r in rows])[:, None]).long()
+    input_ids, attention_mask = right_padded(rows, 0)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "input_features": feats, "feature_attention_mask": fmask}
     reference = _capture(model, {**batch, "use_cache": False})
     staged = ppmedia.split_media(dict(batch), 2, **adapter.media_counts(batch, model.config))

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = [
     "AUDIO_FRAMES",
@@ -233,12 +234,7 @@ def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Te
     gen = torch.Generator().manual_seed(seed)
     samples = SAMPLES[4:6] + SAMPLES[:4] + SAMPLES[6:] if text_only_first else SAMPLES
     rows, media = _tokens(samples, gen)
-    S = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), S), PAD_TOKEN_ID, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), S), dtype=torch.long)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
     pixel_values, image_position_ids = _padded_patches(gen, media["image"], IMAGE_MAX_PATCHES)
     frames = [frame for video in media["video"] for frame in video]
     pixel_values_videos, video_position_ids = _padded_patches(gen, frames, FRAME_MAX_PATCHES)

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = ["AUDIO_TOKEN_ID", "IMAGE_TOKEN_ID", "MODEL_TYPE", "PAD_TOKEN_ID", "SAMPLES", "build_batch",
            "build_config", "build_model", "reference_inputs"]
@@ -119,12 +120,7 @@ def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Te
                 ids += [AUDIO_BOS_TOKEN_ID] + [AUDIO_TOKEN_ID] * part[1]
                 clips.append(part[1])
         rows.append(ids + [EOS_TOKEN_ID])
-    S = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), S), PAD_TOKEN_ID, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), S), dtype=torch.long)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
     mask = (torch.arange(AUDIO_FRAMES)[None, :] < torch.tensor(clips)[:, None]).long()
     codes = torch.randint(0, MEL_VOCAB, (len(clips), AUDIO_FRAMES, MEL_BINS), generator=gen) * mask[..., None]
     return {

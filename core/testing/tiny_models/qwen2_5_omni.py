@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._batch import right_padded
 
 __all__ = [
     "AUDIO_END_TOKEN_ID",
@@ -207,12 +208,7 @@ def build_batch(seed: int = 0, *, text_only_first: bool = False, interleaved: An
     gen = torch.Generator().manual_seed(seed)
     samples = SAMPLES[4:6] + SAMPLES[:4] + SAMPLES[6:] if text_only_first else SAMPLES
     rows, media = _tokens(samples, gen, interleaved=interleaved, clip_tokens=clip_tokens, extra_frames=extra_frames)
-    S = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), S), PAD_TOKEN_ID, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), S), dtype=torch.long)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
+    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
 
     def patches(grids: list[tuple[int, int, int]]) -> Tensor:
         return torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=gen)
