@@ -6,6 +6,8 @@ Run it with torchrun; the world is ``pp x dp`` processes (gloo on CPU here, nccl
         --schedule 1f1b --steps 20 --save-dir ckpt --save-every 10
     torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 \\
         --schedule 1f1b --steps 20 --resume ckpt/step10          # continues at step 10
+    torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen3_vl --pp 2 \\
+        --encoder spread --trace step.svg                        # vision spread over both ranks, timeline
 
 Every rank sees the same global batch; replica ``r`` trains on its share (its samples, their media
 only), split into ``--microbatches`` microbatches for its pipeline. Gradients: tied embeddings summed
@@ -51,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint after every N steps")
     parser.add_argument("--resume", help="a checkpoint folder (step{N}) to continue from")
     parser.add_argument("--loss-log", help="append one JSON line per step (global loss, grad norm) here (rank 0)")
+    parser.add_argument("--encoder", default="stage0", choices=("stage0", "spread"),
+                        help="where the vision tower runs: on stage 0, or spread over the pipeline ranks")
+    parser.add_argument("--trace", metavar="FILE.svg",
+                        help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     return parser.parse_args(argv)
 
 
@@ -69,16 +75,21 @@ def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namesp
     ids, mask = batch["input_ids"], batch["attention_mask"]
     # the loss is normalised by the valid tokens of the GLOBAL batch: replicas' gradients then add up
     num_valid = pipeline.count_valid_tokens(pipeline.make_labels(ids, config, adapter, attention_mask=mask))
-    images, videos = adapter.media_per_sample(ids, config)
-    local = pipeline.shard_batch(batch, ctx["dp_rank"], args.dp, images_per_sample=images, videos_per_sample=videos)
+    # counts from the tokens (and, where tokens cannot tell, the batch's metadata: Qwen3-VL videos)
+    local = pipeline.shard_batch(batch, ctx["dp_rank"], args.dp, **adapter.media_counts(batch, config))
     ids, mask = local["input_ids"], local["attention_mask"]
     labels = pipeline.make_labels(ids, config, adapter, attention_mask=mask)
-    images, videos = adapter.media_per_sample(ids, config)
-    staged = ppmedia.split_media(local, args.microbatches, images_per_sample=images, videos_per_sample=videos)
+    staged = ppmedia.split_media(local, args.microbatches, **adapter.media_counts(local, config))
 
     ctx["optimizer"].zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
-    with ppmedia.stage_media(first, staged) if first is not None else contextlib.nullcontext():
+    if ctx["tracer"] is not None:
+        ctx["tracer"].start(group=ctx["pp_group"])
+    if args.encoder == "spread":  # every pipeline rank encodes a share; stage 0 also stages the chunks
+        staging = pipeline.encoder_spread_of(ctx["stages"]).step(staged, ids)
+    else:
+        staging = ppmedia.stage_media(first, staged) if first is not None else contextlib.nullcontext()
+    with staging:
         ctx["schedule"].step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
     modules = ctx["modules"]
     pipeline.sync_tied_gradients(modules, ctx["tied"], group=ctx["pp_group"])
@@ -102,7 +113,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     tied = pipeline.tied_parameters(model)  # before the split: names that are one tensor
     layout = pipeline.schedule_layout(args.schedule)  # stages per rank and their placement (loop / V)
     stages = pipeline.make_pipeline_stages(
-        model, layout.n_stages(args.pp), layout.stage_indices(pp_rank, args.pp), "cpu", group=pp_group
+        model, layout.n_stages(args.pp), layout.stage_indices(pp_rank, args.pp), "cpu", group=pp_group,
+        encoder=args.encoder,
     )
     del model  # each rank keeps only its stages
     modules = [stage.submod for stage in stages]
@@ -113,7 +125,20 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         "first": next((s for s in stages if s.is_first), None),
         "schedule": pipeline.build_schedule(args.schedule, stages, args.microbatches),
         "optimizer": torch.optim.AdamW(params, lr=args.lr),
+        "tracer": None if not args.trace else pipeline.StepTracer(
+            stages, pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None),
     }
+
+
+def draw_trace(ctx: dict[str, Any], args: argparse.Namespace) -> None:
+    """The last step's measured timeline of replica 0's pipeline, as an SVG (written by its rank 0)."""
+    from ppmedia.timeline import write_svg
+
+    title = f"measured: {args.family}, {args.schedule}, pp={args.pp}, vision {args.encoder}"
+    timeline = ctx["tracer"].timeline(title, group=ctx["pp_group"])  # collective over the pipeline
+    if ctx["dp_rank"] == 0 and ctx["pp_rank"] == 0:
+        write_svg(args.trace, [[timeline]], f"examples/train.py --encoder {args.encoder}: one step")
+        print(f"wrote {args.trace}: step {timeline.step_time * 1e3:.1f} ms, bubble {timeline.bubble:.0%}", flush=True)
 
 
 def save(ctx: dict[str, Any], folder: str, step: int) -> None:
@@ -158,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                         fh.write(json.dumps({"step": step, "loss": loss, "grad_norm": norm}) + "\n")
             if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
                 save(ctx, os.path.join(args.save_dir, f"step{step + 1}"), step + 1)
+        if ctx["tracer"] is not None:
+            draw_trace(ctx, args)
     finally:
         dist.destroy_process_group()
 

@@ -55,9 +55,12 @@ The package, one module per concern (every public name is importable from ``ppme
 ``loss``            :func:`make_labels`, :func:`count_valid_tokens`, :func:`pipeline_loss`
 ``tied``            tied parameters across stages
 ``parallel``        data parallelism: :func:`shard_batch`, gradient reduction, global-norm clipping
+``encoder``         the encoder spread: every pipeline rank encodes a share of the media (:class:`EncoderSpread`)
+``trace``           measured per-action timelines of a real step (:class:`StepTracer`)
 ==================  ===========================================================================
 """
 
+from .encoder import ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, vision_replica
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
 from .schedules import (
@@ -72,20 +75,27 @@ from .schedules import (
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
 from .surgery import default_layer_split, find_language_model
 from .tied import TiedParameters, sync_tied_gradients, tied_parameters
+from .trace import StepTracer
 
 __all__ = [
+    "ENCODER_MODES",
+    "EncoderSpread",
     "IGNORE_INDEX",
     "SCHEDULES",
     "SCHEDULE_ALIASES",
     "ScheduleLayout",
+    "SpreadPlan",
     "StageModule",
+    "StepTracer",
     "TiedParameters",
     "all_reduce_gradients",
+    "assign_encoders",
     "build_schedule",
     "build_stage_modules",
     "clip_grad_norm",
     "count_valid_tokens",
     "default_layer_split",
+    "encoder_spread_of",
     "find_language_model",
     "make_labels",
     "make_pipeline_stages",
@@ -97,4 +107,5 @@ __all__ = [
     "static_stage_args",
     "sync_tied_gradients",
     "tied_parameters",
+    "vision_replica",
 ]

@@ -10,11 +10,14 @@ import torch
 from torch import Tensor, nn
 
 from ..adapters.base import VlmAdapter, WireTensor, config_value
-from ..chunk import next_vlm_media_chunk
+from ..chunk import CURSOR_ATTRIBUTE, next_vlm_media_chunk
 from .surgery import _child_name, _get_path, _layer_ranges, _stage_tree, find_language_model
 
 __all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "static_stage_args"]
 
+#: where :class:`ppmedia.pipeline.encoder.EncoderSpread` hangs a step's precomputed features on the
+#: first stage's module (an object with ``adapter_for(microbatch, chunk) -> VlmAdapter``)
+FEATURES_ATTRIBUTE = "_ppmedia_encoder_features"
 
 
 class StageModule(nn.Module):
@@ -147,8 +150,11 @@ class StageModule(nn.Module):
     def _embed_and_merge(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         lm = self.stage_language_model
         embeds = lm.get_input_embeddings()(input_ids)  # [b, S, H]
+        features = self.__dict__.get(FEATURES_ATTRIBUTE)  # set for one step by an encoder spread
+        k = self.__dict__.get(CURSOR_ATTRIBUTE)
         chunk = next_vlm_media_chunk(self)
-        hidden, wire = self.adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
+        adapter = self.adapter if features is None else features.adapter_for(k, chunk)
+        hidden, wire = adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
         b, S = input_ids.shape
         for spec in self.adapter.wire_tensors(self.config, 0):
             tensor = wire.get(spec.name)
@@ -321,6 +327,7 @@ def make_pipeline_stages(
     layers_per_stage: Sequence[int] | None = None,
     static_microbatch: tuple[int, int] | None = None,
     adapter: VlmAdapter | None = None,
+    encoder: str = "stage0",
 ) -> list[Any]:
     """``PipelineStage`` objects for the stages a rank owns (see :func:`build_stage_modules`).
 
@@ -334,6 +341,11 @@ def make_pipeline_stages(
         static_microbatch: ``(microbatch_size, seq_len)``: give every stage static
             ``input_args``/``output_args`` (no shape-inference forward); ``None`` infers shapes on the
             first step (pass the first stage to :func:`ppmedia.stage_media` so it costs no chunk).
+        encoder: ``"stage0"`` (the first stage runs the vision tower on its microbatches) or
+            ``"spread"``: every pipeline rank encodes a share of each step's media
+            (:class:`ppmedia.pipeline.EncoderSpread`, hung on every returned stage's module as
+            ``encoder_spread``; ranks without stage 0 keep a copy of the vision side). Collective
+            over ``group`` then: call it on every pipeline rank.
 
     Returns:
         One ``torch.distributed.pipelining.PipelineStage`` per index, in order; ``stage.submod`` is
@@ -341,6 +353,10 @@ def make_pipeline_stages(
     """
     from torch.distributed.pipelining import PipelineStage
 
+    from .encoder import ENCODER_MODES
+
+    if encoder not in ENCODER_MODES:
+        raise ValueError(f"encoder: got {encoder!r}; expected one of {', '.join(ENCODER_MODES)}")
     modules = build_stage_modules(
         model, n_stages, stages=stage_indices, layers_per_stage=layers_per_stage, adapter=adapter
     )
@@ -354,4 +370,18 @@ def make_pipeline_stages(
             inputs, outputs = static_stage_args(module, *static_microbatch, dtype=dtype, device=device)
             kwargs.update(input_args=inputs, output_args=outputs)
         stages.append(PipelineStage(module, index, n_stages, device, group=group, **kwargs))
+    if encoder != "stage0":
+        _attach_spread(model, modules, stages, group, device)
     return stages
+
+
+def _attach_spread(model: nn.Module, modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
+                   device: torch.device) -> None:
+    """``encoder="spread"``: this rank's :class:`~ppmedia.pipeline.encoder.EncoderSpread` on every module."""
+    from .encoder import SPREAD_ATTRIBUTE, EncoderSpread, vision_replica
+
+    first = next((st for st in stages if st.is_first), None)
+    vision = modules[list(stages).index(first)] if first is not None else vision_replica(model).to(device)
+    spread = EncoderSpread(vision, modules[0].adapter, first_stage=first, group=group)
+    for module in modules:
+        module.__dict__[SPREAD_ATTRIBUTE] = spread
