@@ -37,8 +37,10 @@ from typing import Any, Sequence
 from .timeline import Bar, Timeline
 
 __all__ = [
+    "AutoSplit",
     "OpCosts",
     "StepPrediction",
+    "auto_layer_split",
     "best_layer_split",
     "compare_placements",
     "predict_step",
@@ -416,3 +418,53 @@ def compare_placements(
         p.timeline.title = f"{label}: layers {p.layers_per_stage}"
     options = [a, b, c, d]
     return options, min(options, key=lambda p: round(p.step_time, 12))  # ties: the earlier option
+
+
+@dataclass
+class AutoSplit:
+    """What ``layers_per_stage="auto"`` plans with (``build_stage_modules(..., auto_split=...)``).
+
+    Attributes:
+        batch: a representative processor batch (not modified): its vision load per microbatch and
+            its sizes ``[B, S]`` are what the split is chosen for.
+        n_microbatches: the schedule's ``n_microbatches``.
+        schedule: the schedule name (any torch ships).
+        costs: calibrated :class:`OpCosts` (e.g. ``tests/bench/run.py --stage0``'s); default the
+            FLOPs model of the model's config (:meth:`OpCosts.from_config`).
+        encoder: ``stage0`` (choose the split for the vision work on stage 0: option (b) of
+            ``ppmedia plan``) or ``spread``.
+    """
+
+    batch: Any
+    n_microbatches: int
+    schedule: str = "1f1b"
+    costs: OpCosts | None = None
+    encoder: str = "stage0"
+
+
+def auto_layer_split(config: Any, n_stages: int, request: AutoSplit, adapter: Any = None,
+                     num_layers: int | None = None) -> StepPrediction:
+    """The best ``layers_per_stage`` for ``request`` (:func:`best_layer_split` on the batch's vision
+    loads, as ``ppmedia plan`` computes them).
+
+    Raises:
+        ValueError: ``n_stages`` does not fit the schedule's placement, or the batch cannot be split.
+    """
+    from .pipeline import schedule_layout
+    from .plan import plan_batch
+
+    layout = schedule_layout(request.schedule)
+    if n_stages % layout.stages_per_rank:
+        raise ValueError(f"auto_split: {n_stages} stages; {layout.name} places {layout.stages_per_rank} per rank")
+    if adapter is None:
+        from .registry import get_adapter
+
+        adapter = get_adapter(config)
+    loads = plan_batch(dict(request.batch), request.n_microbatches, adapter, config)["loads"]
+    ids = request.batch["input_ids"]
+    costs = request.costs or OpCosts.from_config(config, max(1, ids.shape[0] // request.n_microbatches), ids.shape[1])
+    if num_layers is None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_layers = int(text.num_hidden_layers)
+    return best_layer_split(request.schedule, costs, loads, n_ranks=n_stages // layout.stages_per_rank,
+                            num_layers=num_layers, encoder=request.encoder)

@@ -70,22 +70,37 @@ _FEATURE_TAG, _GRAD_TAG = 7301, 7302
 
 
 def _linear_partition(costs: Sequence[float], parts: int) -> list[int]:
-    """Cut points of ``costs`` into ``parts`` contiguous blocks minimising the largest block sum
-    (dynamic programme; ``bounds[i]:bounds[i + 1]`` is block ``i``)."""
+    """Cut points of ``costs`` into ``parts`` contiguous blocks: the largest block sum as small as
+    possible, and among those cuts the most even (smallest sum of squares; ties: earlier ranks take
+    more). ``bounds[i]:bounds[i + 1]`` is block ``i``; two dynamic programmes over ``O(parts n^2)``."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
     inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for p in range(1, parts + 1):
-        for j in range(n + 1):
-            for i in range(j + 1):
-                value = max(best[p - 1][i], prefix[j] - prefix[i])
-                if value < best[p][j] - 1e-12:
-                    best[p][j], cut[p][j] = value, i
+
+    def solve(cap: float | None) -> tuple[list[list[float]], list[list[int]]]:
+        best = [[inf] * (n + 1) for _ in range(parts + 1)]
+        cut = [[0] * (n + 1) for _ in range(parts + 1)]
+        best[0][0] = 0.0
+        for p in range(1, parts + 1):
+            for j in range(n + 1):
+                for i in range(j + 1):
+                    if best[p - 1][i] == inf:
+                        continue
+                    block = prefix[j] - prefix[i]
+                    if cap is None:
+                        value = max(best[p - 1][i], block)
+                    elif block > cap + 1e-9 * max(1.0, cap):
+                        continue
+                    else:
+                        value = best[p - 1][i] + block * block
+                    if value <= best[p][j] + 1e-12 * max(1.0, abs(value)):
+                        best[p][j], cut[p][j] = value, i
+        return best, cut
+
+    largest, _ = solve(None)
+    _, cut = solve(largest[parts][n])
     bounds = [n]
     for p in range(parts, 0, -1):
         bounds.append(cut[p][bounds[-1]])

@@ -182,8 +182,9 @@ def build_stage_modules(
     n_stages: int,
     *,
     stages: Iterable[int] | None = None,
-    layers_per_stage: Sequence[int] | None = None,
+    layers_per_stage: Sequence[int] | str | None = None,
     adapter: VlmAdapter | None = None,
+    auto_split: Any = None,
 ) -> list[StageModule]:
     """Cut ``model`` into pipeline stage modules.
 
@@ -191,8 +192,12 @@ def build_stage_modules(
         model: a ``...ForConditionalGeneration`` whose ``config.model_type`` has a registered adapter.
         n_stages: the number of pipeline stages (>= 1).
         stages: which stage indices to build (default: all); each rank builds only its own.
-        layers_per_stage: decoder layers per stage (default :func:`default_layer_split`).
+        layers_per_stage: decoder layers per stage (default :func:`default_layer_split`), or
+            ``"auto"``: the split with the shortest predicted step for ``auto_split``
+            (:func:`ppmedia.stepmodel.auto_layer_split`: option (b) of ``ppmedia plan``).
         adapter: the family adapter (default: ``ppmedia.registry.get_adapter(model)``).
+        auto_split: with ``layers_per_stage="auto"``, a :class:`ppmedia.stepmodel.AutoSplit` (a
+            representative batch, the schedule, optionally calibrated costs).
 
     Returns:
         The requested :class:`StageModule` objects in the order of ``stages``. They share parameters
@@ -204,6 +209,8 @@ def build_stage_modules(
         adapter = get_adapter(model)
     lm_path, lm = find_language_model(model)
     num_layers = len(lm.layers)
+    if isinstance(layers_per_stage, str):
+        layers_per_stage = _auto_layers(model, n_stages, layers_per_stage, auto_split, adapter, num_layers)
     ranges = _layer_ranges(num_layers, n_stages, layers_per_stage)
     wanted = list(range(n_stages)) if stages is None else [int(s) for s in stages]
     for s in wanted:
@@ -250,6 +257,21 @@ def build_stage_modules(
             )
         )
     return modules
+
+
+def _auto_layers(model: nn.Module, n_stages: int, value: str, auto_split: Any, adapter: VlmAdapter,
+                 num_layers: int) -> list[int]:
+    """``layers_per_stage="auto"``: the step model's best split for ``auto_split``."""
+    from ..stepmodel import AutoSplit, auto_layer_split
+
+    if value != "auto":
+        raise ValueError(f"layers_per_stage: got {value!r}; expected a list of counts or 'auto'")
+    if not isinstance(auto_split, AutoSplit):
+        raise TypeError(
+            f"layers_per_stage='auto' needs auto_split=ppmedia.stepmodel.AutoSplit(batch, n_microbatches, ...); "
+            f"got {type(auto_split).__name__}"
+        )
+    return auto_layer_split(model.config, n_stages, auto_split, adapter, num_layers).layers_per_stage
 
 
 def _wire_shape(spec: WireTensor, b: int, S: int, H: int) -> list[int]:
@@ -324,10 +346,11 @@ def make_pipeline_stages(
     device: torch.device | str = "cpu",
     *,
     group: Any = None,
-    layers_per_stage: Sequence[int] | None = None,
+    layers_per_stage: Sequence[int] | str | None = None,
     static_microbatch: tuple[int, int] | None = None,
     adapter: VlmAdapter | None = None,
     encoder: str = "stage0",
+    auto_split: Any = None,
 ) -> list[Any]:
     """``PipelineStage`` objects for the stages a rank owns (see :func:`build_stage_modules`).
 
@@ -337,7 +360,8 @@ def make_pipeline_stages(
         stage_indices: the stages of this rank (:func:`stage_indices_for_rank`).
         device: where the stages run.
         group: the pipeline process group (default: the world).
-        layers_per_stage: decoder layers per stage.
+        layers_per_stage: decoder layers per stage, or ``"auto"`` with ``auto_split`` (see
+            :func:`build_stage_modules`).
         static_microbatch: ``(microbatch_size, seq_len)``: give every stage static
             ``input_args``/``output_args`` (no shape-inference forward); ``None`` infers shapes on the
             first step (pass the first stage to :func:`ppmedia.stage_media` so it costs no chunk).
@@ -358,7 +382,7 @@ def make_pipeline_stages(
     if encoder not in ENCODER_MODES:
         raise ValueError(f"encoder: got {encoder!r}; expected one of {', '.join(ENCODER_MODES)}")
     modules = build_stage_modules(
-        model, n_stages, stages=stage_indices, layers_per_stage=layers_per_stage, adapter=adapter
+        model, n_stages, stages=stage_indices, layers_per_stage=layers_per_stage, adapter=adapter, auto_split=auto_split
     )
     device = torch.device(device)
     stages = []

@@ -16,7 +16,10 @@ Measures, in one process with ``torch.set_num_threads(1)``:
 5. the whole first stage (embedding + media merge) with and without ppmedia's staging, per family
    (see ``model_bench.py``);
 6. media-aware balancing: real 2-process 1F1B and GPipe pipelines on a skewed batch, balanced vs as-is,
-   and the simulator's prediction (see ``balance_bench.py``; alone: ``--balance``).
+   and the simulator's prediction (see ``balance_bench.py``; alone: ``--balance``);
+7. the encoder spread: real 2-process 1F1B pipelines on a vision-heavy tiny model, the vision tower on
+   stage 0 (uniform and other static splits) vs spread over both ranks, with the planner's predictions
+   and the timeline picture (see ``stage0_bench.py``; alone: ``--stage0``).
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -48,6 +51,7 @@ from ppmedia.testing.tiny_models import FAMILIES  # noqa: E402
 
 import balance_bench  # noqa: E402
 import model_bench  # noqa: E402
+import stage0_bench  # noqa: E402
 import staging_bench  # noqa: E402
 from reference import load_reference  # noqa: E402
 
@@ -107,9 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-install", action="store_true", help="do not pip-install the Automodel reference")
     parser.add_argument("--balance", action="store_true", help="run only the balancing benchmark (section 6)")
     parser.add_argument("--force", action="store_true", help="balancing: print the ratio even on an unquiet machine")
+    parser.add_argument("--stage0", action="store_true", help="run only the encoder-spread benchmark (section 7)")
+    parser.add_argument("--timeline", type=Path, default=None,
+                        help="section 7: draw its predicted and measured timelines here (SVG)")
     args = parser.parse_args(argv)
     if args.balance:
         return _run_balance(args, None)
+    if args.stage0:
+        return _run_stage0(args, None)
 
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -203,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     balance = _run_balance(args, targets)
     print()
 
+    # -- 7: the encoder spread ---------------------------------------------------------------------
+    spread = _run_stage0(args, targets)
+    print()
+
     # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
@@ -237,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     results = {
         "balance": balance,
+        "stage0": spread,
         "environment": env,
         "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
         "elapsed_s": round(elapsed, 1),
@@ -277,12 +291,45 @@ def _run_balance(args: argparse.Namespace, targets: list[dict[str, Any]] | None)
                             "measured": None if analysis["unquiet"] else round(c["ratio"], 3),
                             "met": None if analysis["unquiet"] else c["ratio"] <= limit})
     result = {"raw": raw, "analysis": analysis}
+    costs = args.out.parent / "bench-stage0-costs.json"  # per-operation costs for ppmedia plan --calibration
+    costs.parent.mkdir(parents=True, exist_ok=True)
+    costs.write_text(json.dumps(analysis["costs"], indent=1) + "\n")
+    print(f"wrote {costs} (ppmedia plan --calibration {costs.name})")
     if targets is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"balance": result}, indent=1) + "\n")
         print(last)
         return 0
     print(last)
+    return result
+
+
+def _run_stage0(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 7; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    raw = stage0_bench.run(6 if args.quick else 16)
+    analysis = stage0_bench.analyse(raw)
+    print(stage0_bench.report(raw, analysis, args.force))
+    if args.timeline is not None:
+        from ppmedia.timeline import write_svg
+
+        write_svg(str(args.timeline), stage0_bench.timelines(raw, analysis),
+                  "one 1F1B step of the benchmark's batch, predicted (left) and measured (right)")
+        print(f"wrote {args.timeline}")
+    quiet = not analysis["unquiet"]
+    spread, error = analysis["arms"]["spread"]["ratio"], analysis["spread_error"]
+    result = {"raw": raw, "analysis": analysis}
+    costs = args.out.parent / "bench-stage0-costs.json"  # per-operation costs for ppmedia plan --calibration
+    costs.parent.mkdir(parents=True, exist_ok=True)
+    costs.write_text(json.dumps(analysis["costs"], indent=1) + "\n")
+    print(f"wrote {costs} (ppmedia plan --calibration {costs.name})")
+    if targets is None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"stage0": result}, indent=1) + "\n")
+        return 0
+    targets.append({"target": "encoder spread: spread/stage-0 step time <= 0.80",
+                    "measured": round(spread, 3) if quiet else None, "met": spread <= 0.80 if quiet else None})
+    targets.append({"target": "encoder spread: planner within 0.05 of the measured ratio",
+                    "measured": round(error, 3) if quiet else None, "met": abs(error) <= 0.05 if quiet else None})
     return result
 
 
