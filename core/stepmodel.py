@@ -13,11 +13,12 @@ send latency). Each operation starts when its rank is free and its inputs have a
   empty), and so does the model;
 * ``encoder="stage0"``: the vision forward of microbatch ``m`` is part of stage 0's ``F``, its backward
   part of stage 0's backward;
-* ``encoder="spread"`` (:mod:`ppmedia.pipeline.encoder`): every rank first broadcasts the vision
-  weights (``S``, half of :attr:`OpCosts.sync`) and encodes its microbatches (``E``, owners from
-  :func:`ppmedia.pipeline.assign_encoders`, the runtime's own rule); stage 0's ``F`` of ``m`` waits
-  for ``m``'s features; after its schedule a rank runs the vision backward of its microbatches
-  (``V``, each once stage 0's backward of it is done), then all reduce (``R``).
+* ``encoder="spread"`` (:mod:`ppmedia.pipeline.encoder`): the ranks without stage 0 first receive the
+  vision weights (``S``, half of :attr:`OpCosts.sync`); every rank encodes its microbatches (``E``,
+  owners from :func:`ppmedia.pipeline.assign_encoders`, the runtime's own rule); stage 0's ``F`` of
+  ``m`` waits for ``m``'s features; after its schedule a rank runs the vision backward of its
+  microbatches (``V``, each once stage 0's backward of it is done); the other ranks' gradients travel
+  to stage 0 (``R``, the other half) while stage 0's rank runs its own.
 
 :func:`best_layer_split` searches ``layers_per_stage`` for the fastest step, and
 :func:`compare_placements` gives the four placements ``ppmedia plan`` prints (vision on stage 0 with
@@ -122,6 +123,8 @@ class OpCosts:
             model, MFLOP; backward ``None``: twice the forward).
         first_forward / first_backward: stage 0 besides its layers and the tower (embedding, merge).
         last_forward / last_backward: the last stage besides its layers (norm, head, loss).
+        stage_forward / stage_backward: what any stage running at least one decoder layer adds once
+            (the language model's masks and rotary embedding).
         weight_share: of a backward, the part split-backward schedules run as ``W``.
         latency: from an operation's end to its output's arrival on another rank (also features and
             their gradients of the encoder spread).
@@ -138,6 +141,8 @@ class OpCosts:
     first_backward: float = 0.0
     last_forward: float = 0.0
     last_backward: float = 0.0
+    stage_forward: float = 0.0
+    stage_backward: float = 0.0
     weight_share: float = 0.5
     latency: float = 0.0
     sync: float = 0.0
@@ -238,10 +243,11 @@ def _schedule_ops(schedule: str, costs: OpCosts, loads: Sequence[float], n_ranks
     for r, order in enumerate(orders):
         for s, kind, m in order:
             vision = float(loads[m]) if (s == 0 and encoder == "stage0") else 0.0
+            some = layers[s] > 0
             fwd = layers[s] * costs.layer_forward + (costs.first_forward if s == 0 else 0.0) + (
-                costs.last_forward if s == n_stages - 1 else 0.0) + vision * costs.vision_forward
+                costs.last_forward if s == n_stages - 1 else 0.0) + vision * costs.vision_forward + some * costs.stage_forward
             bwd = layers[s] * costs.layer_bwd + (costs.first_backward if s == 0 else 0.0) + (
-                costs.last_backward if s == n_stages - 1 else 0.0) + vision * costs.vision_bwd
+                costs.last_backward if s == n_stages - 1 else 0.0) + vision * costs.vision_bwd + some * costs.stage_backward
             grad_in = ("G", s + 1, m) if s < n_stages - 1 else ("F", s, m)
             grad_lat = lat[(s, s + 1)] if s < n_stages - 1 else 0.0
             if kind == "F":
@@ -261,18 +267,29 @@ def _schedule_ops(schedule: str, costs: OpCosts, loads: Sequence[float], n_ranks
 
 def _spread_ops(costs: OpCosts, loads: Sequence[float], owners: Sequence[int], n_ranks: int,
                 body: list[list[_Op]]) -> list[list[_Op]]:
-    """Wrap each rank's schedule with the spread's broadcast, encodes, vision backwards and reduce."""
+    """Wrap each rank's schedule with the spread's broadcast, encodes, vision backwards and reduce.
+
+    As :class:`~ppmedia.pipeline.EncoderSpread` runs them: stage 0's rank broadcasts in the background
+    and encodes at once, the other ranks wait for the weights (``S``, half of ``sync``); after its
+    schedule stage 0's rank enters the reduction (contributing nothing) and runs its vision
+    backwards while the other ranks' gradients travel (``R`` on those ranks, the other half, once
+    their own backwards are done and stage 0 has entered); stage 0 ends when the sum has arrived."""
     half = costs.sync / 2
     out = []
     for r in range(n_ranks):
         mine = [m for m, owner in enumerate(owners) if owner == r and loads[m] > 0]
         sent = 0.0 if r == 0 else costs.latency  # features cross to stage 0's rank
-        ops = [_Op(r, "S", -1, -1, half, [], [])]
+        ops = [_Op(r, "S", -1, -1, 0.0 if r == 0 else half, [], [])]
         ops += [_Op(r, "E", -1, m, loads[m] * costs.vision_forward, [], [(("X", m), sent)]) for m in mine]
         ops += body[r]
+        if r == 0:
+            ops.append(_Op(r, "R", -1, -1, 0.0, [], [(("entered", 0), 0.0)]))
         ops += [_Op(r, "V", -1, m, loads[m] * costs.vision_bwd, [(("D", 0, m), 0.0 if r == 0 else costs.latency)], [])
                 for m in mine]
-        ops.append(_Op(r, "R", -1, -1, half, [(("done", q), 0.0) for q in range(n_ranks) if q != r], []))
+        if r == 0:
+            ops.append(_Op(r, "R", -1, -1, 0.0, [(("reduced", q), 0.0) for q in range(1, n_ranks)], []))
+        else:
+            ops.append(_Op(r, "R", -1, -1, half, [(("entered", 0), 0.0)], [(("reduced", r), 0.0)]))
         out.append(ops)
     return out
 
@@ -289,8 +306,6 @@ def _replay(ranks: list[list[_Op]], title: str, unit: str) -> Timeline:
         for r, ops in enumerate(ranks):
             while pos[r] < len(ops):
                 op = ops[pos[r]]
-                if op.kind == "R" and pos[r] == len(ops) - 1:
-                    done[("done", r)] = free[r]
                 if any(key not in done for key, _ in op.needs):
                     break
                 start = max([free[r]] + [done[key] + extra for key, extra in op.needs])

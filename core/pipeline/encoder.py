@@ -393,6 +393,7 @@ class EncoderSpread:
         self._synced = False
         self._keep: list[Tensor] = []  # tensors in flight (a send's buffer must outlive it)
         self._grad_sends: list[Any] = []
+        self._pending: list[Any] = []  # stage 0's background broadcasts
         self._check_layout()
 
     # -- small pieces --------------------------------------------------------------------------
@@ -429,6 +430,8 @@ class EncoderSpread:
 
         :meth:`step` calls it: everything on the first step, the trainable parameters after. Call it
         yourself (with ``everything=True``) after loading frozen vision weights into stage 0 mid-run.
+        On stage 0's rank the broadcast runs in the background (it goes on encoding its own share;
+        :meth:`step` waits for it at the end); the copies wait for their weights.
         """
         import torch.distributed as dist
 
@@ -436,14 +439,18 @@ class EncoderSpread:
             return
         params = [p for _, p in self.params if everything or p.requires_grad]
         for _, (flat, idx) in sorted(self._flat(params).items(), key=lambda item: str(item[0])):
-            dist.broadcast(flat, group_src=0, group=self.group)
-            if self.rank != 0:
-                offset = 0
-                with torch.no_grad():
-                    for i in idx:
-                        n = params[i].numel()
-                        params[i].copy_(flat[offset : offset + n].view_as(params[i]))
-                        offset += n
+            work = dist.broadcast(flat, group_src=0, group=self.group, async_op=True)
+            if self.rank == 0:
+                self._pending.append(work)
+                self._keep.append(flat)
+                continue
+            work.wait()
+            offset = 0
+            with torch.no_grad():
+                for i in idx:
+                    n = params[i].numel()
+                    params[i].copy_(flat[offset : offset + n].view_as(params[i]))
+                    offset += n
         self._synced = True
 
     # -- the plan ------------------------------------------------------------------------------
@@ -572,7 +579,7 @@ class EncoderSpread:
         from ..stage import stage_media
 
         self._needs_grad = torch.is_grad_enabled() and any(p.requires_grad for _, p in self.params)
-        self._keep, self._grad_sends = [], []
+        self._keep, self._grad_sends, self._pending = [], [], []
         t0 = time.perf_counter()
         self.refresh(everything=not self._synced)
         self._record("S", -1, t0, time.perf_counter())
@@ -605,22 +612,28 @@ class EncoderSpread:
                     f"encoder spread: the first stage never took the encoded outputs of microbatches {missing} "
                     f"(its forwards took {features.takes}); expected every microbatch once"
                 )
+        for work in self._pending:  # stage 0's background broadcast
+            work.wait()
         if self._needs_grad:
             if features is not None:
                 for item in features.incoming.values():
                     if plan.owners[item.k] != 0 and not item.sent:
                         self._send_gradients(item, plan.owners[item.k])
+                # the copies' sum travels while this rank runs its own share's backward
+                reduction = self._start_reduction()
                 for k, kept in outputs.items():
                     leaves = features.incoming[k].leaves or {}
                     self._backward(k, kept, {n: leaf.grad for n, leaf in leaves.items()})
-            for k, (works, grads) in receives.items():
-                for work in works:
-                    work.wait()
-                self._backward(k, outputs[k], grads)
+                self._finish_reduction(reduction)
+            else:
+                for k, (works, grads) in receives.items():
+                    for work in works:
+                        work.wait()
+                    self._backward(k, outputs[k], grads)
+                self._finish_reduction(self._start_reduction())
             for work in self._grad_sends:
                 work.wait()
-            self._reduce_gradients()
-        self._keep, self._grad_sends = [], []
+        self._keep, self._grad_sends, self._pending = [], [], []
 
     def _backward(self, k: int, outputs: Mapping[str, Tensor], grads: Mapping[str, Tensor | None]) -> None:
         """The tower's backward for microbatch ``k``'s outputs, from their gradients on stage 0."""
@@ -631,31 +644,52 @@ class EncoderSpread:
         torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])  # type: ignore[union-attr]
         self._record("V", k, t0, time.perf_counter())
 
-    def _reduce_gradients(self) -> None:
-        """Sum the copies' vision gradients onto stage 0's parameters (a parameter whose gradient is
-        ``None`` on every rank stays ``None``); the copies' gradients are dropped."""
+    def _start_reduction(self) -> Any:
+        """Start summing the copies' vision gradients onto stage 0 (a ``reduce`` per dtype, in the
+        background). Stage 0's rank contributes zeros: it adds the sum to its own gradients in
+        :meth:`_finish_reduction`, after its own share's backward, which the transfer overlaps."""
         import torch.distributed as dist
 
         if self.size == 1:
-            return
+            return None
         t0 = time.perf_counter()
         params = [p for _, p in self.params if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
-        dist.reduce(flags, group_dst=0, group=self.group)
-        has_grad = flags.tolist() if self.rank == 0 else []  # one small host read, on stage 0
-        for _, (flat, idx) in sorted(self._flat(grads).items(), key=lambda item: str(item[0])):
-            dist.reduce(flat, group_dst=0, group=self.group)
-            offset = 0
-            for i in idx:
-                n = params[i].numel()
-                if self.rank == 0 and has_grad[i]:
-                    params[i].grad = flat[offset : offset + n].view_as(params[i])
-                offset += n
-        if self.rank != 0:
+        own = self.rank == 0
+        grads = [torch.zeros_like(p) if own or p.grad is None else p.grad for p in params]
+        flags = torch.tensor([not own and p.grad is not None for p in params], dtype=torch.int32, device=self.device)
+        works = [dist.reduce(flags, group_dst=0, group=self.group, async_op=True)]
+        flats = sorted(self._flat(grads).items(), key=lambda item: str(item[0]))
+        works += [dist.reduce(flat, group_dst=0, group=self.group, async_op=True) for _, (flat, _) in flats]
+        self._record("R", -1, t0, time.perf_counter())
+        return params, flags, flats, works
+
+    def _finish_reduction(self, reduction: Any) -> None:
+        """Wait for the sum; on stage 0 add it to the vision gradients (a parameter whose gradient is
+        ``None`` on every rank stays ``None``); drop the copies' gradients."""
+        if reduction is None:
+            return
+        t0 = time.perf_counter()
+        params, flags, flats, works = reduction
+        for work in works:
+            work.wait()
+        if self.rank == 0:
+            theirs = flags.tolist()  # one small host read, on stage 0
+            for _, (flat, idx) in flats:
+                offset = 0
+                for i in idx:
+                    p, n = params[i], params[i].numel()
+                    if theirs[i]:
+                        total = flat[offset : offset + n].view_as(p)
+                        p.grad = total if p.grad is None else p.grad.add_(total)
+                    offset += n
+        else:
             for p in params:
                 p.grad = None
         self._record("R", -1, t0, time.perf_counter())
+
+    def _reduce_gradients(self) -> None:
+        """Sum the copies' vision gradients onto stage 0 now (both halves of the reduction at once)."""
+        self._finish_reduction(self._start_reduction())
 
 
 def encoder_spread_of(stages: Sequence[Any]) -> EncoderSpread:

@@ -2,9 +2,9 @@
 on stage 0 (uniform and other static splits) against spread over both ranks, A/B alternated.
 
 Model: a tiny Qwen2.5-VL whose vision tower (depth 4, hidden 128, full attention in 2 of 4 layers)
-costs about as much per microbatch as one stage's share of the text model (4 decoder layers, hidden
-256): B=8 samples with one 8x8-patch image each, ``S = 80``, 4 microbatches of 2, 1F1B on 2 ranks
-(gloo on 127.0.0.1, one thread per process). Arms, alternated step by step with their order rotated
+costs per microbatch about 1.5 times one stage's share of the text model (4 decoder layers, hidden
+256, forward and backward): B=16 samples with one 8x12-patch image each, ``S = 80``, 8 microbatches
+of 2, 1F1B on 2 ranks (gloo on 127.0.0.1, one thread per process). Arms, alternated step by step with their order rotated
 every repetition: ``stage0`` (layers 2 + 2, the uniform split), ``stage0/1+3`` and ``stage0/0+4`` (vision
 on stage 0 with fewer layers there), ``spread`` (2 + 2, ``encoder="spread"``).
 
@@ -33,7 +33,9 @@ import torch
 
 import balance_bench as bb
 
-N_MICROBATCHES = 4
+N_MICROBATCHES = 8
+BATCH = 16
+GRID = (1, 8, 12)  # patches of each sample's image: 96, i.e. 24 tokens
 SEQ_LEN = 80
 TEXT_LAYERS = 4
 SCHEDULE = "1f1b"
@@ -57,23 +59,48 @@ def build_config() -> Any:
         bb.LM_LAYERS = saved
 
 
-def _probe(rank: int, model: Any, adapter: Any, staged: Any, ids: torch.Tensor, spread: Any, repeats: int) -> dict[str, float]:
-    """Per-operation times (s) on this rank, run while the other rank runs the same."""
+def build_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """``BATCH`` samples, each with one image of ``GRID`` patches, then random text to ``SEQ_LEN``."""
+    from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = GRID[0] * GRID[1] * GRID[2] // 4
+    ids = torch.full((BATCH, SEQ_LEN), tiny.PAD_TOKEN_ID, dtype=torch.long)
+    for s in range(BATCH):
+        row = [tiny.BOS_TOKEN_ID, tiny.VISION_START_TOKEN_ID] + [tiny.IMAGE_TOKEN_ID] * tokens + [tiny.VISION_END_TOKEN_ID]
+        row += torch.randint(10, 128, (SEQ_LEN - 1 - len(row),), generator=gen).tolist() + [tiny.EOS_TOKEN_ID]
+        ids[s] = torch.tensor(row)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(BATCH * GRID[0] * GRID[1] * GRID[2], tiny.PATCH_DIM, generator=gen),
+        "image_grid_thw": torch.tensor([GRID] * BATCH, dtype=torch.long),
+    }
+
+
+def _probe(model: Any, adapter: Any, staged: Any, ids: torch.Tensor, spread: Any) -> Any:
+    """A function that times each operation once on this rank (while the other rank does the same),
+    appending to the lists it returns with ``summary()``: called once per repetition, between the
+    arms, so the calibration sees the same machine as they do."""
     import torch.distributed as dist
 
     from ppmedia.pipeline import build_stage_modules, vision_replica
 
     config = model.config
     vision = vision_replica(model)
-    layer = build_stage_modules(model, 4, stages=[1], layers_per_stage=[1, 1, 1, 1])[0]
+    # a middle stage of one layer and one of two: their difference is a layer, without the stage's
+    # fixed work (masks, rotary embedding), which the first and last stages' extras then include
+    one = build_stage_modules(model, 4, stages=[1], layers_per_stage=[1, 1, 1, 1])[0]
+    two = build_stage_modules(model, 3, stages=[1], layers_per_stage=[1, 2, 1])[0]
     b = ids.shape[0] // N_MICROBATCHES
     hidden = torch.randn(b, SEQ_LEN, config.text_config.hidden_size, requires_grad=True)
     mask = torch.ones(b, SEQ_LEN, dtype=torch.long)
     positions = torch.arange(SEQ_LEN).expand(b, 3, SEQ_LEN).contiguous()
-    times: dict[str, list[float]] = {k: [] for k in ("vision_forward", "vision_backward", "layer_forward",
-                                                     "layer_backward", "sync")}
+    times: dict[str, list[float]] = {k: [] for k in ("vision_forward", "vision_backward", "one_forward",
+                                                     "one_backward", "two_forward", "two_backward", "sync")}
     chunks = [(k, staged.chunk(k)) for k in range(N_MICROBATCHES) if staged.chunk(k) is not None]
-    for rep in range(repeats):
+
+    def once() -> None:
         dist.barrier()
         for k, chunk in chunks:
             a, z = staged.samples[k]
@@ -85,21 +112,34 @@ def _probe(rank: int, model: Any, adapter: Any, staged: Any, ids: torch.Tensor, 
             t2 = time.perf_counter()
             times["vision_forward"].append(t1 - t0)
             times["vision_backward"].append(t2 - t1)
-        t0 = time.perf_counter()
-        out = layer(hidden, mask, positions)[0]
-        t1 = time.perf_counter()
-        out.backward(torch.ones_like(out))
-        t2 = time.perf_counter()
-        times["layer_forward"].append(t1 - t0)
-        times["layer_backward"].append(t2 - t1)
+        for name, stage in (("one", one), ("two", two)):
+            t0 = time.perf_counter()
+            out = stage(hidden, mask, positions)[0]
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            t2 = time.perf_counter()
+            times[f"{name}_forward"].append(t1 - t0)
+            times[f"{name}_backward"].append(t2 - t1)
         for p in model.parameters():
             p.grad = None
         dist.barrier()
         t0 = time.perf_counter()
-        spread.refresh(everything=False)
+        spread.refresh(everything=False)  # stage 0's rank: in the background; the copies wait for it
+        for work in spread._pending:
+            work.wait()
+        spread._pending.clear()
         spread._reduce_gradients()
         times["sync"].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+
+    def summary() -> dict[str, float]:
+        found = {k: statistics.median(v) for k, v in times.items()}
+        for part in ("forward", "backward"):
+            found[f"layer_{part}"] = max(found[f"two_{part}"] - found[f"one_{part}"], 1e-6)
+            found[f"stage_{part}"] = max(found[f"one_{part}"] - found[f"layer_{part}"], 0.0)
+        return found
+
+    once.summary = summary  # type: ignore[attr-defined]
+    return once
 
 
 def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> None:
@@ -117,7 +157,7 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
         config = build_config()
         model = Qwen2_5_VLForConditionalGeneration(config).float()
         adapter = ppmedia.get_adapter(config)
-        batch = bb.build_batch("even")
+        batch = build_batch()
         ids, mask = batch["input_ids"], batch["attention_mask"]
         labels = make_labels(ids, config, adapter, attention_mask=mask)
         staged = ppmedia.split_media(dict(batch), N_MICROBATCHES, **adapter.media_counts(batch, config))
@@ -128,7 +168,7 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
                                           static_microbatch=(ids.shape[0] // N_MICROBATCHES, SEQ_LEN))
             spread = encoder_spread_of(stages) if encoder == "spread" else None
             built[arm] = (stages, build_schedule(SCHEDULE, stages, N_MICROBATCHES), spread, StepTracer(stages, spread))
-        probe = _probe(rank, model, adapter, staged, ids, built["spread"][2], job["probe_repeats"])
+        probe = _probe(model, adapter, staged, ids, built["spread"][2])
 
         def step(arm: str) -> tuple[float, list[Any]]:
             stages, schedule, spread, tracer = built[arm]
@@ -149,6 +189,7 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
         for _ in range(job["warmup"]):
             for arm in ARMS:
                 step(arm)
+            probe()
         dist.barrier()
         busy0, own0, t_start = bb._cpu_busy(), bb._own_cpu(), time.perf_counter()
         records: dict[str, list[Any]] = {arm: [] for arm in ARMS}
@@ -157,19 +198,20 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
             shift = rep % len(names)
             for arm in names[shift:] + names[:shift]:
                 records[arm].append(step(arm))
+            probe()
         window = time.perf_counter() - t_start
         own = torch.tensor([bb._own_cpu() - own0])
         dist.all_reduce(own)
         busy = bb._cpu_busy() - busy0
         gathered: list[Any] = [None, None]
-        dist.all_gather_object(gathered, {"records": records, "probe": probe})
+        dist.all_gather_object(gathered, {"records": records, "probe": probe.summary()})
         if rank == 0:
             result = {
                 "arms": {arm: {"walls": [max(gathered[r]["records"][arm][i][0] for r in range(2)) for i in range(job["pairs"])],
                                "bars": [[b for r in range(2) for b in gathered[r]["records"][arm][i][1]]
                                         for i in range(job["pairs"])]}
                          for arm in ARMS},
-                "probe": {k: statistics.mean(gathered[r]["probe"][k] for r in range(2)) for k in probe},
+                "probe": {k: statistics.mean(gathered[r]["probe"][k] for r in range(2)) for k in gathered[0]["probe"]},
                 "loads": list(built["spread"][2].last_plan.costs),
                 "window": {"seconds": window, "foreign_cores": max(0.0, busy - float(own)) / window},
             }
@@ -191,7 +233,7 @@ def _bar_json(bar: Any) -> Any:
     return [bar.rank, bar.kind, bar.start, bar.end, bar.stage, bar.microbatch]
 
 
-def run(pairs: int = 12, warmup: int = 2, probe_repeats: int = 5) -> dict[str, Any]:
+def run(pairs: int = 12, warmup: int = 2) -> dict[str, Any]:
     """Spawn the two workers; the raw results plus the machine's state before."""
     import torch.multiprocessing as mp
     from ppmedia.testing.parity import _free_port
@@ -200,7 +242,7 @@ def run(pairs: int = 12, warmup: int = 2, probe_repeats: int = 5) -> dict[str, A
     busy0, t0 = bb._cpu_busy(), time.perf_counter()
     time.sleep(1.0)  # this process idles: whatever runs now is someone else's
     foreign_before = (bb._cpu_busy() - busy0) / (time.perf_counter() - t0)
-    job = {"pairs": pairs, "warmup": warmup, "probe_repeats": probe_repeats}
+    job = {"pairs": pairs, "warmup": warmup}
     with tempfile.TemporaryDirectory(prefix="ppmedia-stage0-") as out_dir:
         mp.spawn(_worker, args=(f"tcp://127.0.0.1:{_free_port()}", job, out_dir), nprocs=2, join=True)
         with open(os.path.join(out_dir, "stage0.json")) as fh:
@@ -235,13 +277,15 @@ def calibrate(results: dict[str, Any]) -> Any:
     mean_load = statistics.mean(l for l in loads if l > 0)
     vf, vb = probe["vision_forward"] / mean_load, probe["vision_backward"] / mean_load
     lf, lb = probe["layer_forward"], probe["layer_backward"]
+    sf, sb = probe["stage_forward"], probe["stage_backward"]
     base = results["arms"][BASELINE]["bars"]
     l0, l1 = ARMS[BASELINE][1]
     f0, f1 = _op_medians(base, "F", 0), _op_medians(base, "F", 1)
     b0, b1 = _op_medians(base, "B", 0), _op_medians(base, "B", 1)
-    costs = OpCosts(layer_forward=lf, layer_backward=lb, vision_forward=vf, vision_backward=vb,
-                    first_forward=max(0.0, f0 - l0 * lf - vf * mean_load), first_backward=max(0.0, b0 - l0 * lb - vb * mean_load),
-                    last_forward=max(0.0, f1 - l1 * lf), last_backward=max(0.0, b1 - l1 * lb), sync=probe["sync"], unit="s")
+    costs = OpCosts(layer_forward=lf, layer_backward=lb, vision_forward=vf, vision_backward=vb, stage_forward=sf,
+                    stage_backward=sb, first_forward=max(0.0, f0 - l0 * lf - sf - vf * mean_load),
+                    first_backward=max(0.0, b0 - l0 * lb - sb - vb * mean_load), last_forward=max(0.0, f1 - l1 * lf - sf),
+                    last_backward=max(0.0, b1 - l1 * lb - sb), sync=probe["sync"], unit="s")
     target = statistics.median(results["arms"][BASELINE]["walls"])
 
     def step(latency: float) -> float:
@@ -281,7 +325,11 @@ def analyse(results: dict[str, Any], max_foreign: float = 0.25) -> dict[str, Any
         reasons.append(f"other processes used {results['foreign_cores_before']:.2f} cores just before the start")
     if results["window"]["foreign_cores"] > max_foreign:
         reasons.append(f"other processes used {results['window']['foreign_cores']:.2f} cores during the runs")
+    mean_load = statistics.mean(l for l in loads if l > 0)
+    stage_work = (TEXT_LAYERS // 2) * (costs.layer_forward + costs.layer_bwd) + costs.stage_forward + costs.stage_backward
+    vision_work = mean_load * (costs.vision_forward + costs.vision_bwd)
     return {"arms": arms, "best_static": best_static, "costs": costs.to_dict(), "unquiet": reasons,
+            "vision_over_stage": vision_work / stage_work,
             "planner": [{"label": o.label, "layers": o.layers_per_stage, "predicted_s": o.step_time,
                          "ratio": o.step_time / base_pred} for o in options],
             "recommended": best.label, "spread_error": arms["spread"]["predicted_ratio"] - arms["spread"]["ratio"]}
@@ -310,8 +358,8 @@ def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = Fals
     from ppmedia.tables import format_table
 
     arms = analysis["arms"]
-    lines = [f"7. encoder spread: 2-process {SCHEDULE} pipelines, vision-heavy tiny Qwen2.5-VL (B=8, n={N_MICROBATCHES}, "
-             f"{TEXT_LAYERS} decoder layers, vision per microbatch ~ one stage's decoder work); {results['pairs']} "
+    lines = [f"7. encoder spread: 2-process {SCHEDULE} pipelines, vision-heavy tiny Qwen2.5-VL (B={BATCH}, n={N_MICROBATCHES}, "
+             f"{TEXT_LAYERS} decoder layers, vision per microbatch ~1.5x one stage's decoder work); {results['pairs']} "
              f"alternated repetitions per arm"]
     rows = [(arm, ARMS[arm][0], "+".join(map(str, ARMS[arm][1])), f"{a['median_s'] * 1e3:.1f}", f"{a['ratio']:.3f}",
              f"{a['predicted_s'] * 1e3:.1f}", f"{a['predicted_ratio']:.3f}", f"{a['predicted_ratio'] - a['ratio']:+.3f}")
@@ -319,10 +367,12 @@ def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = Fals
     lines.append(format_table(("arm", "vision", "layers", "median ms", "measured / stage0", "predicted ms",
                                "predicted / stage0", "pred - meas"), rows))
     c = analysis["costs"]
-    lines.append(f"calibration (ms): layer fwd {c['layer_forward'] * 1e3:.2f} bwd {c['layer_backward'] * 1e3:.2f}; vision "
+    lines.append(f"calibration (ms): layer fwd {c['layer_forward'] * 1e3:.2f} bwd {c['layer_backward'] * 1e3:.2f}, stage "
+                 f"+{c['stage_forward'] * 1e3:.2f}/+{c['stage_backward'] * 1e3:.2f}; vision "
                  f"fwd {c['vision_forward'] * 1e6:.2f} bwd {c['vision_backward'] * 1e6:.2f} us/MFLOP; first +{c['first_forward'] * 1e3:.2f}"
                  f"/+{c['first_backward'] * 1e3:.2f}, last +{c['last_forward'] * 1e3:.2f}/+{c['last_backward'] * 1e3:.2f}; "
                  f"spread sync {c['sync'] * 1e3:.2f}; fitted latency {c['latency'] * 1e3:.2f}")
+    lines.append(f"vision per microbatch (forward + backward) / one stage's decoder work: {analysis['vision_over_stage']:.2f}")
     lines.append("planner (" + "; ".join(f"{p['label']} {p['layers']}: {p['ratio']:.3f}" for p in analysis["planner"])
                  + f") recommends {analysis['recommended']}")
     lines.append(f"other processes' CPU: {results['foreign_cores_before']:.2f} cores in the second before, "
