@@ -105,12 +105,12 @@ class Timeline:
 
     @property
     def bubble(self) -> float:
-        """The idle share of all ranks over the step."""
+        """The idle share of all ranks over the step (work bars may not overlap within a rank)."""
         step = self.step_time
         if step <= 0 or self.ranks <= 0:
             return 0.0
-        idle = sum(b - a for r in range(self.ranks) for a, b in self.bubbles(r))
-        return idle / (self.ranks * step)
+        busy = sum(b.end - b.start for b in self.bars if b.kind not in _OVERLAYS)
+        return max(0.0, 1.0 - busy / (self.ranks * step))
 
     def shifted(self) -> "Timeline":
         """The same timeline with its first operation at 0."""

@@ -376,3 +376,57 @@ def test_train_script_with_the_spread_matches_the_model_and_traces_the_schedules
     for rank in range(2):
         assert [b for b in lanes[rank] if b[0] >= 0] == schedule_actions("ZBVZeroBubble", 2, 4)[rank]
         assert any(kind == "E" for _, kind, _ in lanes[rank]) and any(kind == "V" for _, kind, _ in lanes[rank])
+
+
+# ----------------------------------------------------------------------------------------------
+# docs/encoder-spread.md
+
+
+DOC = ROOT / "docs" / "encoder-spread.md"
+
+
+def _blocks(kind: str) -> list[str]:
+    import re
+
+    return re.findall(rf"```{kind}\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def test_the_docs_python_blocks_run_and_print_the_quoted_table(capsys):
+    blocks = _blocks("python")
+    assert blocks, "docs/encoder-spread.md has python blocks"
+    for code in blocks:
+        exec(compile(code, str(DOC), "exec"), {"__name__": "docs"})  # self-contained, each on its own
+    printed = capsys.readouterr().out.strip()
+    assert printed and printed in DOC.read_text(), "the table in the page is the one its block prints"
+
+
+def test_the_docs_commands_work(capsys, monkeypatch, tmp_path):
+    import importlib.util
+    import re
+    import shlex
+
+    from ppmedia.cli import main
+    from ppmedia.testing.parity import parse_scenarios
+
+    spec = importlib.util.spec_from_file_location("train_example", ROOT / "examples/train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    lines = [line for block in _blocks("bash") for line in block.strip().splitlines()]
+    assert any(line.startswith("torchrun ") for line in lines) and any(line.startswith("ppmedia plan ") for line in lines)
+    monkeypatch.chdir(ROOT)
+    for line in lines:
+        words = shlex.split(line)
+        if words[0] == "torchrun":
+            args = train.parse_args(words[words.index("examples/train.py") + 1:])
+            assert args.encoder == "spread" and args.trace
+        elif words[:2] == ["ppmedia", "plan"]:
+            words[words.index("--timeline") + 1] = str(tmp_path / "plan.svg")
+            assert main(words[1:]) == 0
+            out = capsys.readouterr().out
+            ET.parse(tmp_path / "plan.svg")
+            quoted = re.search(r"it\s+predicts (.*?)\. `layers_per_stage", DOC.read_text(), flags=re.S).group(1)
+            for figure in re.findall(r"\d\.\d{3}", quoted):  # every figure quoted for the fixture is printed
+                assert figure in out, figure
+    run = re.search(r"`python -m ppmedia.testing.parity ([^`]+)`", DOC.read_text()).group(1).split()
+    assert run[0] in tiny.FAMILIES
+    assert [s.encoder for s in parse_scenarios(run[2::2])] == ["spread", "spread"]
