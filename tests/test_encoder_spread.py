@@ -424,7 +424,7 @@ def test_the_docs_commands_work(capsys, monkeypatch, tmp_path):
             assert main(words[1:]) == 0
             out = capsys.readouterr().out
             ET.parse(tmp_path / "plan.svg")
-            quoted = re.search(r"it\s+predicts (.*?)\. `layers_per_stage", DOC.read_text(), flags=re.S).group(1)
+            quoted = re.search(r"it\s+predicts(.*?)`layers_per_stage", DOC.read_text(), flags=re.S).group(1)
             for figure in re.findall(r"\d\.\d{3}", quoted):  # every figure quoted for the fixture is printed
                 assert figure in out, figure
     run = re.search(r"`python -m ppmedia.testing.parity ([^`]+)`", DOC.read_text()).group(1).split()
