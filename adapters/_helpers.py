@@ -15,6 +15,7 @@ from ..hostreads import HostReader
 
 __all__ = [
     "as_tower_dtype",
+    "check_video_chunks",
     "count_runs",
     "grid_products",
     "grid_thw",
@@ -186,3 +187,39 @@ def _match_runs(
             f"{way_out}"
         )
     return counts
+
+
+# -- video chunks ----------------------------------------------------------------------------------
+
+
+def _ints(value: Any) -> list[int]:
+    return [int(v) for v in (value.tolist() if isinstance(value, Tensor) else value)]
+
+
+def check_video_chunks(per_video: Any, per_sample: Any, grid: Tensor | None) -> None:
+    """A processor's ``num_chunks_per_video`` ``[videos]`` against the video grid rows (chunks) per
+    sample ``[B]``: every sample holds whole videos (its chunk boundaries are video boundaries), and the
+    chunks add up to ``grid``'s rows. Reads both counts to the host (a few numbers, once a batch).
+
+    Raises:
+        ValueError: the chunks do not add up, or a video's chunks would be split between samples.
+    """
+    videos, samples = _ints(per_video), _ints(per_sample)  # host reads of small counts, once a batch
+    if grid is not None and sum(videos) != grid.shape[0]:
+        raise ValueError(
+            f"num_chunks_per_video: {videos} adds up to {sum(videos)} chunks but video_grid_thw has "
+            f"{grid.shape[0]} rows (one per chunk)"
+        )
+    ends, total = set(), 0
+    for n in videos:
+        total += n
+        ends.add(total)
+    total = 0
+    for sample, n in enumerate(samples):
+        total += n
+        if n and total not in ends:
+            raise ValueError(
+                f"num_chunks_per_video: {videos}; sample {sample} holds video chunks up to row {total} of "
+                f"video_grid_thw, which ends inside a video (video ends at rows {sorted(ends)}): a video's "
+                f"chunks must all be in one sample"
+            )

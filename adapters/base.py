@@ -12,25 +12,58 @@ microbatch's media and scatters the features into that microbatch's placeholder 
     scatter(inputs_embeds, masks, encode(model, chunk, host))
 
 A family supplies the four abstract methods (and :meth:`VlmAdapter.host_inputs` when it needs chunk
-metadata on the host); :mod:`ppmedia.adapters._helpers` holds what the built-ins share.
+metadata on the host); :mod:`ppmedia.adapters._helpers` holds what the built-ins share. ``merge`` checks
+what ``encode`` returned against what ``feature_counts`` promised (modalities and rows) before the
+scatter, so an encoder giving one row too many or too few is an error naming the family, the modality
+and the microbatch, never a silently dropped or misplaced feature.
+
+Besides its media, a family may declare per-sample inputs (:class:`SampleInput`, ``[B, ...]`` tensors
+of the batch such as PaliGemma's ``token_type_ids``: split with the samples, handed to the first stage
+in ``chunk.extras`` and, with ``every_stage=True``, sent along with the hidden states to every stage)
+and where its language model sits (``language_model_path``).
+
+**State that crosses stage boundaries.** Between pipeline stages travel the hidden states, the
+attention mask and the tensors the adapter declares for the receiving stage
+(:meth:`VlmAdapter.wire_tensors`, each a :class:`WireTensor`). A wire tensor is made either by the
+first stage (:meth:`VlmAdapter.first_stage`: positions, deepstack features) or by a decoder layer on
+any stage: state one layer hands to a later one (Mistral Large 4's DSA top-k indices and shared
+latent KV, Inkling 2's attention-residual block states). For the latter a stage runs its layers with
+the hooks of :meth:`VlmAdapter.stage_hooks` (:class:`LayerHook`), which read what the stage received
+from ``state`` and hand it to the model's own code where that code expects it, and store into
+``state`` what the stage's layers made; the stage then sends every tensor of ``wire_tensors(config,
+its_stop)`` from ``state``. :meth:`VlmAdapter.decoder_kwargs` turns the received tensors into the
+language model's keyword arguments, :meth:`VlmAdapter.prune_stage` edits a stage's copy of the
+language model (modules only the last stage runs), :meth:`VlmAdapter.logits` is the last stage's head.
+The worked examples: ``ppmedia.adapters.qwen3_vl`` (made on the first stage) and
+``ppmedia.adapters.mistral_large4`` (made by layers), documented in ``docs/state-families.md``.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, MutableMapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from ..chunk import VlmMediaChunk
+from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk
 from ..hostreads import HostReader
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["HostValues", "VlmAdapter", "WireTensor", "config_get", "config_value", "inner_model", "read_host"]
+__all__ = [
+    "HostValues",
+    "LayerHook",
+    "SampleInput",
+    "VlmAdapter",
+    "WireTensor",
+    "config_get",
+    "config_value",
+    "inner_model",
+    "read_host",
+]
 
 
 def inner_model(model: torch.nn.Module, attribute: str, expected: str) -> Any:
@@ -89,14 +122,97 @@ class WireTensor:
             :meth:`VlmAdapter.decoder_kwargs` reads (``"position_ids"``, ``"deepstack_1"``).
         shape: batch first; each dim an ``int`` or one of ``"b"`` (microbatch rows), ``"S"`` (sequence
             length), ``"H"`` (the text hidden size). Static: the same for every microbatch.
-        floating: ``True``: the hidden states' dtype, and its gradient flows back to the first stage
-            (e.g. deepstack features, so the vision tower gets their gradient); ``False``: int64, no
-            gradient (positions, masks, token types).
+        floating: ``True``: the hidden states' dtype, and its gradient flows back to the stage that
+            made it (deepstack features: the first stage, so the vision tower gets their gradient;
+            shared KV or block states: the stage of the layer that made them); ``False``: int64, no
+            gradient (positions, masks, token types, top-k indices).
     """
 
     name: str
     shape: tuple[Union[int, str], ...]
     floating: bool = False
+
+
+#: ``before(module, args, kwargs) -> (args, kwargs) | None``: torch's forward pre-hook with kwargs.
+BeforeHook = Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], Optional[tuple[tuple[Any, ...], dict[str, Any]]]]
+#: ``after(module, args, kwargs, output) -> output | None``: torch's forward hook with kwargs.
+AfterHook = Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], Any]
+
+
+@dataclass(frozen=True)
+class LayerHook:
+    """A hook a stage puts on one of its modules while its language model runs one microbatch
+    (:meth:`VlmAdapter.stage_hooks`), then removes.
+
+    Attributes:
+        module: a module of the stage, usually one of its decoder layers
+            (``stage.stage_language_model.layers``), or another child of its language model.
+        before: called before ``module`` runs, with the positional and keyword arguments the language
+            model's own ``forward`` passes it; returns replacements ``(args, kwargs)`` or ``None``
+            (registered with ``register_forward_pre_hook(..., with_kwargs=True)``).
+        after: called after it ran, with the same arguments and its output; returns a replacement
+            output or ``None`` (``register_forward_hook(..., with_kwargs=True)``).
+
+    The hooks sit outside transformers' activation checkpointing (it checkpoints ``forward``, not
+    ``__call__``), so a recomputed layer sees the arguments the hook gave it on the forward.
+    """
+
+    module: torch.nn.Module
+    before: BeforeHook | None = None
+    after: AfterHook | None = None
+
+
+@dataclass(frozen=True)
+class SampleInput:
+    """A per-sample (``[B, ...]``) or per-token (``[B, S]``) input a family needs besides its media.
+
+    :meth:`VlmAdapter.media_counts` hands the batch's value to :func:`ppmedia.split_media`, which pops
+    it, splits it with the samples (and reorders it with them when balancing) and stages microbatch
+    ``k``'s rows as views in ``chunk.extras[key]``: what the first stage's ``encode`` reads. With
+    ``every_stage`` the first stage also sends it on with the hidden states, so every stage's
+    :meth:`VlmAdapter.decoder_kwargs` finds it in ``wire[key]`` (and, with ``kwarg``, the language
+    model's ``forward`` gets it as that keyword on every stage).
+
+    Attributes:
+        key: the batch key; also the ``chunk.extras`` and ``wire`` key.
+        shape: as :class:`WireTensor`: ``"b"`` first (the microbatch's samples), then ``"S"``, ``"H"``
+            or ints (``("b", "S")`` for token types); checked on every stage when ``every_stage``.
+        every_stage: carry it to every stage (prefix-LM token types, MoE routing token types).
+        kwarg: the language model ``forward`` keyword to pass it as on every stage (needs
+            ``every_stage``), e.g. ERNIE 4.5 VL's ``moe_mm_token_type_ids``; ``None``: not passed
+            (the adapter's ``decoder_kwargs`` reads ``wire[key]`` itself).
+        floating: travels in the hidden states' dtype with a gradient (else int64, as sent).
+    """
+
+    key: str
+    shape: tuple[Union[int, str], ...] = ("b",)
+    every_stage: bool = False
+    kwarg: str | None = None
+    floating: bool = False
+
+    def problem(self) -> str | None:
+        """What is wrong with this declaration, in words, or ``None``."""
+        if not isinstance(self.key, str) or not self.key:
+            return f"key {self.key!r}; expected a batch key (non-empty str)"
+        shape = self.shape
+        if not isinstance(shape, tuple) or not shape or shape[0] != "b":
+            return f"{self.key}: shape {shape!r}; expected a tuple starting with 'b' (one row per sample)"
+        if any(not (d in ("b", "S", "H") or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)) for d in shape):
+            return f"{self.key}: shape {shape!r}; expected 'b', 'S', 'H' or ints >= 0 as dims"
+        if self.kwarg is not None and (not isinstance(self.kwarg, str) or not self.kwarg.isidentifier() or not self.every_stage):
+            return f"{self.key}: kwarg {self.kwarg!r}; expected a keyword name, with every_stage=True (every stage runs the language model)"
+        return None
+
+    def wire(self) -> WireTensor:
+        """The :class:`WireTensor` it travels as between stages."""
+        return WireTensor(self.key, self.shape, self.floating)
+
+
+def _microbatch_label(model: Any) -> str:
+    """``" in microbatch k"`` when ``model`` is a staged first stage (its cursor says which), else ``""``."""
+    state = getattr(model, "__dict__", None)
+    cursor = state.get(CURSOR_ATTRIBUTE) if isinstance(state, dict) else None
+    return f" in microbatch {cursor - 1}" if isinstance(cursor, int) and cursor > 0 else ""
 
 
 def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> HostValues:
@@ -202,6 +318,12 @@ class VlmAdapter(abc.ABC):
         name: short family name, e.g. ``"qwen2_5_vl"``.
         model_types: the ``config.model_type`` strings this adapter serves (first is canonical).
         layout: the media layout it reads from a chunk, in words (shown by ``ppmedia adapters``).
+        sample_inputs: the family's per-sample inputs (:class:`SampleInput`); default none.
+        language_model_path: dotted path of the decoder stack (the module holding ``layers``) inside
+            the model, e.g. ``"language_model.model"`` (Llama 4) or ``"model.text_model"``
+            (Idefics3); ``None`` (default): the first of
+            :data:`ppmedia.pipeline.surgery.LANGUAGE_MODEL_PATHS` that holds a ``layers`` list. The
+            output head is found wherever it sits (``model.get_output_embeddings()``).
 
     A subclass implements :meth:`media_per_sample`, :meth:`placeholder_masks`,
     :meth:`feature_counts` and :meth:`encode`; it may override :meth:`host_inputs` (integer metadata
@@ -212,6 +334,8 @@ class VlmAdapter(abc.ABC):
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     layout: ClassVar[str]
+    sample_inputs: ClassVar[tuple[SampleInput, ...]] = ()
+    language_model_path: ClassVar[str | None] = None
 
     # -- token side -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -247,11 +371,23 @@ class VlmAdapter(abc.ABC):
         videos: ``video_grid_thw``).
         """
         images, videos = self.media_per_sample(batch["input_ids"], config, media=batch)
-        counts = {"images_per_sample": images, "videos_per_sample": videos}
+        counts: dict[str, Any] = {"images_per_sample": images, "videos_per_sample": videos}
         for key, arg in (("n_images_per_sample", "images_per_sample"), ("n_videos_per_sample", "videos_per_sample")):
             if batch.get(key) is not None:
                 del counts[arg]
+        if self.sample_inputs:
+            values = self.sample_input_values(batch, config)
+            if values:
+                counts["sample_inputs"] = values
         return counts
+
+    def sample_input_values(self, batch: Mapping[str, Any], config: Any) -> dict[str, Tensor | None]:
+        """``split_media``'s ``sample_inputs`` for a batch: ``{key: None}`` (stage the batch's own
+        ``[B, ...]`` value) for each of :attr:`sample_inputs` the batch holds. Override it to stage a
+        value of your own instead, ``{key: [B, ...] tensor}`` (the batch's key is popped either way),
+        e.g. to turn a processor's ``[samples with images]`` counts into ``[B]``.
+        """
+        return {spec.key: None for spec in self.sample_inputs if batch.get(spec.key) is not None}
 
     @abc.abstractmethod
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
@@ -345,10 +481,50 @@ class VlmAdapter(abc.ABC):
             ValueError: before the encoder runs, when the chunk does not fit its placeholders (see
                 :meth:`check_counts` and :meth:`feature_counts`).
         """
+        if chunk is not None and chunk.extras is not None and not chunk.has_media:  # only per-sample inputs: text-only
+            chunk = None
         masks, host = self.check_counts(input_ids, chunk, model.config)
         if chunk is None:
             return inputs_embeds
-        return self.scatter(inputs_embeds, masks, self.encode(model, chunk, host))
+        features = self.encode(model, chunk, host)
+        self.check_features(features, masks, host, inputs_embeds.shape[-1], _microbatch_label(model))
+        return self.scatter(inputs_embeds, masks, features)
+
+    def check_features(
+        self, features: Mapping[str, Tensor], masks: Mapping[str, Tensor], host: HostValues, hidden: int, where: str = ""
+    ) -> None:
+        """What :meth:`encode` returned against what :meth:`feature_counts` promised (shapes only, no host read).
+
+        Every modality of ``features`` must be one of :meth:`placeholder_masks`, hold ``[rows, hidden]``
+        with ``rows`` its placeholder tokens in the microbatch, and every modality with placeholders
+        must be there.
+
+        Raises:
+            ValueError: naming the family, the modality, the rows expected and got, and ``where`` (the
+                microbatch, when the first stage is staged).
+        """
+        if not isinstance(features, Mapping):
+            raise TypeError(f"{self.name} adapter: encode returned {type(features).__name__}{where}; expected a dict of modality to [rows, {hidden}] features")
+        for modality, feats in features.items():
+            if modality not in masks:
+                raise ValueError(
+                    f"{self.name} adapter: encode returned {modality!r} features{where}, a modality placeholder_masks "
+                    f"does not declare (it declares {', '.join(map(repr, masks)) or 'none'}); expected only those"
+                )
+            expected = host.total(modality)
+            shape = list(feats.shape) if isinstance(feats, Tensor) else None
+            if shape is None or len(shape) != 2 or shape[0] != expected or shape[1] != hidden:
+                seen = f"a {type(feats).__name__}" if shape is None else f"{shape[0] if shape else 0} rows (shape {shape})"
+                raise ValueError(
+                    f"{self.name} adapter: encode returned {seen} of {modality} features{where}; expected {expected} "
+                    f"rows, [{expected}, {hidden}] (the {modality} placeholder tokens, as feature_counts promised)"
+                )
+        for modality in masks:
+            if modality not in features and host.total(modality):
+                raise ValueError(
+                    f"{self.name} adapter: encode returned no {modality} features{where}; expected "
+                    f"{host.total(modality)} rows (the {modality} placeholder tokens, as feature_counts promised)"
+                )
 
     @staticmethod
     def scatter(inputs_embeds: Tensor, masks: Mapping[str, Tensor], features: Mapping[str, Tensor]) -> Tensor:
@@ -415,14 +591,44 @@ class VlmAdapter(abc.ABC):
         """The tensors a stage whose first decoder layer is ``first_layer`` needs from earlier stages.
 
         Besides the hidden states and attention mask, in send order. ``first_layer`` is a full-model
-        layer index (a stage with no layers passes its successor's). ``wire_tensors(config, k)`` must
-        be a subset of ``wire_tensors(config, j)`` for ``j <= k``: a stage passes on a subset of what
-        it got. Default: the mrope positions ``[b, 3, S]`` for adapters that override
-        :meth:`position_ids`, else nothing.
+        layer index (a stage with no layers passes its successor's). A stage whose layers are
+        ``j .. k-1`` sends ``wire_tensors(config, k)``: each of them it either received
+        (``wire_tensors(config, j)``) or its layers made (stored by :meth:`stage_hooks`); without
+        stage hooks that means a subset of what it got. Default: the mrope positions ``[b, 3, S]``
+        for adapters that override :meth:`position_ids`, else nothing.
         """
         if type(self).position_ids is VlmAdapter.position_ids:
             return ()
         return (WireTensor("position_ids", ("b", 3, "S")),)
+
+    def stage_wire_tensors(self, config: Any, first_layer: int) -> tuple[WireTensor, ...]:
+        """What a stage whose first layer is ``first_layer`` really receives besides hidden states and
+        mask: :meth:`wire_tensors`, then every ``every_stage`` :class:`SampleInput` it does not name.
+        The pipeline's stages call this; override :meth:`wire_tensors` instead."""
+        own = tuple(self.wire_tensors(config, first_layer))
+        named = {spec.name for spec in own}
+        return own + tuple(spec.wire() for spec in self.sample_inputs if spec.every_stage and spec.key not in named)
+
+    def add_sample_inputs(self, wire: dict[str, Tensor], chunk: VlmMediaChunk | None, where: str = "") -> None:
+        """Put every ``every_stage`` :class:`SampleInput` the adapter's ``first_stage`` did not fill into
+        ``wire``, from ``chunk.extras`` (int64 unless ``floating``: one device cast, no host read).
+
+        Raises:
+            ValueError: one was not staged (the batch lacked it, or was split without
+                ``**adapter.media_counts(batch, config)``).
+        """
+        for spec in self.sample_inputs:
+            if not spec.every_stage or spec.key in wire:
+                continue
+            extras = None if chunk is None else chunk.extras
+            tensor = None if extras is None else extras.get(spec.key)
+            if tensor is None:
+                raise ValueError(
+                    f"{self.name} adapter: per-sample input {spec.key!r} was not staged{where}; expected the batch's "
+                    f"{spec.key} {list(spec.shape)} split with the media: split_media(batch, n, "
+                    f"**adapter.media_counts(batch, config))"
+                )
+            wire[spec.key] = tensor if spec.floating or tensor.dtype == torch.int64 else tensor.to(torch.int64)
 
     def first_stage(
         self,
@@ -474,6 +680,62 @@ class VlmAdapter(abc.ABC):
         if "position_ids" in wire:
             return {"position_ids": wire["position_ids"].transpose(0, 1)}
         return {}
+
+    def stage_hooks(
+        self, stage: torch.nn.Module, layers: range, state: MutableMapping[str, Tensor]
+    ) -> Sequence[LayerHook]:
+        """Hooks on the stage's modules for one run of its language model (one microbatch): how state
+        that one decoder layer hands to a later one crosses stage boundaries.
+
+        Called on every stage that runs its language model (all but a middle stage without decoder
+        layers), once per forward, before it runs; the stage registers the hooks, runs the language
+        model, removes them.
+
+        Args:
+            stage: the stage module (``stage.config``, ``stage.stage_language_model`` whose ``layers``
+                are the stage's decoder layers in order, ``stage.is_first`` / ``is_last``).
+            layers: the full-model indices of those layers (contiguous; empty on a last stage
+                without decoder layers, which still runs the final norm).
+            state: this microbatch's wire tensors by name: on entry what the stage received
+                (``wire_tensors(config, layers.start)``; the first stage: what :meth:`first_stage`
+                made); the hooks read it to hand the model's own code what earlier stages' layers
+                made (a ``before`` hook replacing a layer's argument), and store into it what this
+                stage's layers make (an ``after`` hook reading a layer's output, or a ``before``
+                hook reading a container the language model passes every layer). After the run the
+                stage sends ``wire_tensors(config, layers.stop)`` from ``state``; a name there that
+                is neither received nor stored is a ``TypeError`` naming it. Store floating state as
+                the graph gives it (its gradient flows back to the layer that made it).
+
+        Returns:
+            :class:`LayerHook` objects; default none (no state made by layers).
+        """
+        return ()
+
+    def prune_stage(self, language_model: torch.nn.Module, *, layers: range, first: bool, last: bool) -> None:
+        """Edit a stage's copy of the language model in place, after ppmedia kept its decoder layers
+        (under their original indices), removed the embedding from later stages and replaced the final
+        norm by ``Identity`` on all but the last.
+
+        Override it when the language model's ``forward`` runs another module only the last stage
+        should (Inkling 2's final block-attention residual): replace it by a parameter-free stand-in
+        on the other stages (``language_model._modules[name] = ...``). The copy shares its modules with
+        the model; do not modify them, replace entries. Default: nothing.
+        """
+
+    def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:
+        """The last stage's output: logits ``[b, S, vocab]`` from the final hidden states ``[b, S, H]``.
+
+        Default: the model's output head (``lm_head``). Override it when the model's own forward does
+        more after the head (logit soft-capping, slicing a padded vocabulary); then also
+        :meth:`logits_width` if the width changes.
+        """
+        head: Any = getattr(stage, "output_head")  # the head wherever it sits (Llama 4: language_model.lm_head)
+        return head(hidden)
+
+    def logits_width(self, config: Any, head_width: int) -> int:
+        """The vocabulary width of :meth:`logits` for a head of ``head_width`` outputs (static shapes).
+        Default: ``head_width``."""
+        return head_width
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, model_types={self.model_types!r})"

@@ -1,4 +1,4 @@
-"""The built-in adapters: a plugin like any other, registered as ``ppmedia (built-in)``.
+"""The built-in adapters and media layouts: a plugin like any other, registered as ``ppmedia (built-in)``.
 
 :data:`ADAPTERS` has one row per ``config.model_type``: the adapter class as ``"module:Class"``,
 imported on the first lookup of that model type (``ppmedia.get_adapter("qwen2_5_vl")`` imports
@@ -7,6 +7,8 @@ type its adapter declares in ``model_types`` (``tests/test_registry.py`` checks 
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ..registry.hookspecs import hookimpl
 
@@ -25,6 +27,21 @@ ADAPTERS: dict[str, str] = {
     "qwen3_5_moe": "ppmedia.adapters.qwen3_vl:Qwen3VLAdapter",
     "gemma3": "ppmedia.adapters.gemma3:Gemma3Adapter",
     "mistral3": "ppmedia.adapters.mistral3:Mistral3Adapter",
+    "mistral_large4": "ppmedia.adapters.mistral_large4:MistralLarge4Adapter",
+    "llava": "ppmedia.adapters.llava:LlavaAdapter",
+    "minimax_m3_vl": "ppmedia.adapters.minimax_m3_vl:MiniMaxM3VLAdapter",
+    "inkling2": "ppmedia.adapters.inkling2:Inkling2Adapter",
+    "llava_onevision": "ppmedia.adapters.llava_onevision:LlavaOnevisionAdapter",
+    "idefics3": "ppmedia.adapters.idefics3:Idefics3Adapter",
+    "smolvlm": "ppmedia.adapters.smolvlm:SmolVLMAdapter",
+    "paligemma": "ppmedia.adapters.paligemma:PaliGemmaAdapter",
+    "aya_vision": "ppmedia.adapters.aya_vision:AyaVisionAdapter",
+    "llama4": "ppmedia.adapters.llama4:Llama4Adapter",
+    "internvl": "ppmedia.adapters.internvl:InternVLAdapter",
+    "glm4v": "ppmedia.adapters.glm4v:Glm4vAdapter",
+    "glm4v_moe": "ppmedia.adapters.glm4v:Glm4vAdapter",
+    "glm46v": "ppmedia.adapters.glm4v:Glm4vAdapter",
+    "ernie4_5_vl_moe": "ppmedia.adapters.ernie4_5_vl:Ernie4_5_VLAdapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.
@@ -48,3 +65,13 @@ def ppmedia_adapter_paths() -> dict[str, str]:
 def ppmedia_model_type_aliases() -> dict[str, str]:
     """The built-ins' aliases (see :data:`MODEL_TYPE_ALIASES`)."""
     return dict(MODEL_TYPE_ALIASES)
+
+
+@hookimpl
+def ppmedia_media_layouts() -> list[Any]:
+    """ppmedia's own media layouts (:data:`ppmedia.layouts.BUILTIN_LAYOUTS`), then the built-in families'
+    (:data:`ppmedia.adapters.media_layouts.FAMILY_LAYOUTS`), through the same hook as a plugin's."""
+    from ..layouts import BUILTIN_LAYOUTS
+    from .media_layouts import FAMILY_LAYOUTS
+
+    return [*BUILTIN_LAYOUTS, *FAMILY_LAYOUTS]

@@ -49,13 +49,13 @@ def image_tokens(height: int, width: int, config: Any) -> int:
     return (height // step) * (width // step)
 
 
-def _tokens_of_sizes(flat: list[int], step: int, max_hw: tuple[int, int]) -> int:
+def _tokens_of_sizes(flat: list[int], step: int, max_hw: tuple[int, int], family: str = "mistral3") -> int:
     # image_sizes read to the host as [h0, w0, h1, w1, ...]; checked before any encoder runs
     total = 0
     for k, (h, w) in enumerate(zip(flat[0::2], flat[1::2])):
         if not (step <= h <= max_hw[0] and step <= w <= max_hw[1]):
             raise ValueError(
-                f"mistral3 image_sizes: row {k} of the microbatch is [{h}, {w}]; expected each side between "
+                f"{family} image_sizes: row {k} of the microbatch is [{h}, {w}]; expected each side between "
                 f"{step} (patch x spatial_merge_size) and {list(max_hw)} (the padded pixel_values, at most "
                 f"vision_config.image_size)"
             )
@@ -102,6 +102,10 @@ class Mistral3Adapter(VlmAdapter):
             self.image_end_token_id if end is None else int(end),
         )
 
+    def downsample(self, config: Any) -> int:
+        """Pixels per image token along each side: the vision patch size times ``spatial_merge_size``."""
+        return _downsample(config)
+
     # -- token side -------------------------------------------------------------------------
     def media_per_sample(
         self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
@@ -124,23 +128,24 @@ class Mistral3Adapter(VlmAdapter):
                 ``image_sizes`` not ``[images, 2]`` for the same number of images.
             TypeError: ``pixel_values`` not floating point, or ``image_sizes`` not integers.
         """
-        refuse_videos(chunk, "mistral3")
+        family = self.name
+        refuse_videos(chunk, family)
         pixels, sizes = chunk.pixel_values, chunk.image_grid
         if pixels is None and sizes is None:
             return {}
         if pixels is None or sizes is None:
             raise ValueError(
-                f"mistral3 chunk has pixel_values {shape(pixels)} and image_sizes {shape(sizes)}; expected both"
+                f"{family} chunk has pixel_values {shape(pixels)} and image_sizes {shape(sizes)}; expected both"
             )
         if pixels.dim() != 4:
-            raise ValueError(f"mistral3 pixel_values: shape {shape(pixels)}; expected [images, C, Hmax, Wmax]")
+            raise ValueError(f"{family} pixel_values: shape {shape(pixels)}; expected [images, C, Hmax, Wmax]")
         if not pixels.is_floating_point():
-            raise TypeError(f"mistral3 pixel_values: dtype {pixels.dtype}; expected a floating dtype")
+            raise TypeError(f"{family} pixel_values: dtype {pixels.dtype}; expected a floating dtype")
         if sizes.is_floating_point() or sizes.is_complex() or sizes.dtype == torch.bool:
-            raise TypeError(f"mistral3 image_sizes: dtype {sizes.dtype}; expected an integer dtype")
+            raise TypeError(f"{family} image_sizes: dtype {sizes.dtype}; expected an integer dtype")
         if sizes.dim() != 2 or sizes.shape[1] != 2 or sizes.shape[0] != pixels.shape[0]:
             raise ValueError(
-                f"mistral3 image_sizes: shape {shape(sizes)}; expected [{pixels.shape[0]}, 2] "
+                f"{family} image_sizes: shape {shape(sizes)}; expected [{pixels.shape[0]}, 2] "
                 f"(one (height, width) per pixel_values row)"
             )
         return {"image_sizes": sizes}
@@ -157,16 +162,25 @@ class Mistral3Adapter(VlmAdapter):
             return {"image": 0}
         largest = int(config_value(config, "vision_config.image_size"))  # the tower's rope covers no more
         max_hw = (min(int(pixels.shape[2]), largest), min(int(pixels.shape[3]), largest))
-        return {"image": _tokens_of_sizes(host.values["image_sizes"], _downsample(config), max_hw)}
+        return {"image": _tokens_of_sizes(host.values["image_sizes"], self.downsample(config), max_hw, self.name)}
 
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The model's own ``get_image_features``: ``{"image": [tokens, text_hidden]}`` in image order,
-        with the sizes read in :meth:`check_counts` (no second host read)."""
+        with the sizes read in :meth:`check_counts` (no second host read).
+
+        transformers 5.23's ``get_image_features`` (Mistral 3, Mistral Large 4, LLaVA) squeezes its
+        ``[1, tokens, H]`` features before splitting them per image, which fails when a call has ONE
+        feature row (a microbatch whose only image is one token): then the image goes in twice and
+        the first copy's row is kept (the second copy gets no gradient)."""
         if chunk.pixel_values is None:
             return {}
-        inner = inner_model(model, "get_image_features", "a Mistral3ForConditionalGeneration or Mistral3Model")
+        inner = inner_model(model, "get_image_features", f"a {self.name} model (...ForConditionalGeneration or its inner model)")
         # a list of [h, w]: the tower and the patch merger index it per image without a host read each
         sizes = host.rows("image_sizes", 2)
         pixels = as_tower_dtype(chunk.pixel_values, inner.vision_tower)
+        single = host.total("image") == 1
+        if single:
+            pixels, sizes = torch.cat([pixels, pixels]), sizes + sizes
         out = inner.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True)
-        return {"image": torch.cat(list(out.pooler_output), dim=0)}
+        features = torch.cat(list(out.pooler_output), dim=0)
+        return {"image": features[:1] if single else features}

@@ -22,11 +22,17 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-from typing import Any, Callable, MutableMapping, Sequence, Union
+import math
+from typing import Any, Callable, Mapping, MutableMapping, Sequence, Union
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from .layouts import LayoutSet
+from .planners import Part
+from .splitter import Planned, assemble, default_layouts, plan_split, pop_media
+from .staged import StagedMedia, cached_bounds
 
 __all__ = [
     "ImageCost",
@@ -133,7 +139,7 @@ def balance_microbatches(
         costs: ``[B]`` per-sample costs (``>= 0``), e.g. from :func:`sample_costs`.
         n_microbatches: the schedule's ``n_microbatches``.
         order: microbatch order after assignment, one of :data:`MICROBATCH_ORDERS`. ``heavy_first``
-            (the default) starts the heaviest microbatch first (see the README's measurements).
+            (the default) starts the heaviest microbatch first (measured in docs/performance.md).
 
     Returns:
         ``permutation``, a list of ``B`` sample indices: position ``i`` of the balanced batch holds
@@ -337,6 +343,28 @@ def _gather(tensor: Tensor, ranges: Sequence[tuple[int, int]], order: Sequence[i
     return tensor.index_select(0, torch.as_tensor(index, device=tensor.device)), lengths
 
 
+def reorder_plan(per_sample: Planned, permutation: Sequence[int], n_microbatches: int) -> Planned:
+    """The per-sample plan (``B`` microbatches of one sample) with its samples in ``permutation`` order,
+    cut in ``n_microbatches``: every staged tensor gathered once (nothing copied for the identity)."""
+    B = per_sample.batch_size
+    bounds, _, samples = cached_bounds(B, n_microbatches)
+    order = list(permutation)
+
+    def per_mb(values: Sequence[int]) -> tuple[int, ...]:
+        ordered = [values[s] for s in order]
+        return tuple(sum(ordered[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+    parts: list[tuple[Any, Part]] = []
+    for layout, part in per_sample.parts:
+        fields = []
+        for f in part.fields:
+            tensor, lengths = _gather(f.tensor, f.ranges, order)
+            at = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))[list(bounds)].tolist()
+            fields.append(f._replace(tensor=tensor, ranges=tuple(zip(at, at[1:])), sizes=tuple(b - a for a, b in zip(at, at[1:]))))
+        parts.append((layout, Part(fields, per_mb(part.items), per_mb(part.rows))))
+    return Planned(B, bounds, samples, parts, per_sample.popped)
+
+
 def balanced_split(
     batch: MutableMapping[str, Any],
     n_microbatches: int,
@@ -347,21 +375,22 @@ def balanced_split(
     batch_size: int | None = None,
     order: str = DEFAULT_ORDER,
     patch_size: int | None = None,
-) -> Any:
+    counts: Mapping[str, Any] | None = None,
+    sample_inputs: Any = None,
+    layouts: LayoutSet | None = None,
+) -> StagedMedia:
     """``split_media(batch, n, balance=...)``: split with the samples reordered for an even vision load.
 
-    Validates and reads the metadata once (a per-sample split), computes the costs and
-    :func:`balance_microbatches`, then reorders every media tensor (one ``index_select`` each; the
-    chunks are views of these reordered tensors) and every ``[B, ...]`` tensor and length-``B`` list
-    left in ``batch`` (in place), and returns the :class:`~ppmedia.StagedMedia` of the reordered batch
-    with ``permutation`` set. A ``[B]`` cost sequence skips the cost model. No tensor is copied when the
-    permutation is the identity. Image-major layouts count ``H * W / patch_size^2`` patches per image:
-    ``patch_size`` defaults to the vision patch size of the ``config`` of a
-    ``functools.partial(adapter.image_costs, config=config)`` cost, else to pixels.
+    The same path as the plain split (:mod:`ppmedia.splitter`): validates and reads the metadata once
+    (a per-sample plan), computes the costs and :func:`balance_microbatches`, then reorders every staged
+    tensor (one ``index_select`` each; the chunks are views of these reordered tensors) and every
+    ``[B, ...]`` tensor and length-``B`` list left in ``batch`` (in place), and returns the
+    :class:`~ppmedia.StagedMedia` of the reordered batch with ``permutation`` set. A ``[B]`` cost
+    sequence skips the cost model. No tensor is copied when the permutation is the identity.
+    Image-major layouts count ``H * W / patch_size^2`` patches per image: ``patch_size`` defaults to the
+    vision patch size of the ``config`` of a ``functools.partial(adapter.image_costs, config=config)``
+    cost, else to pixels. The other arguments are :func:`ppmedia.split_media`'s.
     """
-    from .planners import num_patches_ranges
-    from .split import MEDIA_KEYS, StagedMedia, microbatch_bounds, split_media
-
     if isinstance(balance, (str, bytes)) or not (
         balance is True or callable(balance) or isinstance(balance, (Sequence, np.ndarray, Tensor))
     ):
@@ -369,56 +398,42 @@ def balanced_split(
             f"balance: got {type(balance).__name__}; expected True, a cost function patches -> costs, "
             f"or [B] per-sample costs"
         )
-    kwargs = dict(images_per_sample=images_per_sample, videos_per_sample=videos_per_sample, batch_size=batch_size)
+    layouts = default_layouts() if layouts is None else layouts
+    kwargs: dict[str, Any] = dict(images_per_sample=images_per_sample, videos_per_sample=videos_per_sample,
+                                  batch_size=batch_size, counts=counts, sample_inputs=sample_inputs, layouts=layouts)
     B = _batch_size(batch, batch_size)
     if B is None or B <= 1 or n_microbatches == 1:
-        staged = split_media(batch, n_microbatches, **kwargs)
-        staged.permutation = tuple(range(staged.batch_size))
+        planned = plan_split(batch, n_microbatches, **kwargs)
+        staged = assemble(planned, tuple(range(planned.batch_size)))
+        pop_media(batch, planned)
         return staged
-    row_keys = _row_keys(batch, frozenset(MEDIA_KEYS), B)
-    work = dict(batch)  # the batch itself changes only once everything below has succeeded
+    popped = layouts.keys.union(sample_inputs or ())
+    row_keys = _row_keys(batch, popped, B)
     try:
-        per_sample = split_media(work, B, **kwargs)
+        per_sample = plan_split(batch, B, **kwargs)  # the batch changes only once everything has succeeded
     except ValueError:
-        split_media(dict(batch), n_microbatches, **kwargs)  # the same error, worded for n microbatches
+        plan_split(batch, n_microbatches, **kwargs)  # the same error, worded for n microbatches
         raise
-    if patch_size is None and isinstance(balance, functools.partial):  # partial(adapter.image_costs, config=...)
-        config = balance.keywords.get("config")
-        patch_size = _vision_value(config, "patch_size") if config is not None else None
-    if callable(balance) or balance is True:
-        costs = sample_costs(per_sample, per_sample.tensors, None if balance is True else balance, patch_size)
-    else:
-        costs = _as_costs(balance)
-        if costs.size != B:
-            raise ValueError(f"balance: {costs.size} costs; expected {B} (one per sample)")
-    permutation = balance_microbatches(costs, n_microbatches, order=order)
-    bounds = microbatch_bounds(B, n_microbatches)
-    tensors, ranges = {}, {}
-    for name, tensor in per_sample.tensors.items():
-        if name == "num_patches":  # one entry per sample; a microbatch without crops or images stages it empty
-            tensors[name], _ = _gather(tensor, [(s, s + 1) for s in range(B)], permutation)
-            continue
-        tensors[name], lengths = _gather(tensor, per_sample.ranges[name], permutation)
-        offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))[bounds].tolist()
-        ranges[name] = tuple(zip(offsets, offsets[1:]))
-
-    def per_mb(values: Sequence[int]) -> tuple[int, ...]:
-        ordered = [values[s] for s in permutation]
-        return tuple(sum(ordered[a:b]) for a, b in zip(bounds, bounds[1:]))
-
-    images, crop_rows = per_mb(per_sample.images), per_mb(per_sample.crop_rows)
-    if "num_patches" in tensors:
-        ranges["num_patches"] = num_patches_ranges(bounds, images, crop_rows)
-    for key in set(batch).difference(work):  # the media keys the split popped
-        del batch[key]
+    permutation = balance_microbatches(_costs(balance, assemble(per_sample), B, patch_size), n_microbatches, order=order)
+    staged = assemble(reorder_plan(per_sample, permutation, n_microbatches), tuple(permutation))
+    pop_media(batch, per_sample)
     if permutation != list(range(B)):
         index = torch.as_tensor(permutation, dtype=torch.int64)
         for key in row_keys:
             value = batch[key]
             batch[key] = value.index_select(0, index.to(value.device)) if isinstance(value, Tensor) else [value[s] for s in permutation]
-    return StagedMedia(
-        n_microbatches=n_microbatches, batch_size=B, tensors=tensors, sources=dict(per_sample.sources),
-        ranges=ranges, samples=tuple(zip(bounds, bounds[1:])), images=images, videos=per_mb(per_sample.videos),
-        image_rows=per_mb(per_sample.image_rows), video_rows=per_mb(per_sample.video_rows), crop_rows=crop_rows,
-        permutation=tuple(permutation),
-    )
+    return staged
+
+
+def _costs(balance: BalanceSpec, per_sample: StagedMedia, B: int, patch_size: int | None) -> np.ndarray:
+    if patch_size is None and isinstance(balance, functools.partial):  # partial(adapter.image_costs, config=...)
+        config = balance.keywords.get("config")
+        patch_size = _vision_value(config, "patch_size") if config is not None else None
+        if isinstance(patch_size, (list, tuple)) and len(patch_size) == 2:  # (ph, pw), as InternVL's config gives it
+            patch_size = math.isqrt(int(patch_size[0]) * int(patch_size[1]))
+    if callable(balance) or balance is True:
+        return sample_costs(per_sample, per_sample.tensors, None if balance is True else balance, patch_size)
+    costs = _as_costs(balance)
+    if costs.size != B:
+        raise ValueError(f"balance: {costs.size} costs; expected {B} (one per sample)")
+    return costs

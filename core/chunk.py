@@ -17,6 +17,7 @@ from torch import Tensor
 
 __all__ = [
     "CURSOR_ATTRIBUTE",
+    "EXTRAS_ATTRIBUTE",
     "STAGED_ATTRIBUTES",
     "VlmMediaChunk",
     "next_vlm_media_chunk",
@@ -48,6 +49,11 @@ class VlmMediaChunk:
             chunk (Qwen2.5-VL / Qwen3-VL video timing for mrope positions), in video order. An
             addition after the seven contract fields: optional, so the seven-argument constructor and
             media staged by other libraries (which never set it) keep working.
+        extras: ``{name: tensor}``, the microbatch's views of everything else a media layout or a
+            per-sample input staged (a plugin's layout fields, an adapter's ``sample_inputs`` such as
+            ``token_type_ids`` ``[b, S]``), each the staged tensor itself and non-empty; ``None`` when
+            there is none. Always the last field, keyword only in practice: ``VlmMediaChunk(*tensors,
+            extras=...)``. Staged as :data:`EXTRAS_ATTRIBUTE` (one dict per microbatch).
     """
 
     pixel_values: Tensor | None
@@ -58,6 +64,17 @@ class VlmMediaChunk:
     num_patches: Tensor | None = None
     patch_newline_mask: Tensor | None = None
     second_per_grid_ts: Tensor | None = None
+    extras: dict[str, Tensor] | None = None
+
+    @property
+    def has_media(self) -> bool:
+        """Whether any media field is set (``extras`` alone, e.g. per-sample inputs of a text-only
+        microbatch, is not media: such a chunk merges nothing)."""
+        return not (
+            self.pixel_values is None and self.image_grid is None and self.pixel_values_videos is None
+            and self.video_grid is None and self.patch_pixel_values is None and self.num_patches is None
+            and self.patch_newline_mask is None and self.second_per_grid_ts is None
+        )
 
 
 #: chunk field -> the list attribute on the first stage module that stages it, in field order.
@@ -73,10 +90,12 @@ STAGED_ATTRIBUTES: dict[str, str] = {
 }
 #: the attribute holding the index of the next microbatch to consume.
 CURSOR_ATTRIBUTE = "_vlm_chunk_idx"
+#: the list attribute staging ``VlmMediaChunk.extras``: per microbatch a dict of non-empty tensors, or ``None``.
+EXTRAS_ATTRIBUTE = "_vlm_extras_chunks"
 
-assert tuple(STAGED_ATTRIBUTES) == tuple(f.name for f in fields(VlmMediaChunk))
+assert (*STAGED_ATTRIBUTES, "extras") == tuple(f.name for f in fields(VlmMediaChunk))
 _ATTRS = tuple(STAGED_ATTRIBUTES.values())
-_NAMES = frozenset((*_ATTRS, CURSOR_ATTRIBUTE))
+_NAMES = frozenset((*_ATTRS, CURSOR_ATTRIBUTE, EXTRAS_ATTRIBUTE))
 _NAMES_SET = set(_NAMES)  # a plain set: dict_keys & set looks up the set's few names in the dict
 _TIMING_ATTRIBUTE = STAGED_ATTRIBUTES["second_per_grid_ts"]
 assert _ATTRS[-1] == _TIMING_ATTRIBUTE
@@ -192,7 +211,7 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
         timing = state.get(_TIMING_ATTRIBUTE, _MISSING)
         lists += (_read_missing(module, state, _TIMING_ATTRIBUTE) if timing is _MISSING else timing,)
     # values[i] is field i of the chunk; its length is also the index of the list being read.
-    values: list[Tensor | None] = []
+    values: list[Any] = []
     append = values.append
     staged_any = present = False
     for staged in lists:
@@ -220,10 +239,33 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
             present = True
         else:
             append(None)
+    extras = state.get(EXTRAS_ATTRIBUTE, _MISSING)
+    if extras is _MISSING:
+        extras = _read_missing(module, state, EXTRAS_ATTRIBUTE)
+    if extras is not None:  # layouts' or per-sample inputs' names beyond the chunk fields
+        staged_any = True
+        extras = _extras_entry(extras, k)
     if not staged_any:
         return None
     if CURSOR_ATTRIBUTE in state:
         state[CURSOR_ATTRIBUTE] = k + 1
     else:
         setattr(module, CURSOR_ATTRIBUTE, k + 1)
+    if extras is not None:
+        chunk = VlmMediaChunk(*values)
+        chunk.extras = extras
+        return chunk
     return VlmMediaChunk(*values) if present else None
+
+
+def _extras_entry(staged: Any, k: int) -> dict[str, Tensor] | None:
+    """Entry ``k`` of the staged extras list: a dict of non-empty tensors, or ``None``."""
+    if not 0 <= k < len(staged):
+        raise ValueError(
+            f"{EXTRAS_ATTRIBUTE} has {len(staged)} entries but microbatch {k} was requested: the schedule ran "
+            f"more microbatches than were staged"
+        )
+    entry = staged[k]
+    if entry is not None and not isinstance(entry, dict):
+        raise TypeError(f"{EXTRAS_ATTRIBUTE}[{k}] is a {type(entry).__name__}; expected a dict of tensors or None (microbatch {k})")
+    return entry or None

@@ -41,10 +41,29 @@ __all__ = [
 _DEMO_BATCH_SIZE = 8
 
 
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from .testing.tiny_models import FAMILIES
+def family_argument(value: str) -> str:
+    """``--family``'s type: ``all``, a built-in tiny family, or the dotted name of a plugin's tiny-family
+    module (``my_plugin.tiny``, imported now: the workers import it by name too)."""
+    from .testing import tiny_models
 
-    parser.add_argument("--family", default="all", choices=("all", *FAMILIES), help="model family (default: all)")
+    if value == "all" or value in tiny_models.FAMILIES:
+        return value
+    choices = f"all, {', '.join(tiny_models.FAMILIES)}, or a plugin's tiny-family module such as my_plugin.tiny"
+    if "." not in value:
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {choices})")
+    try:
+        tiny_models.load(value)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: {exc}") from None
+    return value
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--family", default="all", type=family_argument, metavar="FAMILY",
+        help="model family: all (default), a built-in one (see 'ppmedia adapters'), or the dotted name of a "
+             "plugin's tiny-family module (my_plugin.tiny; its plugin installed, or named in PPMEDIA_PLUGINS)",
+    )
     parser.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per step (default 4)")
     from .demo import schedule_argument, schedule_choices
 

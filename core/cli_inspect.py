@@ -311,25 +311,78 @@ def _batch_size(path: pathlib.Path, batch: dict[str, Any], model: _Model) -> int
     )
 
 
+_ID_NAME = re.compile(r"(image|video|audio|vision|media|patch|boi|eoi|boa|eoa|frame).*_(token_id|token_index|id)$")
+
+
+def _default_config(model_type: str) -> Any:
+    """transformers' default config for ``model_type`` (the family's reference ids), or ``None``."""
+    from transformers import AutoConfig
+
+    try:
+        with _transformers_quiet():
+            return AutoConfig.for_model(model_type)
+    except Exception:  # noqa: BLE001  remote-code families (kimi_vl, step3_vl) have none
+        return None
+
+
+def _token_ids(config: Any) -> str:
+    """The placeholder ids a config holds (``image_token_id 151655, video_token_id 151656``)."""
+    found = {}
+    for holder in (config, getattr(config, "text_config", None)):
+        for name, value in sorted(vars(holder).items()) if holder is not None else ():
+            if isinstance(value, int) and not isinstance(value, bool) and _ID_NAME.search(name) and name not in found:
+                found[name] = value
+    return ", ".join(f"{name} {value}" for name, value in found.items()) or "none found"
+
+
+def _counting_config(model: _Model) -> tuple[Any, str]:
+    """The config to count placeholders with, and the words saying where it comes from."""
+    if model.config is not None:
+        return model.config, ""
+    config = _default_config(model.model_type or "")
+    if config is None:
+        return None, ""
+    return config, (f" (no config.json: transformers' default {model.model_type} config, assuming its ids "
+                    f"{_token_ids(config)}; pass --config if the checkpoint's differ)")
+
+
 def _placeholders(path: pathlib.Path, batch: dict[str, Any], model: _Model) -> tuple[dict[str, Any], Any, str]:
     """Counts to pass to split_media, the placeholder masks, and the line saying where counts come from."""
     import torch
 
     ids = batch.get("input_ids")
-    if model.config is None or not isinstance(ids, torch.Tensor):
+    config, assumed = _counting_config(model) if model.adapter is not None else (None, "")
+    if config is None or not isinstance(ids, torch.Tensor):
         if model.adapter is None:
             return {}, None, "no model type (--model-type, --config or a config.json beside the file): counts from the batch only"
+        why = (f"transformers has no default {model.model_type} config" if config is None and isinstance(ids, torch.Tensor)
+               else "no input_ids" if config is not None else "no input_ids and no config")
         return {}, None, (f"adapter {model.adapter.name} ({model.model_type}); no config.json beside the file and no "
-                          f"--config: counts from the batch only")
+                          f"--config ({why}): counts from the batch only")
     try:
-        counts = model.adapter.media_counts(batch, model.config)
-        masks = model.adapter.placeholder_masks(ids, model.config)
+        counts = model.adapter.media_counts(batch, config)
+        masks = model.adapter.placeholder_masks(ids, config)
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
-        raise CliError(f"{path}: input_ids: {cli_terms(str(exc))}") from None
+        message = cli_terms(str(exc.args[0]) if type(exc) is KeyError and exc.args else str(exc))
+        named = re.match(r"[A-Za-z_][\w.]*: ", message) is not None  # the message names its key already
+        raise CliError(f"{path}: {'' if named else 'input_ids: '}{message}{assumed}") from None
     found = {"images": counts.get("images_per_sample"), "videos": counts.get("videos_per_sample")}
-    line = (f"adapter {model.adapter.name} ({model.model_type}); per-sample counts from placeholder tokens: "
+    line = (f"adapter {model.adapter.name} ({model.model_type}){assumed}; per-sample counts from placeholder tokens: "
             + ", ".join(f"{what} {'from the batch' if c is None else c.tolist()}" for what, c in found.items()))
     return counts, masks, line
+
+
+def _split_error(message: str, model: _Model, counted: bool) -> str:
+    """A split's error in command-line terms; it names only the ways out the user has not taken."""
+    message = cli_terms(message)
+    if model.adapter is not None and model.config is None and not counted:  # --model-type given, nothing to count with
+        message = message.replace(
+            "a model type (--model-type, --config or a config.json beside the file)",
+            f"the model's config.json (--config, or beside the file: there is no default {model.model_type} config)",
+        )
+    elif counted and model.config is None:
+        message += " (counted with transformers' default config: pass --config if the checkpoint's ids differ)"
+    return message
 
 
 def _table(staged: Any, masks: Any) -> str:
@@ -368,7 +421,7 @@ def _report(path: pathlib.Path, batch: dict[str, Any], n: int, model: _Model) ->
     try:
         staged = ppmedia.split_media(batch, n, batch_size=samples, **counts)
     except (ValueError, TypeError) as exc:
-        raise CliError(f"{path}: {cli_terms(str(exc))}") from None
+        raise CliError(f"{path}: {_split_error(str(exc), model, masks is not None)}") from None
     empty = [k for k, (a, b) in enumerate(staged.samples) if a == b]
     text_only = [k for k in range(staged.n_microbatches) if k not in empty and staged.chunk(k) is None]
     summary = (f"{staged.n_microbatches} microbatch{'es' if staged.n_microbatches != 1 else ''} of "

@@ -1,9 +1,14 @@
-"""One planner per media layout, for :func:`ppmedia.split_media`.
+"""The built-in media planners, and the pieces every planner (a plugin's too) is built from.
 
-Each planner works in two phases around the producer's single host read:
+A planner serves one media layout (:class:`ppmedia.layouts.MediaLayout`): ``split_media`` selects the
+layouts that fit the batch's keys and calls each one's planner in two phases around the producer's
+single host read:
 
-1. ``plan_*(ctx, media, ...)`` checks everything that shapes and dtypes tell (no tensor data read)
+1. ``plan(ctx, media, counts)`` checks everything that shapes and dtypes tell (no tensor data read)
    and registers the integer metadata it needs with ``ctx.reader``; it returns a ``finish`` callable.
+   ``counts`` are the per-sample item counts of the layout's modality (the batch's
+   ``n_<modality>s_per_sample`` or the ``<modality>s_per_sample=`` argument), checked but not read yet,
+   or ``None`` when neither was given.
 2. After ``ctx.reader.read()``, ``finish()`` checks the values with exact integer arithmetic and
    returns a :class:`Part`: for each chunk field, the batch tensor and one ``(start, stop)`` range
    along dim 0 per microbatch.
@@ -11,12 +16,13 @@ Each planner works in two phases around the producer's single host read:
 Nothing here modifies the batch: :func:`ppmedia.split_media` pops the keys only after every planner
 finished and every view was made.
 
-Layouts:
+Built-in layouts (registered in :mod:`ppmedia.layouts`):
 
-* patch rows (:func:`plan_images` with ``image_grid_thw``/``image_grid_hws``): flat patch rows
+* patch rows (:func:`patch_rows_planner`, ``image_grid_thw``/``image_grid_hws``): flat patch rows
   ``[patches, D]`` or patch-major ``[patches, C, ph, pw]``; rows per image = its grid product;
-* image-major (:func:`plan_images` otherwise): one row per image (complete images, padded patches,
-  LLaVA-NeXT crops), or ``1 + num_crops`` rows per image (Gemma 3 pan-and-scan);
+* image-major (:func:`image_major_planner`): one row per image (complete images, padded patches with
+  ``image_position_ids``, LLaVA-NeXT crops with ``image_sizes``); :func:`plan_pan_and_scan`:
+  ``1 + num_crops`` rows per image (Gemma 3 pan-and-scan);
 * videos (:func:`plan_videos`): patch rows per ``video_grid_thw`` row, with ``second_per_grid_ts``;
 * Step3 crops (:func:`plan_step3`): ``num_patches`` crop patches per sample.
 """
@@ -39,13 +45,27 @@ from .hostreads import HostReader
 
 __all__ = [
     "Context",
+    "Counts",
     "FieldSplit",
     "IMAGE_GRID_KEYS",
     "Part",
-    "plan_images",
+    "check_counts",
+    "check_range",
+    "default_counts",
+    "exact_sum",
+    "image_major_planner",
+    "media_part",
+    "no_media",
+    "offsets",
+    "patch_rows_planner",
+    "plan_pan_and_scan",
     "plan_step3",
     "plan_videos",
+    "require_integer",
+    "require_readable",
+    "require_shape",
     "require_tensor",
+    "shape_of",
 ]
 
 Range = tuple[int, int]
@@ -63,9 +83,7 @@ IMAGE_GRID_KEYS: tuple[str, ...] = (
     "image_position_ids",
     "num_crops",
 )
-_PATCH_GRID_KEYS = ("image_grid_thw", "image_grid_hws")
 _INT64_MAX = 2**63 - 1
-_VIDEO_KEYS = frozenset({"pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "n_videos_per_sample"})
 _STRIDED = torch.strided
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32})
 # the ufuncs themselves: their reduce skips numpy's Python wrappers (a few hundred ns per call)
@@ -94,18 +112,34 @@ class Context:
         return f"sample {sample}, microbatch {bisect.bisect_right(self.bounds, sample) - 1}"
 
 
+#: what axis 0 of a staged field holds, as :class:`FieldSplit` ``kind`` says it:
+#: ``"media"``: rows or items of the media (the ranges tile dim 0 in microbatch order);
+#: ``"sample"``: one entry per sample, metadata of the media: staged EMPTY in a microbatch that holds
+#: no media rows at all, so the consumer sees a text-only microbatch (Step3's ``num_patches``);
+#: ``"input"``: one entry per sample, always staged (per-sample inputs, e.g. token types).
+FIELD_KINDS: tuple[str, ...] = ("media", "sample", "input")
+
+
 class FieldSplit(NamedTuple):
-    """One chunk field: its batch tensor, the key it came from, its ranges along dim 0 per microbatch."""
+    """One chunk field: its batch tensor, the key it came from, its ranges along dim 0 per microbatch.
+
+    ``name`` is a :class:`~ppmedia.VlmMediaChunk` field, or any other name, which the chunk then
+    carries in ``chunk.extras[name]``. ``sizes``: the ranges' lengths when they tile dim 0 (fast
+    views), else ``None``. ``kind``: one of :data:`FIELD_KINDS`; a ``"sample"`` or ``"input"`` field's
+    ranges are the microbatches' sample ranges.
+    """
 
     name: str
     source: str
     tensor: Tensor
     ranges: tuple[Range, ...]
-    sizes: tuple[int, ...] | None  # the ranges' lengths when they tile dim 0 (fast views), else None
+    sizes: tuple[int, ...] | None
+    kind: str = "media"
 
 
 class Part(NamedTuple):
-    """A planner's result: its fields, and per microbatch its items (images/videos) and pixel rows."""
+    """A planner's result: its fields, and per microbatch its items (images, videos, ...) and media rows
+    (the rows of its pixel tensor: the ones that make a microbatch hold media)."""
 
     fields: list[FieldSplit]
     items: tuple[int, ...]
@@ -360,10 +394,8 @@ def media_part(
     return Part(fields, items, rows)
 
 
-def _no_media(ctx: Context, counts: Counts | None, what: str) -> Callable[[], Part] | None:
-    """Counts given for a batch without that media: they must all be 0."""
-    if counts is None:
-        return None
+def no_media(ctx: Context, counts: Counts, what: str) -> Callable[[], Part]:
+    """Counts given for a batch without that media (``what``: ``"images"``): they must all be 0."""
     zero = (0,) * (len(ctx.bounds) - 1)
 
     def finish() -> Part:
@@ -377,25 +409,11 @@ def _no_media(ctx: Context, counts: Counts | None, what: str) -> Callable[[], Pa
 # images
 
 
-def plan_images(ctx: Context, media: Media, images_per_sample: CountsArgument) -> Callable[[], Part] | None:
-    """Plan ``pixel_values`` and its metadata key; ``None`` when the batch has no images."""
-    grid_keys = [k for k in IMAGE_GRID_KEYS if k in media]
-    if len(grid_keys) > 1:
-        raise ValueError(f"image metadata: got {' and '.join(grid_keys)}; expected at most one of them")
-    grid_key = grid_keys[0] if grid_keys else None
-    pixels = media.get("pixel_values")
-    if pixels is None:
-        if grid_key is not None:
-            raise ValueError(f"{grid_key}: shape {shape_of(media[grid_key])} given without pixel_values")
-        return _no_media(ctx, pending_counts(ctx, media, "n_images_per_sample", "images_per_sample", images_per_sample), "images")
+def _pixels(media: Media) -> Tensor:
+    pixels: Tensor = media["pixel_values"]
     if pixels.dim() < 2:
         raise ValueError(f"pixel_values: shape {shape_of(pixels)}; expected at least 2 dims (images or patches first)")
-    counts = pending_counts(ctx, media, "n_images_per_sample", "images_per_sample", images_per_sample)
-    if grid_key in _PATCH_GRID_KEYS:
-        return _plan_patch_rows(ctx, media, grid_key, counts)
-    if grid_key == "num_crops":
-        return _plan_pan_and_scan(ctx, media, counts)
-    return _plan_image_major(ctx, media, grid_key, counts)
+    return pixels
 
 
 def _image_counts(ctx: Context, counts: Counts | None, items: int) -> Counts:
@@ -404,9 +422,23 @@ def _image_counts(ctx: Context, counts: Counts | None, items: int) -> Counts:
     return default_counts(ctx, "pixel_values", items, "images", "n_images_per_sample", "images_per_sample")
 
 
+Planner = Callable[[Context, Media, "Counts | None"], Callable[[], Part]]
+
+
+def image_major_planner(grid_key: str | None) -> Planner:
+    """The planner of ``pixel_values`` with one row per image (complete images, padded patches,
+    LLaVA-NeXT crops) and ``grid_key`` (``image_sizes``, ``image_position_ids`` or ``None``) as the
+    chunk's ``image_grid``."""
+
+    def plan(ctx: Context, media: Media, counts: Counts | None) -> Callable[[], Part]:
+        return _plan_image_major(ctx, media, grid_key, counts)
+
+    return plan
+
+
 def _plan_image_major(ctx: Context, media: Media, grid_key: str | None, counts: Counts | None) -> Callable[[], Part]:
     """One ``pixel_values`` row per image: complete images, padded patches, LLaVA-NeXT crops."""
-    pixels: Tensor = media["pixel_values"]
+    pixels = _pixels(media)
     grid: Tensor | None = media.get(grid_key) if grid_key else None
     n_images = pixels.shape[0]
     if grid_key == "image_sizes":
@@ -430,9 +462,19 @@ def _plan_image_major(ctx: Context, media: Media, grid_key: str | None, counts: 
     return finish
 
 
+def patch_rows_planner(grid_key: str) -> Planner:
+    """The planner of ``pixel_values`` patch rows, ``grid_key`` (``image_grid_thw`` or
+    ``image_grid_hws``) giving each image's rows (the grid's product)."""
+
+    def plan(ctx: Context, media: Media, counts: Counts | None) -> Callable[[], Part]:
+        return _plan_patch_rows(ctx, media, grid_key, counts)
+
+    return plan
+
+
 def _plan_patch_rows(ctx: Context, media: Media, grid_key: str, counts: Counts | None) -> Callable[[], Part]:
     """Rows per image = its ``image_grid_thw``/``image_grid_hws`` product; one row when rows == images."""
-    pixels: Tensor = media["pixel_values"]
+    pixels = _pixels(media)
     grid = require_readable(grid_key, media[grid_key])
     if grid.dim() != 2 or grid.shape[1] not in (2, 3):
         raise ValueError(f"{grid_key}: shape {shape_of(grid)}; expected [images, 3] (t, h, w) or [images, 2] (h, w)")
@@ -473,10 +515,10 @@ def row_offsets(key: str, grid_key: str, table: Ints, rows: int, locate: Callabl
     )
 
 
-def _plan_pan_and_scan(ctx: Context, media: Media, counts: Counts | None) -> Callable[[], Part]:
+def plan_pan_and_scan(ctx: Context, media: Media, counts: Counts | None) -> Callable[[], Part]:
     """Gemma 3 pan-and-scan: each image is ``1 + num_crops[i]`` rows of ``pixel_values`` (itself, then its
     crops). Counts per sample may count images, or rows (each crop is its own placeholder block)."""
-    pixels: Tensor = media["pixel_values"]
+    pixels = _pixels(media)
     crops = require_readable("num_crops", media["num_crops"])
     require_shape("num_crops", crops, (None,), "[images] (crops of each image)")
     n_images, n_rows = crops.shape[0], pixels.shape[0]
@@ -520,36 +562,28 @@ def _plan_pan_and_scan(ctx: Context, media: Media, counts: Counts | None) -> Cal
 # videos
 
 
-def plan_videos(ctx: Context, media: Media, videos_per_sample: CountsArgument) -> Callable[[], Part] | None:
+def plan_videos(ctx: Context, media: Media, counts: Counts | None) -> Callable[[], Part]:
     """Plan ``pixel_values_videos`` (patch rows per ``video_grid_thw`` row) and ``second_per_grid_ts``."""
-    if videos_per_sample is None and _VIDEO_KEYS.isdisjoint(media):  # the usual image-only batch
-        return None
-    pixels, grid = media.get("pixel_values_videos"), media.get("video_grid_thw")
+    pixels: Tensor = media["pixel_values_videos"]
+    grid: Tensor = media["video_grid_thw"]
     timing = media.get("second_per_grid_ts")
-    if pixels is None or grid is None:
-        for key, value, missing in (("pixel_values_videos", pixels, "video_grid_thw"),
-                                    ("video_grid_thw", grid, "pixel_values_videos"),
-                                    ("second_per_grid_ts", timing, "pixel_values_videos and video_grid_thw")):
-            if value is not None and not (key == "second_per_grid_ts" and _is_empty(value)):
-                seen = f"shape {shape_of(value)}" if isinstance(value, Tensor) else f"a {type(value).__name__}"
-                raise ValueError(f"{key}: {seen} given without {missing}")
-        return _no_media(ctx, pending_counts(ctx, media, "n_videos_per_sample", "videos_per_sample", videos_per_sample), "videos")
+    check_chunks_per_video(media.get("num_chunks_per_video"))
     if pixels.dim() < 2:
         raise ValueError(f"pixel_values_videos: shape {shape_of(pixels)}; expected at least 2 dims (patches first)")
     require_readable("video_grid_thw", grid)
     require_shape("video_grid_thw", grid, (None, 3), "[videos, 3] (t, h, w)")
     n_videos = grid.shape[0]
-    counts = pending_counts(ctx, media, "n_videos_per_sample", "videos_per_sample", videos_per_sample)
     if counts is None:
         counts = default_counts(ctx, "pixel_values_videos", n_videos, "videos", "n_videos_per_sample", "videos_per_sample")
     meta = [("video_grid", "video_grid_thw", grid)]
     if timing is not None:
         meta.append(("second_per_grid_ts", "second_per_grid_ts", video_timing(timing, n_videos)))
     slot = ctx.reader.add(grid)
+    pending: Counts = counts
 
     def finish() -> Part:
-        per_sample = counts.values(ctx.reader)
-        item_at = check_counts(ctx, counts, per_sample, n_videos, "videos")[ctx.at]
+        per_sample = pending.values(ctx.reader)
+        item_at = check_counts(ctx, pending, per_sample, n_videos, "videos")[ctx.at]
         table = ctx.reader.values[slot].reshape(n_videos, 3)
         locate = lambda i: ctx.where_item(per_sample, i)  # noqa: E731
         row_at = row_offsets("pixel_values_videos", "video_grid_thw", table, pixels.shape[0], locate)[item_at]
@@ -558,7 +592,26 @@ def plan_videos(ctx: Context, media: Media, videos_per_sample: CountsArgument) -
     return finish
 
 
-def _is_empty(value: object) -> bool:
+def check_chunks_per_video(value: object) -> None:
+    """``num_chunks_per_video`` (MiniMax-M3-VL, Kimi-K2.5: how many ``video_grid_thw`` rows each video
+    spans), when present: a 1-D integer tensor or a sequence of ints. Shape only: a grid row is one video
+    to the split, nothing stages it, and the adapters' ``media_counts`` check its values against the
+    samples."""
+    if value is None:
+        return
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(
+                f"num_chunks_per_video: shape {shape_of(value)}, dtype {value.dtype}; expected a 1-D integer "
+                f"tensor [videos] (video_grid_thw rows per video)"
+            )
+    elif not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not all(type(v) is int for v in value):
+        raise TypeError(
+            f"num_chunks_per_video: got {type(value).__name__}; expected a [videos] integer tensor or a sequence of ints"
+        )
+
+
+def is_empty(value: object) -> bool:
     """An empty tensor or sequence (a batch without videos may carry an empty ``second_per_grid_ts``)."""
     if isinstance(value, Tensor):
         return value.numel() == 0
@@ -592,28 +645,20 @@ def video_timing(value: object, n_videos: int) -> Tensor:
 # Step3 crop patches
 
 
-def num_patches_ranges(bounds: Sequence[int], images: Sequence[int], crop_rows: Sequence[int]) -> tuple[Range, ...]:
-    """Step3's ``num_patches`` ``[B]`` per microbatch: its samples' rows, or an empty range when the
-    microbatch has neither images nor crops (so the consumer sees a text-only microbatch)."""
-    return tuple(
-        (a, b) if images[k] or crop_rows[k] else (a, a) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))
-    )
-
-
-def plan_step3(ctx: Context, media: Media) -> Callable[[Part | None], Part] | None:
+def plan_step3(ctx: Context, media: Media, counts: Counts | None = None) -> Callable[[], Part]:
     """Plan Step3's ``patch_pixel_values`` / ``patch_newline_mask`` by ``num_patches`` crops per sample.
 
-    ``finish(images)`` takes the images' part: a microbatch with neither images nor crops stages an
-    empty ``num_patches``, so it stays text-only for the consumer.
+    ``num_patches`` is staged per sample (kind ``"sample"``): a microbatch with neither images nor crops
+    gets it empty, so it stays text-only for the consumer. Selected whenever one of the three keys is
+    in the batch (the layout requires none), so the checks of missing keys are this planner's.
     """
     crops, num_patches, newline = media.get("patch_pixel_values"), media.get("num_patches"), media.get("patch_newline_mask")
     B = ctx.batch_size
     if num_patches is None:
         if crops is not None:
             raise ValueError(f"patch_pixel_values: shape {shape_of(crops)} given without num_patches; expected num_patches [{B}]")
-        if newline is not None:
-            raise ValueError(f"patch_newline_mask: shape {shape_of(newline)} given without patch_pixel_values")
-        return None
+        assert newline is not None
+        raise ValueError(f"patch_newline_mask: shape {shape_of(newline)} given without patch_pixel_values")
     require_readable("num_patches", num_patches)
     require_shape("num_patches", num_patches, (B,), f"[{B}] (crop patches per sample)")
     if crops is not None and crops.dim() < 1:
@@ -625,7 +670,7 @@ def plan_step3(ctx: Context, media: Media) -> Callable[[Part | None], Part] | No
     slot = ctx.reader.add(num_patches)
     n_crops = crops.shape[0] if crops is not None else 0
 
-    def finish(images: Part | None) -> Part:
+    def finish() -> Part:
         per_sample = ctx.reader.values[slot]
         check_range("num_patches", per_sample, n_crops, "crop patches", ctx.where)
         if exact_sum(per_sample, n_crops) != n_crops:
@@ -633,11 +678,9 @@ def plan_step3(ctx: Context, media: Media) -> Callable[[Part | None], Part] | No
                 f"num_patches: sums to {exact_sum(per_sample)}; expected {n_crops}, the rows of patch_pixel_values "
                 f"{shape_of(crops) if crops is not None else '(absent)'} (whole batch)"
             )
-        crop_at = offsets(per_sample)[ctx.at]
-        crop_ranges, rows = _cut(crop_at)
-        image_counts = images.items if images is not None else (0,) * len(rows)
-        ranges = num_patches_ranges(ctx.bounds, image_counts, rows)
-        fields = [FieldSplit("num_patches", "num_patches", num_patches, ranges, None)]
+        crop_ranges, rows = _cut(offsets(per_sample)[ctx.at])
+        sample_ranges, samples = _cut(ctx.at)
+        fields = [FieldSplit("num_patches", "num_patches", num_patches, sample_ranges, samples, "sample")]
         for name, t in (("patch_pixel_values", crops), ("patch_newline_mask", newline)):
             if t is not None:
                 fields.append(FieldSplit(name, name, t, crop_ranges, rows))

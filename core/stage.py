@@ -7,8 +7,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES
-from .split import StagedMedia
+from .chunk import CURSOR_ATTRIBUTE, EXTRAS_ATTRIBUTE, STAGED_ATTRIBUTES
+from .staged import StagedMedia
 
 __all__ = ["stage_media"]
 
@@ -31,7 +31,7 @@ def _resolve(target: Any) -> tuple[torch.nn.Module, Any | None]:
     )
 
 
-_NAMES = (*STAGED_ATTRIBUTES.values(), CURSOR_ATTRIBUTE)
+_NAMES = (*STAGED_ATTRIBUTES.values(), EXTRAS_ATTRIBUTE, CURSOR_ATTRIBUTE)
 _FIELD_TO_ATTRIBUTE = tuple(STAGED_ATTRIBUTES.items())
 
 
@@ -87,7 +87,9 @@ def stage_media(target: Any, staged: StagedMedia) -> Iterator[StagedMedia]:
     """Stage ``staged`` on the first pipeline stage for one ``schedule.step()``.
 
     Sets the per-microbatch lists of :data:`ppmedia.STAGED_ATTRIBUTES` (``None`` for a field the batch
-    lacks) and the cursor ``_vlm_chunk_idx = 0`` on the module, and always removes them on exit.
+    lacks), the per-microbatch dicts of ``chunk.extras`` (``_vlm_extras_chunks``, ``None`` when the split
+    staged nothing beyond the chunk fields) and the cursor ``_vlm_chunk_idx = 0`` on the module, and
+    always removes them on exit.
 
     Pass the first :class:`~torch.distributed.pipelining.PipelineStage` (preferred) or its module. With a
     stage, the extra forward a schedule runs for shape inference on its first step does not cost a
@@ -119,6 +121,7 @@ def stage_media(target: Any, staged: StagedMedia) -> Iterator[StagedMedia]:
     chunks = staged.chunks
     for field, attribute in _FIELD_TO_ATTRIBUTE:
         state[attribute] = chunks.get(field)
+    state[EXTRAS_ATTRIBUTE] = staged.extras_per_microbatch()
     state[CURSOR_ATTRIBUTE] = 0
     try:
         if stage is None:

@@ -35,6 +35,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "list_adapters",
+    "media_layouts",
     "register_adapter",
 ]
 
@@ -70,3 +71,8 @@ def register_adapter(adapter: Any, *, provider: str | None = None, override: boo
 def list_adapters() -> list[AdapterInfo]:
     """Every registered adapter with its model types, layout and provider (imports them all)."""
     return default_registry().list()
+
+
+def media_layouts() -> Any:
+    """The process-wide registry's media layouts (:class:`ppmedia.layouts.LayoutSet`): ppmedia's and every plugin's."""
+    return default_registry().media_layouts()

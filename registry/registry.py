@@ -18,7 +18,8 @@ from typing import Any, Iterable, Mapping, Union
 
 import pluggy
 
-from ..adapters.base import VlmAdapter  # torch only: no family, no transformers
+from ..adapters.base import SampleInput, VlmAdapter  # torch only: no family, no transformers
+from ..layouts import LayoutSet, MediaLayout, check_layout
 from . import hookspecs
 from .hookspecs import PROJECT
 
@@ -40,7 +41,7 @@ PLUGINS_ENV_VAR = "PPMEDIA_PLUGINS"
 #: provider name of ppmedia's own adapters (``ppmedia.adapters.builtin``).
 BUILTIN_PROVIDER = "ppmedia (built-in)"
 
-_HOOKS = ("ppmedia_adapter_paths", "ppmedia_adapters", "ppmedia_model_type_aliases")
+_HOOKS = ("ppmedia_adapter_paths", "ppmedia_adapters", "ppmedia_media_layouts", "ppmedia_model_type_aliases")
 
 
 class PluginError(RuntimeError):
@@ -150,7 +151,25 @@ def _validated(adapter: Any, provider: str) -> AdapterInfo:
         raise PluginError(provider, f"{cls}.model_types is {types!r}; expected a non-empty tuple of model-type strings")
     if not isinstance(layout, str):
         raise PluginError(provider, f"{cls}.layout is {layout!r}; expected a str")
+    _check_family_shape(adapter, cls, provider)
     return AdapterInfo(name, types, layout, provider, adapter)
+
+
+def _check_family_shape(adapter: VlmAdapter, cls: str, provider: str) -> None:
+    """``sample_inputs`` and ``language_model_path``: what the adapter declares about its family."""
+    inputs = getattr(adapter, "sample_inputs", ())
+    if not isinstance(inputs, tuple) or not all(isinstance(i, SampleInput) for i in inputs):
+        raise PluginError(provider, f"{cls}.sample_inputs is {inputs!r}; expected a tuple of ppmedia.adapters.base.SampleInput")
+    keys = [i.key for i in inputs]
+    if len(set(keys)) != len(keys):
+        raise PluginError(provider, f"{cls}.sample_inputs names a key twice: {keys}")
+    for spec in inputs:
+        problem = spec.problem()
+        if problem is not None:
+            raise PluginError(provider, f"{cls}.sample_inputs: {problem}")
+    path = getattr(adapter, "language_model_path", None)
+    if path is not None and (not isinstance(path, str) or not all(part.isidentifier() for part in path.split("."))):
+        raise PluginError(provider, f"{cls}.language_model_path is {path!r}; expected None or a dotted module path such as 'language_model.model'")
 
 
 def _check_paths(paths: Any, provider: str) -> dict[str, str]:
@@ -162,6 +181,15 @@ def _check_paths(paths: Any, provider: str) -> dict[str, str]:
         if not (isinstance(model_type, str) and model_type and colon and module_name and attribute):
             raise PluginError(provider, f"{hook} row {model_type!r}: {path!r}; expected 'package.module:Class'", hook=hook)
     return dict(paths)
+
+
+def _layout_clash(old: MediaLayout, new: MediaLayout) -> str | None:
+    """How ``new`` collides with the registered ``old``, in words, or ``None``."""
+    if old.name == new.name:
+        return "has the name"
+    if set(old.requires) == set(new.requires) and set(old.keys) & set(new.keys):
+        return f"requires exactly the keys ({', '.join(new.requires) or 'none'})"
+    return None
 
 
 class AdapterRegistry:
@@ -189,6 +217,8 @@ class AdapterRegistry:
         self._by_type: dict[str, _Entry]
         self._imported: dict[str, AdapterInfo]  # path -> the adapter it gave (rows may share a path)
         self._aliases: dict[str, tuple[str, str]]  # alias -> (model type, provider)
+        self._layouts: list[tuple[MediaLayout, str]]  # (layout, provider), registration order
+        self._layout_set: LayoutSet | None
         self._reset()
 
     # ---------------------------------------------------------------- loading plugins
@@ -219,6 +249,8 @@ class AdapterRegistry:
         self._by_type = {}
         self._imported = {}
         self._aliases = {}
+        self._layouts = []
+        self._layout_set = None
 
     def _load_entry_points(self) -> Iterable[tuple[Any, str]]:
         seen: set[tuple[str, str]] = set()
@@ -270,11 +302,14 @@ class AdapterRegistry:
                 raise PluginError(provider, f"could not be registered: {exc}") from exc
             try:
                 self._check_hooks(plugin, provider)
-                aliases, table = self._collect(plugin, provider)
+                aliases, table, layouts = self._collect(plugin, provider)
                 for alias, target in aliases.items():
                     self._check_alias(alias, target, provider)
                 self._aliases.update((a, (t, provider)) for a, t in aliases.items())
                 self._by_type = table
+                if layouts:
+                    self._layouts = layouts
+                    self._layout_set = None
             except BaseException:
                 self.plugin_manager.unregister(plugin)
                 raise
@@ -296,8 +331,11 @@ class AdapterRegistry:
         if not callers:
             raise PluginError(provider, f"provides no ppmedia hook (expected one of {', '.join(_HOOKS)})")
 
-    def _collect(self, plugin: Any, provider: str) -> tuple[dict[str, str], dict[str, _Entry]]:
-        """The plugin's aliases, and the table with its adapters added (not committed yet)."""
+    def _collect(
+        self, plugin: Any, provider: str
+    ) -> tuple[dict[str, str], dict[str, _Entry], list[tuple[MediaLayout, str]] | None]:
+        """The plugin's aliases, the table with its adapters added and the layouts with its layouts
+        added (``None``: it brings none); nothing committed yet."""
         results: dict[str, Any] = {}
         for hook in _HOOKS:
             for impl in getattr(self.plugin_manager.hook, hook).get_hookimpls():
@@ -324,7 +362,31 @@ class AdapterRegistry:
             info = _validated(adapter, provider)
             for model_type in info.model_types:
                 self._claim(table, model_type, info, provider, override=bool(getattr(info.adapter, "override", False)))
-        return dict(aliases), table
+        layouts = self._with_layouts(results["ppmedia_media_layouts"], provider) if "ppmedia_media_layouts" in results else None
+        return dict(aliases), table, layouts
+
+    def _with_layouts(self, given: Any, provider: str) -> list[tuple[MediaLayout, str]]:
+        """The registered layouts plus ``given`` (a plugin's hook result), checked as one :class:`LayoutSet`."""
+        hook = "ppmedia_media_layouts"
+        if not isinstance(given, (list, tuple)):
+            raise PluginError(provider, f"{hook} returned {type(given).__name__} {given!r}; expected a list of ppmedia.layouts.MediaLayout", hook=hook)
+        new = list(self._layouts)
+        for layout in given:
+            try:
+                check_layout(layout)
+            except (TypeError, ValueError) as exc:
+                raise PluginError(provider, f"{hook}: {exc}", hook=hook) from exc
+            for other, other_provider in new:
+                clash = _layout_clash(other, layout)
+                if clash is not None:
+                    raise PluginError(provider, f"{hook}: media layout {layout.name!r} {clash} of media layout "
+                                      f"{other.name!r} from {other_provider}", hook=hook, other_provider=other_provider)
+            new.append((layout, provider))
+        try:
+            LayoutSet(layout for layout, _ in new)
+        except ValueError as exc:  # a guard: the clashes above are what LayoutSet refuses
+            raise PluginError(provider, f"{hook}: {exc}", hook=hook) from exc
+        return new
 
     def _check_alias(self, alias: str, target: str, provider: str) -> None:
         if alias in self._aliases and self._aliases[alias][0] != target:
@@ -400,6 +462,22 @@ class AdapterRegistry:
             return info
 
     # ---------------------------------------------------------------- public
+    def media_layouts(self) -> LayoutSet:
+        """Every registered media layout (the built-ins' and the plugins'), as the set ``split_media`` selects from."""
+        found = self._layout_set
+        if found is not None and self._loaded:
+            return found
+        self._ensure_loaded()
+        with self._lock:
+            if self._layout_set is None:
+                self._layout_set = LayoutSet(layout for layout, _ in self._layouts)
+            return self._layout_set
+
+    def list_layouts(self) -> list[tuple[MediaLayout, str]]:
+        """``(layout, provider)`` of every registered media layout, in registration order."""
+        self._ensure_loaded()
+        return list(self._layouts)
+
     def register_adapter(self, adapter: Any, *, provider: str | None = None, override: bool = False) -> AdapterInfo:
         """Register ``adapter`` (a ``VlmAdapter`` subclass or instance) at run time.
 

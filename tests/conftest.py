@@ -46,3 +46,56 @@ def text_embeds(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor
     """The model's text embeddings [b, S, H] of ``input_ids``."""
     with torch.no_grad():
         return model.get_input_embeddings()(input_ids)
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A gloo process group of one rank in this process (127.0.0.1, a free port), destroyed after the
+    module: for PipelineStage, DeviceMesh and FSDP2 objects in-process."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def pixtral_processor_batch(layout, sizes_per_sample, seed=3):
+    """A batch of real ``PixtralImageProcessorPil`` output for a tiny Pixtral-tower family
+    (``ppmedia.testing.tiny_models._pixtral.PixtralLayout``): synthetic images of ``sizes_per_sample``
+    resized to multiples of ``layout.step`` (the patch size x merge the processor is given), at most
+    ``layout.max_size``, padded to the largest, and the text ``PixtralProcessor`` writes for them."""
+    import numpy as np
+    from PIL import Image
+    from transformers import PixtralImageProcessorPil
+
+    from ppmedia.testing.tiny_models._pixtral import image_ids
+
+    rng = np.random.default_rng(seed)
+    processor = PixtralImageProcessorPil(
+        patch_size={"height": layout.step, "width": layout.step}, size={"longest_edge": layout.max_size}
+    )
+    images = [[Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in s] for s in sizes_per_sample if s]
+    out = processor(images=images, return_tensors="pt")
+    true_sizes = out["image_sizes"].tolist()
+    rows, k = [], 0
+    for sizes in sizes_per_sample:
+        ids = rng.integers(layout.first_text_id, layout.vocab, 2).tolist()
+        for _ in sizes:
+            ids += image_ids(layout, tuple(true_sizes[k])) + rng.integers(layout.first_text_id, layout.vocab, 1).tolist()
+            k += 1
+        rows.append(ids)
+    seq = max(map(len, rows))
+    input_ids = torch.full((len(rows), seq), layout.pad, dtype=torch.int64)
+    mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(rows):
+        input_ids[i, : len(ids)], mask[i, : len(ids)] = torch.tensor(ids), 1
+    return {"input_ids": input_ids, "attention_mask": mask, **out}

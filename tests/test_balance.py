@@ -22,6 +22,7 @@ from ppmedia.balance import (
     restore_order,
 )
 import ppmedia.testing.tiny_models as tiny
+from ppmedia.registry import default_registry
 
 
 def _optimum(costs, n):
@@ -120,11 +121,16 @@ def test_balanced_split_equals_plain_split_of_reordered_batch(family):
     cost = functools.partial(adapter.image_costs, config=config)
     with HostReadCounter() as reads:
         staged = split_media(batch, 4, **counts, balance=cost)
-    assert reads.total == 1
+    assert reads.total == (0 if family in ("idefics3", "smolvlm") else 1)  # samples on axis 0: nothing to read
     perm = list(staged.permutation)
+    if family in ("idefics3", "smolvlm"):  # samples on axis 0, each [max_crops, ...]: equal costs, nothing to move
+        assert perm == list(range(8))
+        return
     assert perm != list(range(8)) and sorted(perm) == list(range(8))
     assert torch.equal(batch["input_ids"], original["input_ids"][perm])
-    assert set(batch) == {key for key in original if key not in ppmedia.MEDIA_KEYS}
+    popped = default_registry().media_layouts().keys | {spec.key for spec in adapter.sample_inputs}
+    staged_inputs = counts.get("sample_inputs") or {}  # per-sample inputs (ERNIE's token types) are staged too
+    assert set(batch) == {key for key in original if key not in popped and key not in staged_inputs}
     for key in batch:  # every batch-row tensor left for the schedule (Gemma 3: token_type_ids too)
         assert torch.equal(batch[key], original[key][perm]), key
 
@@ -138,7 +144,8 @@ def test_balanced_split_equals_plain_split_of_reordered_batch(family):
             by_hand[key] = tensor[perm]
         else:
             by_hand[key] = torch.cat([tensor[slice(*per.ranges[name][s])] for s in perm])
-    plain = split_media(by_hand, 4, images_per_sample=images[perm], videos_per_sample=videos[perm])
+    inputs = [key for name, key in per.sources.items() if per.kinds.get(name) == "input"]  # per-sample inputs
+    plain = split_media(by_hand, 4, images_per_sample=images[perm], videos_per_sample=videos[perm], sample_inputs=inputs)
     for k in range(4):
         got, want = staged.chunk(k), plain.chunk(k)
         assert (got is None) == (want is None)
@@ -206,7 +213,9 @@ def test_collate_for_pipeline_balances_with_the_adapter_costs():
 def test_balanced_pipelines_equal_the_unbalanced_run_for_every_family():
     from ppmedia.testing.parity import run_parity
 
-    report = run_parity(tiny.FAMILIES, ["1f1b/inferred", "1f1b/inferred/balanced", "gpipe/static/balanced"], steps=2)
+    # the later families (Mistral Large 4, ...) run their parity in tests/test_state_families_mp.py
+    families = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3")
+    report = run_parity(families, ["1f1b/inferred", "1f1b/inferred/balanced", "gpipe/static/balanced"], steps=2)
     for family in report.families:
         plain = family.scenario("1f1b/inferred")
         for name in ("1f1b/inferred/balanced", "gpipe/static/balanced"):

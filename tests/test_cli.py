@@ -96,12 +96,50 @@ def test_inspect_one_microbatch_per_sample_is_accepted(capsys):
 
 
 def test_inspect_torch_save_batch_with_model_type(capsys, tmp_path):
+    # --model-type alone: placeholders counted with transformers' default step3p7 config, whose ids it names
     path = tmp_path / "batch.pt"
-    torch.save({"input_ids": torch.zeros(3, 4, dtype=torch.long), "pixel_values": torch.randn(3, 3, 8, 8)}, path)
+    ids = torch.zeros(3, 4, dtype=torch.long)
+    ids[0, 1:3] = ids[2, 2] = 151679  # the default config's image token: sample 0 and 2 hold images
+    torch.save({"input_ids": ids, "pixel_values": torch.randn(2, 3, 8, 8), "num_patches": torch.zeros(3, dtype=torch.long)}, path)
     code, out, _ = run(capsys, "inspect", path, "--microbatches", "2", "--model-type", "step3p7")
     assert code == 0
-    assert "adapter step3 (step3p7); no config.json beside the file and no --config: counts from the batch only" in out
+    assert ("adapter step3 (step3p7) (no config.json: transformers' default step3p7 config, assuming its ids "
+            "image_token_id 151679; pass --config if the checkpoint's differ); per-sample counts from placeholder "
+            "tokens: images [1, 0, 1]") in out
     assert out.splitlines()[-1] == "2 microbatches of 3 samples; text-only: none"
+
+
+def test_inspect_model_type_without_a_default_config_points_at_the_config_only(capsys, tmp_path):
+    # kimi_vl is remote code: no default config to count with; the error names --config, not --model-type again
+    path = tmp_path / "batch.pt"
+    torch.save({"input_ids": torch.zeros(3, 4, dtype=torch.long), "pixel_values": torch.randn(5, 6),
+                "image_grid_thw": torch.tensor([[1, 1, 5]])}, path)
+    code, out, _ = run(capsys, "inspect", path, "--microbatches", "1", "--model-type", "kimi_vl", "--config", QWEN / "config.json")
+    assert code == 2  # a config.json that contradicts --model-type: refused as before
+    code, line = fails(capsys, "inspect", path, "--microbatches", "2", "--model-type", "kimi_vl")
+    assert code == 1 and "--model-type" not in line, line
+    assert line == (f"ppmedia: error: {path}: pixel_values: 1 images for a batch of 3 samples and nothing maps them to "
+                    f"samples; expected n_images_per_sample [3] in the batch, or the model's config.json (--config, or "
+                    f"beside the file: there is no default kimi_vl config) to count the image placeholder tokens in input_ids")
+
+
+def test_inspect_default_config_whose_ids_miss_the_tokens_says_so(capsys, tmp_path):
+    path = tmp_path / "batch.pt"
+    torch.save({"input_ids": torch.zeros(3, 4, dtype=torch.long), "pixel_values": torch.randn(3, 3, 8, 8)}, path)
+    code, line = fails(capsys, "inspect", path, "--microbatches", "2", "--model-type", "step3p7")
+    assert code == 1 and line.endswith("(counted with transformers' default config: pass --config if the checkpoint's ids differ)"), line
+
+
+def test_counting_errors_name_their_key_once(capsys, tmp_path):
+    # LLaVA-NeXT counts back-to-back images by their sizes; a run that fits no sizes is an input_ids error,
+    # reported as "input_ids: ..." once (it used to read "input_ids: input_ids: ...")
+    (tmp_path / "config.json").write_text((FIXTURES / "llava_next" / "config.json").read_text())
+    batch = load_file(str(FIXTURES / "llava_next" / "inputs.safetensors"))
+    batch["image_sizes"] = batch["image_sizes"].flip(0)  # the sizes no longer fit the runs
+    path = tmp_path / "batch.pt"
+    torch.save(batch, path)
+    code, line = fails(capsys, "inspect", path, "--microbatches", "2")
+    assert code == 1 and line.startswith(f"ppmedia: error: {path}: input_ids: sample ") and "input_ids: input_ids" not in line, line
 
 
 def test_format_is_told_from_the_bytes_not_the_name(capsys, tmp_path):

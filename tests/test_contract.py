@@ -20,6 +20,7 @@ def test_dataclass_fields_in_contract_order():
         ("num_patches", None),
         ("patch_newline_mask", None),
         ("second_per_grid_ts", None),  # ppmedia's addition after the seven contract fields
+        ("extras", None),  # always last: a layout's or a per-sample input's other names (a dict per chunk)
     ]
 
 

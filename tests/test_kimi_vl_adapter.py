@@ -210,14 +210,17 @@ def test_chunk_none_returns_inputs_embeds(adapter, model, batch, reference):
     torch.testing.assert_close(out, reference[4:6], atol=0, rtol=0)
 
 
-def test_video_media_refused(adapter, model, batch):
+def test_video_media_refused_for_remote_code_kimi_vl(adapter, model, batch):
+    """Remote-code Kimi-VL has no videos: a video chunk is refused before the tower runs (transformers'
+    Kimi-K2.5 runs them: test_kimi_k25_video.py)."""
     video = torch.zeros((4, 3, 4, 4))
     chunk = VlmMediaChunk(None, None, video, torch.tensor([[1, 2, 2]]))
     ids = batch["input_ids"][4:6]
+    remote = _RemoteKimiVL(model)
     counter = _CountCalls(model.model.vision_tower)
     try:
-        with pytest.raises(ValueError, match="images only"):
-            adapter.merge(model, ids, text_embeds(model, ids), chunk)
+        with pytest.raises(ValueError, match="for model type 'kimi_vl' takes images only"):
+            adapter.merge(remote, ids, text_embeds(model, ids), chunk)
     finally:
         counter.close()
     assert counter.calls == 0

@@ -318,7 +318,7 @@ def left_over_key(case: Case, draw: Any) -> set[str] | None:
     B = case.B
     key, value = draw(st.sampled_from([
         ("position_ids", torch.zeros(3, B, 3, dtype=torch.long)),
-        ("pixel_attention_mask", torch.ones(B + 1, 4, 4, dtype=torch.bool)),
+        ("vision_attention_mask", torch.ones(B + 1, 4, 4, dtype=torch.bool)),  # (pixel_attention_mask is Idefics3's media)
         ("image_embeds_position_mask", torch.zeros(B + 2, 3)),
         ("num_items_in_batch", torch.tensor(7)),
     ]))

@@ -91,17 +91,18 @@ def test_all_is_sorted_and_complete():
     assert public - modules - {"__version__"} <= set(ppmedia.__all__)
 
 
-def _readme_section(title):
-    text = (ROOT / "README.md").read_text()
+def _architecture_section(title):
+    # docs/architecture.md: "Who calls whom" (the call tree) and "Development" (the layout table)
+    text = (ROOT / "docs" / "architecture.md").read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end > 0 else None]
 
 
-def test_readme_architecture_names_what_exists():
+def test_architecture_page_names_what_exists():
     import re
 
-    section = _readme_section("Architecture")
+    section = _architecture_section("Who calls whom")
     modules = {"registry": "ppmedia.registry", "split": "ppmedia.split", "hostreads": "ppmedia.hostreads",
                "stage": "ppmedia.stage", "pipeline": "ppmedia.pipeline", "chunk": "ppmedia.chunk",
                "adapters/base": "ppmedia.adapters.base", "collate": "ppmedia.collate",
@@ -129,10 +130,10 @@ def test_readme_architecture_names_what_exists():
     assert {c.name for c in importlib.import_module("ppmedia.cli").COMMANDS} == {"demo", "adapters", "inspect", "plan"}
 
 
-def test_readme_layout_names_files_that_exist():
+def test_layout_table_names_files_that_exist():
     import re
 
-    section = _readme_section("Development")
+    section = _architecture_section("Development")
     table = section[section.index("| folder |") : section.index("Tests run with")]
     rows = [row.strip().strip("|").split("|") for row in table.splitlines()[2:] if row.strip()]
     checked = []
@@ -147,7 +148,7 @@ def test_readme_layout_names_files_that_exist():
     for folder in ("core", "core/pipeline", "registry", "adapters", "core/testing"):
         for path in (ROOT / folder).glob("*.py"):
             if path.name not in {"__init__.py", "__main__.py"}:
-                assert f"{folder}/{path.name}" in checked, f"README 'Development' does not name {folder}/{path.name}"
+                assert f"{folder}/{path.name}" in checked, f"docs/architecture.md 'Development' does not name {folder}/{path.name}"
 
 
 def test_no_function_body_over_80_lines():

@@ -3,7 +3,9 @@
 Every family's tiny batch (8 samples, 4 microbatches, microbatch 2 text-only) runs two consecutive
 training steps under GPipe, 1F1B and Interleaved1F1B (2 stages per rank), each with shapes inferred
 on the first step and with static input_args/output_args. One spawned pair per family runs all its
-scenarios (ppmedia.testing.parity); the tests read its report. A few in-process tests check the stage split.
+scenarios (ppmedia.testing.parity); the tests read its report. The same spawn also runs 1F1B on stages
+that each rank loads from a checkpoint of the model (``stages_from_pretrained``). A few in-process
+tests check the stage split.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ TOL = 1e-5
 N_MICROBATCHES = 4
 STEPS = 2
 WRONG_BATCH = Scenario("1f1b", "static", "wrong_batch")
+#: every rank builds only its stages from a save_pretrained checkpoint of the model (40 KB shards)
+PRETRAINED = Scenario("1f1b", "static", pretrained=True)
 SCENARIO_NAMES = [s.name for s in ALL_SCENARIOS]
 #: per family, scenarios run in the same spawn as its defaults. Qwen3-VL's tiny model has 2 decoder
 #: layers and 2 deepstack levels: the default split (1 + 1) sends level 1 across the boundary; 2 + 0
@@ -44,6 +48,11 @@ EXTRA_SCENARIOS: dict[str, tuple[Scenario, ...]] = {
        Scenario("ZBVZeroBubble", "inferred", variant="text_only_first", encoder="spread"),
        Scenario("gpipe", "static", variant="frozen_vision", encoder="spread")),
 }
+
+#: the families with a spawn of their own here (2-layer tiny models split 1 + 1); the later families
+#: (Mistral Large 4, Mistral Small 4, LLaVA, MiniMax-M3-VL, Inkling 2, Kimi-K2.5 video) run their
+#: parity in one shared spawn in tests/test_state_families_mp.py.
+FAMILIES = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3")
 
 _reports: dict[str, object] = {}
 
@@ -64,7 +73,8 @@ def _report(family: str):
     if family not in _reports:
         try:
             _reports[family] = run_parity(
-                family, [*ALL_SCENARIOS, WRONG_BATCH, *EXTRA_SCENARIOS.get(family, ())], steps=STEPS, n_microbatches=N_MICROBATCHES, tolerance=TOL
+                family, [*ALL_SCENARIOS, WRONG_BATCH, PRETRAINED, *EXTRA_SCENARIOS.get(family, ())], steps=STEPS,
+                n_microbatches=N_MICROBATCHES, tolerance=TOL,
             )
         except ParityError as exc:  # cache the failure too: one spawn per family, not per test
             _reports[family] = exc
@@ -80,7 +90,7 @@ def _report(family: str):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("scenario", SCENARIO_NAMES)
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_pipeline_matches_full_batch_model(family, scenario):
     result = _report(family).family(family).scenario(scenario)
     schedule, shapes = scenario.split("/")
@@ -128,7 +138,22 @@ def test_qwen3_vl_deepstack_scenarios(scenario):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pipeline_loaded_from_a_checkpoint_matches_the_model(family):
+    """Each rank reads only its stage from the checkpoint (Kimi: the q_lora_rank model transformers can
+    read back, tiny_models.kimi_vl.build_checkpoint_model); the pipeline matches the model within 1e-5."""
+    result = _report(family).family(family).scenario(PRETRAINED.name)
+    assert result.name == "1f1b/static/pretrained" and result.missing_params == []
+    for st in result.steps:
+        assert st.loss_diff <= TOL and st.grad_diff_vision <= TOL and st.grad_diff_lm <= TOL, (family, st)
+        assert st.vision_params_compared > 0 and st.reference_grad_max_vision > 1e-4
+        assert st.first_stage_calls == st.expected_first_stage_calls == N_MICROBATCHES
+    assert result.steps[0].loss_reference != result.steps[1].loss_reference
+    assert result.passed(TOL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", FAMILIES)
 def test_microbatch_table_has_text_only_middle_microbatch(family):
     report = _report(family).family(family)
     assert report.microbatches == microbatch_table(family, N_MICROBATCHES)
@@ -139,7 +164,7 @@ def test_microbatch_table_has_text_only_middle_microbatch(family):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_media_of_another_batch_fail_the_comparison(family):
     """Same layout, other pixels: nothing raises, but the harness sees the losses and grads differ."""
     report = _report(family)
@@ -172,7 +197,7 @@ def test_bad_arguments_fail_before_spawning():
 # in-process: the stage split
 
 
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_stage_modules_prune_and_keep_full_model_names(family, one_thread):
     model = tiny.load(family).build_model(0)
     full = dict(model.named_parameters(remove_duplicate=False))
@@ -196,7 +221,7 @@ def test_stage_modules_prune_and_keep_full_model_names(family, one_thread):
     assert "model.language_model.norm.weight" in last and "model.language_model.norm.weight" not in first
 
 
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_later_stage_keeps_nothing_else_alive(family, one_thread):
     """Pruned, not hidden: once the full model is dropped, the vision side, the embedding and the
     other stages' layers are freed; only the last stage's own modules stay."""

@@ -222,7 +222,9 @@ def test_newline_mask_wrong_length():
 
 
 def test_video_pixels_without_grid():
-    _raises({"input_ids": _ids(2), "pixel_values_videos": torch.randn(8, 3)}, r"pixel_values_videos: shape \[8, 3\] given without video_grid_thw")
+    # without a grid, LLaVA-OneVision's layout takes videos as items on axis 0: 8 of them need counts for 2 samples
+    _raises({"input_ids": _ids(2), "pixel_values_videos": torch.randn(8, 3)},
+            r"pixel_values_videos: 8 videos for a batch of 2 samples and nothing maps them to samples; expected n_videos_per_sample \[2\]")
 
 
 def test_list_where_a_tensor_is_expected():
@@ -471,7 +473,6 @@ def test_mrope_positions_need_samples_first():
 
 
 @pytest.mark.parametrize("key, value", [
-    ("pixel_attention_mask", torch.ones(5, 8, 8, dtype=torch.bool)),
     ("image_embeds", torch.randn(5, 16)),
     ("num_items_in_batch", torch.tensor(12)),
 ])
@@ -480,6 +481,15 @@ def test_unknown_per_media_keys_are_refused(key, value):
     batch[key] = value
     message = _unchanged_after(batch, ValueError, rf"{key}: shape {list(value.shape)}; expected \[2, \.\.\.\]".replace("[", r"\[").replace(r"\\[", r"\["))
     assert "take it out of the batch" in message
+
+
+def test_a_pixel_attention_mask_beside_a_qwen_grid_is_refused():
+    # pixel_attention_mask is Idefics3 / SmolVLM's (layout idefics3_images, samples on axis 0); beside
+    # Qwen's image_grid_thw the batch matches two image layouts that both read pixel_values: refused
+    batch = _qwen_batch()
+    batch["pixel_attention_mask"] = torch.ones(5, 8, 8, dtype=torch.bool)
+    _unchanged_after(batch, ValueError, r"image metadata: got image_grid_thw and pixel_attention_mask; expected at most one of "
+                     r"them \(media layouts 'image_patch_rows_thw' and 'idefics3_images' all read pixel_values")
 
 
 # -------------------------------------------------------------------- real image processors' output

@@ -1,4 +1,4 @@
-"""ppmedia.testing: tiny-family loading, the adapter check, golden files, the pytest plugin, the README's plugin test.
+"""ppmedia.testing: tiny-family loading, the adapter check, golden files, the pytest plugin, the docs' plugin test.
 
 The sabotaged adapters are real adapters with one deliberate bug each; the kit must name the family
 and the microbatch that shows it.
@@ -193,7 +193,7 @@ def test_goldens_that_do_not_regenerate_are_named(llava, tmp_path):
 
 def test_pytest_plugin_loads_by_entry_point_without_transformers(tmp_path):
     (tmp_path / "test_uses_kit.py").write_text(
-        "import sys\n"
+        "import sys\nimport pytest\n"
         "def test_fixture(ppmedia_kit, ppmedia_host_reads, tmp_path):\n"
         "    assert 'ppmedia.testing.pytest_plugin' in sys.modules\n"
         "    assert not [m for m in sys.modules if m.startswith('transformers')]\n"
@@ -201,9 +201,12 @@ def test_pytest_plugin_loads_by_entry_point_without_transformers(tmp_path):
         "    import torch\n"
         "    torch.ones(2).sum().item()\n"
         "    assert ppmedia_host_reads.total == 1\n"
+        "@pytest.mark.multiprocess\n"  # registered by the plugin: --strict-markers accepts it
+        "def test_marked():\n"
+        "    pass\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--ppmedia-write-goldens", str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--strict-markers", "--ppmedia-write-goldens", str(tmp_path)],
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -222,14 +225,16 @@ def test_kit_fixture_caches_families(ppmedia_kit, plugin_path):
     assert [i.provider for i in first.registry.list() if i.name == "llava"] == ["ppmedia_llava_plugin (FamilyKit plugins)"]
 
 
-# ---------------------------------------------------------------- README
+# ---------------------------------------------------------------- docs
 
 
-def test_readme_shows_the_plugin_test_file_as_it_is():
-    readme = (ROOT / "README.md").read_text()
+def test_docs_show_the_plugin_test_file_as_it_is():
+    # docs/adding-a-family.md shows it under a `<!-- file: ... -->` comment, which tests/test_docs.py
+    # compares with the file; here: that the page does show it, and verbatim
+    page = (ROOT / "docs" / "adding-a-family.md").read_text()
     test_file = (PLUGIN_DIR / "tests" / "test_llava_plugin.py").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-    assert test_file in blocks, "README 'Adding an architecture' must show tests/plugin/tests/test_llava_plugin.py verbatim"
+    marked = re.findall(r"<!-- file: tests/plugin/tests/test_llava_plugin.py -->\n```python\n(.*?)```", page, flags=re.S)
+    assert marked == [test_file], "docs/adding-a-family.md must show tests/plugin/tests/test_llava_plugin.py verbatim"
 
 
 def test_public_names_are_sorted_and_exported():
@@ -237,3 +242,73 @@ def test_public_names_are_sorted_and_exported():
 
     assert testing.__all__ == sorted(testing.__all__)
     assert all(hasattr(testing, name) for name in testing.__all__)
+
+
+# ---------------------------------------------------------------- merge checks what encode returned
+
+
+@pytest.mark.parametrize("bug, message", [
+    ("one row more", r"llava adapter: encode returned 49 rows \(shape \[49, 64\]\) of image features in microbatch 0; "
+                     r"expected 48 rows, \[48, 64\] \(the image placeholder tokens, as feature_counts promised\)"),
+    ("one row less", r"llava adapter: encode returned 47 rows \(shape \[47, 64\]\) of image features in microbatch 0; expected 48"),
+    ("undeclared modality", r"llava adapter: encode returned 'images' features in microbatch 0, a modality placeholder_masks "
+                            r"does not declare \(it declares 'image'\); expected only those"),
+])
+def test_encode_returning_what_feature_counts_did_not_promise_is_caught(llava, bug, message):
+    from ppmedia_llava_plugin import LlavaAdapter
+
+    def encode(self, model, chunk, host):
+        features = LlavaAdapter.encode(self, model, chunk, host)["image"]
+        if bug == "one row more":  # masked_scatter would drop it silently
+            return {"image": torch.cat([features, features[:1]])}
+        if bug == "one row less":  # masked_scatter would fail with a raw RuntimeError
+            return {"image": features[:-1]}
+        return {"images": features}  # scatter would fail with a raw KeyError
+
+    sabotaged = FamilyKit(LLAVA, adapter=_sabotaged(LlavaAdapter, encode=encode))
+    sabotaged.__dict__.update(model=llava.model, batch=llava.batch, _captured=llava._captured)
+    with pytest.raises(AdapterMismatch, match=r"^ppmedia_llava_plugin.tiny \(adapter llava\), 4 microbatches, microbatch 0 "
+                       r"\(samples 0..1\): ValueError: " + message) as info:
+        sabotaged.check_adapter(microbatches=[4])
+    assert info.value.microbatch == 0
+
+
+# ---------------------------------------------------------------- the harness, the marker, the demo
+
+
+def test_parity_refuses_a_rank_without_layers_in_one_line(capsys):
+    from ppmedia.testing.parity import main, run_parity
+
+    with pytest.raises(ValueError, match=r"^ZBVZeroBubble/static: 8 pipeline stages \(4 ranks x 2\) for the 2 decoder layers of "
+                       r"llava_next \(per stage \[0, 1, 1, 0, 0, 0, 0, 0\]\): pipeline rank 3 would hold only stages \[3, 4\], "
+                       r"without a layer; use at most 2 pipeline ranks for ZBVZeroBubble, or a schedule with one stage per rank$"):
+        run_parity("llava_next", ["ZBVZeroBubble/static"], world_size=4)
+    with pytest.raises(SystemExit) as exit_:  # the command line: one error line, exit status 2, nothing spawned
+        main(["llava_next", "--scenario", "1f1b/static", "--world-size", "5"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert err.splitlines() == [
+        "python -m ppmedia.testing.parity: error: 1f1b/static: 5 pipeline stages (5 ranks x 1) for the 2 decoder layers of "
+        "llava_next (per stage [0, 1, 1, 0, 0]): pipeline rank 3 would hold only stages [3], without a layer; use at most 4 "
+        "pipeline ranks for 1F1B"]
+
+
+def test_the_pytest_plugin_registers_the_multiprocess_marker(tmp_path):
+    # with the plugin the marker is known (test_pytest_plugin_loads_by_entry_point_without_transformers runs the
+    # same file with --strict-markers and passes); without it, --strict-markers refuses it
+    (tmp_path / "test_marked.py").write_text("import pytest\n\n@pytest.mark.multiprocess\ndef test_spawns():\n    pass\n")
+    off = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:ppmedia", "--strict-markers",
+                          str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert off.returncode != 0 and "'multiprocess' not found in `markers` configuration option" in off.stdout
+
+
+def test_demo_takes_a_plugins_tiny_module(plugin_path, capsys):
+    from ppmedia.cli import build_parser, main
+
+    args = build_parser().parse_args(["demo", "--family", LLAVA, "--steps", "1"])
+    assert args.family == LLAVA
+    assert main(["demo", "--family", "no_such.tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ppmedia: error: argument --family: 'no_such.tiny': tiny family 'no_such.tiny': cannot import it"), err
+    assert main(["demo", "--family", "nope"]) == 2
+    assert "invalid choice: 'nope' (choose from all, qwen2_5_vl," in capsys.readouterr().err

@@ -25,12 +25,19 @@ the ``[3, b, S]`` positions transposed) for adapters that override ``position_id
 Qwen3-VL adds its visual position mask ``[b, S]`` and one ``[b, S, H]`` tensor per deepstack level
 still ahead (the level's features scattered to the visual positions, zeros elsewhere), so features of
 decoder layers on later stages cross the boundary and their gradients flow back to the vision tower.
-The first stage builds every wire tensor (``adapter.first_stage``); each stage turns what it holds into
-its language model's keyword arguments (``adapter.decoder_kwargs``) and passes on what later stages need.
+The first stage builds the wire tensors that come from the media (``adapter.first_stage``); state one
+decoder layer hands to a later one (Mistral Large 4's top-k indices and shared KV, Inkling 2's block
+states) is made by the layers of whichever stage holds them: each stage runs its language model with
+the adapter's hooks on its modules (``adapter.stage_hooks``: hand the model's own code what the stage
+received, store what its layers made). Each stage turns what it holds into its language model's
+keyword arguments (``adapter.decoder_kwargs``) and sends on what later stages need, received or made
+(see ``docs/state-families.md``). The last stage's output is ``adapter.logits`` (``lm_head``, plus
+what the model's own forward does after it, e.g. soft-capping).
 
 A stage module keeps only what its stage runs: the first stage the vision tower, projector and
 embedding; every stage its decoder layers (under their ORIGINAL indices) and the language model's
-rotary embedding; the last stage the final norm and ``lm_head`` (the norm is ``Identity`` elsewhere).
+rotary embedding; the last stage the final norm and ``lm_head`` (the norm is ``Identity`` elsewhere;
+``adapter.prune_stage`` may replace other last-stage-only modules of the language model likewise).
 Parameter names are the full model's (``model.language_model.layers.3.mlp.up_proj.weight`` stays
 that on whichever stage holds layer 3), so gradients compare one to one with the full model.
 The modules share parameters with ``model``; drop your reference to ``model`` to free the rest.
@@ -57,16 +64,37 @@ The package, one module per concern (every public name is importable from ``ppme
 ``parallel``        data parallelism: :func:`shard_batch`, gradient reduction, global-norm clipping
 ``encoder``         the encoder spread: every pipeline rank encodes a share of the media (:class:`EncoderSpread`)
 ``trace``           measured per-action timelines of a real step (:class:`StepTracer`)
+``pretrained``      :func:`stages_from_pretrained`: a rank's stages from a Hugging Face checkpoint
+                    (built on meta, only the stage's tensors read, from only their shard files)
+``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
+``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
+``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
+``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
+``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
 ==================  ===========================================================================
 """
 
+from .checkpoint import (
+    CHECKPOINT_INFO,
+    check_checkpoint,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    stage_optimizers,
+)
 from .encoder import ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, vision_replica
+from .evaluate import eval_step
+from .export import save_pretrained_stages
+from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
+from .pretrained import stages_from_pretrained
 from .schedules import (
     SCHEDULE_ALIASES,
     SCHEDULES,
     ScheduleLayout,
+    ShapeFollowingSchedule,
     build_schedule,
     schedule_layout,
     schedule_names,
@@ -78,32 +106,48 @@ from .tied import TiedParameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
 
 __all__ = [
+    "CHECKPOINT_INFO",
     "ENCODER_MODES",
     "EncoderSpread",
     "IGNORE_INDEX",
     "SCHEDULES",
     "SCHEDULE_ALIASES",
+    "SPLIT_BACKWARD_RESHARD_REASON",
     "ScheduleLayout",
+    "ShapeFollowingSchedule",
     "SpreadPlan",
     "StageModule",
     "StepTracer",
     "TiedParameters",
     "all_reduce_gradients",
+    "apply_fsdp",
     "assign_encoders",
     "build_schedule",
     "build_stage_modules",
+    "check_checkpoint",
+    "check_fsdp_schedule",
+    "checkpoint_path",
     "clip_grad_norm",
     "count_valid_tokens",
     "default_layer_split",
     "encoder_spread_of",
+    "eval_step",
     "find_language_model",
+    "is_sharded",
+    "latest_checkpoint",
+    "load_checkpoint",
     "make_labels",
     "make_pipeline_stages",
     "pipeline_loss",
+    "save_pretrained_stages",
+    "save_checkpoint",
     "schedule_layout",
     "schedule_names",
     "shard_batch",
+    "splits_backward",
     "stage_indices_for_rank",
+    "stages_from_pretrained",
+    "stage_optimizers",
     "static_stage_args",
     "sync_tied_gradients",
     "tied_parameters",

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from ..adapters.base import HostValues, VlmAdapter, read_host
 from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk
 from .stages import FEATURES_ATTRIBUTE, StageModule, _text_dims
-from .surgery import _child_name, _get_path, _stage_tree, find_language_model
+from .surgery import _child_name, _get_path, _stage_children, find_language_model, find_output_head
 
 __all__ = [
     "ENCODER_MODES",
@@ -191,33 +191,28 @@ class _VisionReplica(nn.Module):
         self.config = config
 
 
-def vision_replica(model: nn.Module) -> nn.Module:
+def vision_replica(model: nn.Module, adapter: VlmAdapter | None = None) -> nn.Module:
     """What the first stage holds besides the language model and head, as a module of its own:
     the vision tower, projector and any root-level parameter, under the full model's names.
 
     It shares parameters with ``model`` (no copy); the language model in it keeps no decoder layer,
     no embedding, no norm (only its shell, so paths like ``model.model.visual`` resolve). An
-    adapter's ``encode(replica, chunk, host)`` runs as on the first stage.
+    adapter's ``encode(replica, chunk, host)`` runs as on the first stage. ``adapter``: the family's
+    (default: the registry's), which may say where the language model sits.
     """
-    lm_path, lm = find_language_model(model)
+    lm_path, lm = find_language_model(model, adapter)
     embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
     norm_name = "norm" if isinstance(lm._modules.get("norm"), nn.Module) else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
-    head_name = _child_name(model, head, "output head (lm_head)")
-    node = _stage_tree(model, lm, lm_path, (0, 0), first=True, last=False, embed_name=embed_name, norm_name=norm_name)
-    path = lm_path.split(".")
-    shell = node if len(path) == 1 else _get_path(node, ".".join(path[1:]))
+    head_path = find_output_head(model, lm_path)
+    children = _stage_children(model, lm, lm_path, head_path, (0, 0), first=True, last=False,
+                               embed_name=embed_name, norm_name=norm_name)
+    replica = _VisionReplica(children, {k: v for k, v in model._parameters.items() if v is not None}, model.config)
+    shell = _get_path(replica, lm_path)
     assert shell is not None
-    shell._modules.clear()  # nothing of the language model: its shell only
+    shell._modules.clear()  # nothing of the language model: its shell only (a new registry: the model keeps its own)
     shell._parameters.clear()
     shell._buffers.clear()
-    children = {
-        name: (node if name == path[0] else child)
-        for name, child in model._modules.items()
-        if child is not None and name != head_name and (name != path[0] or len(path) > 1)
-    }
-    parameters = {k: v for k, v in model._parameters.items() if v is not None}
-    return _VisionReplica(children, parameters, model.config)
+    return replica
 
 
 def _vision_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -394,6 +389,9 @@ class EncoderSpread:
         self._keep: list[Tensor] = []  # tensors in flight (a send's buffer must outlive it)
         self._grad_sends: list[Any] = []
         self._pending: list[Any] = []  # stage 0's background broadcasts
+        #: with FSDP2 stages (:meth:`shard_over`): the data-parallel groups stage 0's vision gradients
+        #: are summed over (the vision side stays whole, outside FSDP2's groups)
+        self.replica_groups: tuple[Any, ...] = ()
         self._check_layout()
 
     # -- small pieces --------------------------------------------------------------------------
@@ -424,6 +422,37 @@ class EncoderSpread:
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
         return {d: (torch.cat([tensors[i].detach().reshape(-1) for i in idx]), idx) for d, idx in by_dtype.items()}
+
+    def shard_over(self, mesh: Any) -> set[nn.Parameter]:
+        """FSDP2: the vision parameters the first stage's ``fully_shard`` must leave alone
+        (``ignored_params``), and, on the rank holding stage 0, sum their gradients over ``mesh``
+        (the data-parallel mesh, 1-D or 2-D) at the end of every step.
+
+        :func:`~ppmedia.pipeline.apply_fsdp` calls it. The vision side stays whole on stage 0, as the
+        copies on the other pipeline ranks are: the spread broadcasts whole weights to them and runs
+        the tower outside the stage's forward (where FSDP2 would gather it), and a sharded tower would
+        need an all-gather of its own every step. So with FSDP2 the vision parameters, gradients and
+        optimizer state are replicated over the data-parallel replicas (summed gradients keep them
+        equal); everything else is sharded as without the spread.
+        """
+        if self.rank != 0:
+            return set()
+        self.replica_groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
+        return {p for _, p in self.params}
+
+    def _follow_trainable(self) -> None:
+        """The copies' ``requires_grad`` follows stage 0's, parameter by parameter (one small broadcast
+        per step and one host read of it on the other ranks): freezing the tower on stage 0, as the
+        optimizer sees it, freezes it everywhere, so every rank agrees on whether gradients travel."""
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return
+        flags = torch.tensor([p.requires_grad for _, p in self.params], dtype=torch.int32, device=self.device)
+        dist.broadcast(flags, group_src=0, group=self.group)
+        if self.rank != 0:
+            for (_, p), trainable in zip(self.params, flags.tolist()):
+                p.requires_grad_(bool(trainable))
 
     def refresh(self, everything: bool = True) -> None:
         """Broadcast stage 0's vision parameters to the copies (collective over the pipeline group).
@@ -578,6 +607,7 @@ class EncoderSpread:
         """
         from ..stage import stage_media
 
+        self._follow_trainable()
         self._needs_grad = torch.is_grad_enabled() and any(p.requires_grad for _, p in self.params)
         self._keep, self._grad_sends, self._pending = [], [], []
         t0 = time.perf_counter()
@@ -625,6 +655,7 @@ class EncoderSpread:
                     leaves = features.incoming[k].leaves or {}
                     self._backward(k, kept, {n: leaf.grad for n, leaf in leaves.items()})
                 self._finish_reduction(reduction)
+                self._reduce_over_replicas()
             else:
                 for k, (works, grads) in receives.items():
                     for work in works:
@@ -685,6 +716,32 @@ class EncoderSpread:
         else:
             for p in params:
                 p.grad = None
+        self._record("R", -1, t0, time.perf_counter())
+
+    def _reduce_over_replicas(self) -> None:
+        """FSDP2 (:meth:`shard_over`): sum stage 0's vision gradients over the data-parallel replicas
+        (which ran the same code, so they reach this in the same order); a parameter without a gradient
+        on every replica keeps ``None``."""
+        import torch.distributed as dist
+
+        if not self.replica_groups:
+            return
+        t0 = time.perf_counter()
+        params = [p for _, p in self.params if p.requires_grad]
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        flats = sorted(self._flat(grads).items(), key=lambda item: str(item[0]))
+        for group in self.replica_groups:
+            dist.all_reduce(flags, group=group)
+            for _, (flat, _) in flats:
+                dist.all_reduce(flat, group=group)
+        some = flags.tolist()  # one small host read
+        for _, (flat, idx) in flats:
+            offset = 0
+            for i in idx:
+                p, n = params[i], params[i].numel()
+                p.grad = flat[offset : offset + n].view_as(p).clone() if some[i] else None
+                offset += n
         self._record("R", -1, t0, time.perf_counter())
 
     def _reduce_gradients(self) -> None:

@@ -59,8 +59,10 @@ def shard_batch(
     for key, value in counts.items():
         out[key] = value[a:b]
     for field_name, key in staged.sources.items():
-        # per-sample media metadata (Step3's num_patches [B]) follows the samples, not the media rows
-        out[key] = batch[key][a:b] if key in _PER_SAMPLE_MEDIA_KEYS else staged.chunks[field_name][dp_rank]
+        # per-sample media metadata (Step3's num_patches [B], any layout's "sample" fields) follows the
+        # samples, not the media rows: its staged entry is empty for a replica without media
+        per_sample = key in _PER_SAMPLE_MEDIA_KEYS or staged.kinds.get(field_name) == "sample"
+        out[key] = batch[key][a:b] if per_sample else staged.chunks[field_name][dp_rank]
     return out
 
 
@@ -73,8 +75,15 @@ def _unique_trainable(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     return list(seen.values())
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> None:
-    """Sum the gradients of ``modules``' parameters across the data-parallel ``group``.
+    """Sum the gradients of ``modules``' parameters across the data-parallel ``group`` (replicated
+    data parallelism: every replica holds whole parameters).
 
     Call it on every replica after the pipeline step (and :func:`sync_tied_gradients`), with the
     same stage modules in the same order (the replicas of one pipeline rank hold the same stages).
@@ -83,11 +92,20 @@ def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> Non
 
     With :func:`pipeline_loss` normalised by the valid tokens of the GLOBAL batch, the sum is the
     global batch's gradient (no division by the number of replicas).
+
+    Raises:
+        TypeError: a parameter is an FSDP2 shard (``DTensor``): :func:`~ppmedia.pipeline.apply_fsdp`
+            stages have their gradients reduce-scattered by FSDP already.
     """
     import torch.distributed as dist
 
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for param in _unique_trainable(modules):
+        if _is_dtensor(param):
+            raise TypeError(
+                "all_reduce_gradients: the stages are sharded with FSDP2 (DTensor parameters), whose "
+                "gradients are already summed over the data-parallel mesh; call it only on replicated stages"
+            )
         by_dtype.setdefault(param.dtype, []).append(param)
     for dtype in sorted(by_dtype, key=str):
         params = by_dtype[dtype]
@@ -100,6 +118,23 @@ def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> Non
             n = p.numel()
             p.grad = flat[offset : offset + n].view_as(p)
             offset += n
+
+
+def _squared_norm(grads: Sequence[Tensor], device: Any) -> Tensor:
+    """Sum of squares of ``grads`` on this rank's part of the model: plain tensors as they are, FSDP2
+    shards (``DTensor``) summed over their data-parallel mesh (one reduction per mesh layout)."""
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    sharded: dict[Any, Any] = {}
+    for grad in grads:
+        if _is_dtensor(grad):
+            key = (grad.device_mesh, tuple(grad.placements))  # type: ignore[attr-defined]
+            part = grad.detach().float().pow(2).sum()  # a DTensor with a Partial placement
+            sharded[key] = part if key not in sharded else sharded[key] + part
+        else:
+            squares += grad.detach().float().pow(2).sum()
+    for key in sorted(sharded, key=str):
+        squares += sharded[key].full_tensor()
+    return squares
 
 
 def clip_grad_norm(
@@ -117,6 +152,10 @@ def clip_grad_norm(
     name), ``group`` (the pipeline group) sums them across stages, and every gradient is scaled by
     ``max_norm / (norm + 1e-6)`` when that is below 1. After the data-parallel reduction the replicas
     hold equal gradients, so the pipeline group's sum is the global norm.
+
+    FSDP2 stages (:func:`~ppmedia.pipeline.apply_fsdp`): each replica holds a shard of every gradient
+    (``DTensor``); the shards' squares are summed over the data-parallel mesh first (a collective
+    among the replicas of this pipeline rank), then over ``group``; every shard is scaled in place.
     """
     import torch.distributed as dist
 
@@ -129,14 +168,16 @@ def clip_grad_norm(
             holders.update({name: named[name] for name in entry.names if name in named})
         if holders and entry.names[0] not in holders:
             skip.update(id(p) for p in holders.values())
-    squares = torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu")
-    for p in params:
-        if p.grad is not None and id(p) not in skip:
-            squares += p.grad.detach().float().pow(2).sum()
+        elif len({id(p) for p in holders.values()}) > 1:  # copies on one rank: count the first name's
+            first = id(holders[entry.names[0]])
+            skip.update(id(p) for p in holders.values() if id(p) != first)
+    device = params[0].device if params else "cpu"
+    squares = _squared_norm([p.grad for p in params if p.grad is not None and id(p) not in skip], device)
     dist.all_reduce(squares, group=group)
     total = squares.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.detach().mul_(scale.to(p.grad.dtype))
+            grad = p.grad.to_local() if _is_dtensor(p.grad) else p.grad  # type: ignore[attr-defined]
+            grad.detach().mul_(scale.to(grad.dtype))
     return total

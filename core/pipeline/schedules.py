@@ -6,14 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import Tensor
 
+from .fsdp import check_fsdp_schedule, is_sharded
 from .loss import pipeline_loss
 
 __all__ = [
     "SCHEDULES",
     "SCHEDULE_ALIASES",
     "ScheduleLayout",
+    "ShapeFollowingSchedule",
     "build_schedule",
     "schedule_layout",
     "schedule_names",
@@ -189,10 +192,25 @@ def build_schedule(
     Gradients are not scaled by the number of microbatches (``scale_grads=False``):
     :func:`pipeline_loss` already divides by the valid tokens of the whole batch.
 
+    The schedule is torch's class with two changes (a subclass, :class:`ShapeFollowingSchedule`):
+
+    * a ``step()``/``eval()`` whose tensors (``input_ids``, ``attention_mask``, ``target``) have other
+      shapes than the previous step's (a batch of another sequence length ``S``) re-initialises the
+      stages for them: static ``input_args``/``output_args`` are rebuilt for the new ``(b, S)``
+      (:func:`~ppmedia.pipeline.static_stage_args`), inferred shapes are inferred again. No stage is
+      rebuilt. Pass the batch on every rank (as the examples do): a rank that passes no tensor cannot
+      see the change.
+    * re-initialisation (a new shape, or a switch between ``step()`` and ``eval()``) keeps every
+      parameter's gradient: torch's stage clean-up after shape inference sets the gradients of
+      FSDP2 stages to ``None``, which would silently drop the gradients accumulated over earlier
+      ``step()`` calls before one optimizer step (NeMo Automodel's issue 3530).
+
     Raises:
         ValueError: unknown or abstract schedule; stages that do not match the schedule's placement;
             a schedule whose first stage would run microbatches out of order (the media cursor
-            would hand them the wrong media); torch's own checks (e.g. too few microbatches).
+            would hand them the wrong media); FSDP2 stages with a schedule that cannot run them
+            (:func:`~ppmedia.pipeline.check_fsdp_schedule`); torch's own checks (e.g. too few
+            microbatches).
     """
     if not stages:
         raise ValueError("build_schedule: got no stages; expected this rank's PipelineStage objects")
@@ -209,9 +227,11 @@ def build_schedule(
         )
     loss_fn = pipeline_loss if loss_fn is None else loss_fn
     target = list(stages) if layout.multi_stage else stages[0]
-    schedule = layout.schedule_class(
+    schedule = _following_shapes(layout.schedule_class)(
         target, n_microbatches, loss_fn=loss_fn, scale_grads=False, **schedule_kwargs
     )
+    if any(is_sharded(getattr(st, "submod", st)) for st in stages):
+        check_fsdp_schedule(schedule, stages)
     mapping = getattr(schedule, "stage_index_to_group_rank", None) or {}
     wrong = [i for i in got if i in mapping and mapping[i] != pp_rank]
     if wrong:  # the class placed them elsewhere than schedule_layout predicted
@@ -221,3 +241,86 @@ def build_schedule(
         )
     _check_first_stage_order(schedule, layout.name)
     return schedule
+
+
+class ShapeFollowingSchedule:
+    """Mixed into every schedule :func:`build_schedule` makes (before torch's class in the MRO).
+
+    Follows the batch's shapes from step to step and keeps gradients across torch's stage
+    re-initialisation; see :func:`build_schedule`. Use it as torch's schedule: ``step``, ``eval``.
+    """
+
+    _ppmedia_shapes: tuple[tuple[int, ...], ...] | None = None
+
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> Any:
+        self._ppmedia_follow(args, target)
+        return super().step(*args, target=target, **kwargs)  # type: ignore[misc]
+
+    def _initialize_pp_stages(self, stages: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+        saved = [(p, p.grad) for st in stages for p in st.submod.parameters()]
+        try:
+            return super()._initialize_pp_stages(stages, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            for param, grad in saved:
+                param.grad = grad
+
+    def _ppmedia_follow(self, args: Sequence[Any], target: Any) -> None:
+        tensors = [t for t in (*args, target) if isinstance(t, Tensor)]
+        if not tensors:
+            return
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        if shapes != self._ppmedia_shapes:
+            batch = next((t for t in tensors if t.dim() == 2), None)
+            # the first step too: static shapes given for another S than the first batch's
+            _reinitialise(self, None if batch is None else (int(batch.shape[0]), int(batch.shape[1])))
+        self._ppmedia_shapes = shapes
+
+
+def _reinitialise(schedule: Any, batch_shape: tuple[int, int] | None) -> None:
+    """Make the next step initialise the stages again, static shapes rebuilt for ``(B, S)``."""
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    for stage in stages:
+        meta = getattr(stage, "_user_meta", None)
+        if meta is None or not meta.is_complete_for_forward():
+            continue
+        if batch_shape is None:
+            raise ValueError(
+                f"schedule: the step's tensors changed shape, but none is [B, S]; stage {stage.stage_index} has "
+                f"static input_args/output_args that ppmedia rebuilds from (B, S)"
+            )
+        _restatic(schedule, stage, *batch_shape)
+    for flag in ("_stage_forward_initialized", "_stage_backward_initialized",
+                 "_stages_forward_initialized", "_stages_backward_initialized"):
+        if hasattr(schedule, flag):
+            setattr(schedule, flag, False)
+
+
+def _restatic(schedule: Any, stage: Any, batch_size: int, seq_len: int) -> None:
+    """Replace ``stage``'s static shapes by those of ``(batch_size, seq_len)`` (when they differ)."""
+    from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
+
+    from .stages import static_stage_args
+
+    n = int(schedule._n_microbatches)
+    if batch_size % n:
+        raise ValueError(
+            f"schedule: a batch of {batch_size} rows cannot make {n} equal microbatches (stage "
+            f"{stage.stage_index} has static shapes)"
+        )
+    metas = [m for m in (*stage._user_meta.inputs, *stage._user_meta.outputs) if m.dtype.is_floating_point]
+    dtype = metas[0].dtype if metas else torch.float32
+    inputs, outputs = static_stage_args(stage.submod, batch_size // n, seq_len, dtype=dtype, device=stage.device)
+    new_inputs, new_outputs = extract_tensor_metas(inputs) or (), extract_tensor_metas(outputs) or ()
+    old = stage._user_meta
+    if [m.shape for m in (*old.inputs, *old.outputs)] != [m.shape for m in (*new_inputs, *new_outputs)]:
+        stage._user_meta = _StageMeta(inputs=tuple(new_inputs), outputs=tuple(new_outputs))
+
+
+_FOLLOWING: dict[type, type] = {}
+
+
+def _following_shapes(cls: type) -> type:
+    """``cls`` with :class:`ShapeFollowingSchedule` mixed in (one subclass per torch class)."""
+    if cls not in _FOLLOWING:
+        _FOLLOWING[cls] = type(cls.__name__, (ShapeFollowingSchedule, cls), {"__module__": __name__})
+    return _FOLLOWING[cls]

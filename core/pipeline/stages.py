@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from ..adapters.base import VlmAdapter, WireTensor, config_value
 from ..chunk import CURSOR_ATTRIBUTE, next_vlm_media_chunk
-from .surgery import _child_name, _get_path, _layer_ranges, _stage_tree, find_language_model
+from .surgery import _child_name, _get_path, _layer_ranges, _stage_children, find_language_model, find_output_head
+from .tied import TiedParameters, tied_parameters
 
 __all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "static_stage_args"]
 
@@ -28,10 +29,14 @@ class StageModule(nn.Module):
         layer_range: ``(start, stop)`` of the decoder layers it runs (full-model indices).
         is_first, is_last: whether it embeds and merges media / produces logits.
         wire_in, wire_out: the extra tensors it receives / sends (besides hidden states and mask), as the
-            adapter declares them for its first layer / its successor's first layer.
+            adapter declares them for its first layer / its successor's first layer; each one sent is
+            either received or made by the stage's layers (``adapter.stage_hooks``).
         adapter: the family adapter (first stage: merge and positions).
         config: the full model's config (plain attribute, read by the adapter).
         language_model_path: dotted path of the language model (``model.language_model``).
+        tied: the FULL model's tied parameter groups (the same on every rank; pass them to
+            :func:`sync_tied_gradients`), found before the split.
+        head_name: dotted path of the output head (``lm_head``; Llama 4: ``language_model.lm_head``).
     """
 
     def __init__(
@@ -61,6 +66,7 @@ class StageModule(nn.Module):
         self.is_last = stage_index == n_stages - 1
         self.language_model_path = language_model_path
         self.head_name = head_name
+        self.tied: tuple[TiedParameters, ...] = ()
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -71,18 +77,23 @@ class StageModule(nn.Module):
         return module
 
     @property
+    def output_head(self) -> Any:
+        """The output head (last stage only)."""
+        return _get_path(self, self.head_name)
+
+    @property
     def wire_in(self) -> tuple[WireTensor, ...]:
         """The extra tensors this stage receives after hidden states and mask (none on the first stage)."""
         if self.is_first:
             return ()
-        return tuple(self.adapter.wire_tensors(self.config, self.layer_range[0]))
+        return self.adapter.stage_wire_tensors(self.config, self.layer_range[0])
 
     @property
     def wire_out(self) -> tuple[WireTensor, ...]:
         """The extra tensors this stage sends after hidden states and mask (none on the last stage)."""
         if self.is_last:
             return ()
-        return tuple(self.adapter.wire_tensors(self.config, self.layer_range[1]))
+        return self.adapter.stage_wire_tensors(self.config, self.layer_range[1])
 
     @property
     def carries_position_ids(self) -> bool:
@@ -126,9 +137,9 @@ class StageModule(nn.Module):
                 )
             hidden, attention_mask = args[0], args[1]
             wire = {spec.name: tensor for spec, tensor in zip(specs, args[2:])}
-        hidden = self._decode(hidden, attention_mask, wire)
+        hidden, wire = self._decode(hidden, attention_mask, wire)
         if self.is_last:
-            return self._modules[self.head_name](hidden)  # type: ignore[misc]
+            return self.adapter.logits(self, hidden)
         out = [hidden.contiguous(), attention_mask.contiguous()]
         for spec in self.wire_out:
             tensor = wire.get(spec.name)
@@ -136,7 +147,8 @@ class StageModule(nn.Module):
                 raise TypeError(
                     f"stage {self.stage_index}: {type(self.adapter).__name__}.wire_tensors declares "
                     f"{spec.name!r} for stage {self.stage_index + 1}, but this stage does not hold it "
-                    f"(it has {sorted(wire)}); a later stage may only need a subset of an earlier one's"
+                    f"(it has {sorted(wire)}): a stage sends what it received or what its layers "
+                    f"stored through {type(self.adapter).__name__}.stage_hooks"
                 )
             if spec.floating and not tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
                 # e.g. a text-only microbatch's zero deepstack features: keep a gradient slot, so the
@@ -155,8 +167,10 @@ class StageModule(nn.Module):
         chunk = next_vlm_media_chunk(self)
         adapter = self.adapter if features is None else features.adapter_for(k, chunk)
         hidden, wire = adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
+        if self.adapter.sample_inputs:
+            self.adapter.add_sample_inputs(wire, chunk, f" for microbatch {k}" if isinstance(k, int) else "")
         b, S = input_ids.shape
-        for spec in self.adapter.wire_tensors(self.config, 0):
+        for spec in self.adapter.stage_wire_tensors(self.config, 0):
             tensor = wire.get(spec.name)
             expected = _wire_shape(spec, b, S, hidden.shape[-1])
             if tensor is None or list(tensor.shape) != expected:
@@ -167,14 +181,33 @@ class StageModule(nn.Module):
                 )
         return hidden, wire
 
-    def _decode(self, hidden: Tensor, attention_mask: Tensor, wire: Mapping[str, Tensor]) -> Tensor:
+    def _decode(
+        self, hidden: Tensor, attention_mask: Tensor, wire: Mapping[str, Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Run the stage's layers; returns the hidden states and the wire tensors after them (what the
+        stage received or made, plus what its layers stored through ``adapter.stage_hooks``)."""
+        state = dict(wire)
         if self.num_layers == 0 and not self.is_last:
             # Nothing to run; a fresh tensor keeps the stage's output distinct from its input.
-            return hidden if self.is_first else hidden.clone()
+            return (hidden if self.is_first else hidden.clone()), state
+        layers = range(*self.layer_range)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask}
-        kwargs.update(self.adapter.decoder_kwargs(self, range(*self.layer_range), hidden, attention_mask, wire))
-        out = self.stage_language_model(inputs_embeds=hidden, use_cache=False, **kwargs)
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        for spec in self.adapter.sample_inputs:  # per-sample inputs the language model takes as keywords
+            if spec.kwarg is not None:
+                kwargs[spec.kwarg] = wire[spec.key]
+        kwargs.update(self.adapter.decoder_kwargs(self, layers, hidden, attention_mask, wire))
+        handles = []
+        try:
+            for hook in self.adapter.stage_hooks(self, layers, state):
+                if hook.before is not None:
+                    handles.append(hook.module.register_forward_pre_hook(hook.before, with_kwargs=True))
+                if hook.after is not None:
+                    handles.append(hook.module.register_forward_hook(hook.after, with_kwargs=True))
+            out = self.stage_language_model(inputs_embeds=hidden, use_cache=False, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]), state
 
 
 def build_stage_modules(
@@ -207,7 +240,7 @@ def build_stage_modules(
         from ..registry import get_adapter
 
         adapter = get_adapter(model)
-    lm_path, lm = find_language_model(model)
+    lm_path, lm = find_language_model(model, adapter)
     num_layers = len(lm.layers)
     if isinstance(layers_per_stage, str):
         layers_per_stage = _auto_layers(model, n_stages, layers_per_stage, auto_split, adapter, num_layers)
@@ -219,43 +252,30 @@ def build_stage_modules(
 
     embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
     norm_name = "norm" if isinstance(lm._modules.get("norm"), nn.Module) else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
-    head_name = _child_name(model, head, "output head (lm_head)")
-    path = lm_path.split(".")
+    head_name = find_output_head(model, lm_path)
+    tied = tuple(tied_parameters(model))
 
     modules = []
     for s in wanted:
         first, last = s == 0, s == n_stages - 1
         start, stop = ranges[s]
-        node = _stage_tree(model, lm, lm_path, (start, stop), first=first, last=last, embed_name=embed_name,
-                           norm_name=norm_name)
-        children: dict[str, nn.Module] = {}
-        parameters: dict[str, nn.Parameter] = {}
-        for name, child in model._modules.items():
-            if child is None:
-                continue
-            if name == path[0]:
-                children[name] = node
-            elif name == head_name:
-                if last:
-                    children[name] = child
-            elif first:
-                children[name] = child
-        if first:
-            parameters = {k: v for k, v in model._parameters.items() if v is not None}
-        modules.append(
-            StageModule(
-                children,
-                parameters,
-                config=model.config,
-                adapter=adapter,
-                stage_index=s,
-                n_stages=n_stages,
-                layer_range=(start, stop),
-                language_model_path=lm_path,
-                head_name=head_name,
-            )
+        children = _stage_children(model, lm, lm_path, head_name, (start, stop), first=first, last=last,
+                                   embed_name=embed_name, norm_name=norm_name)
+        parameters = {k: v for k, v in model._parameters.items() if v is not None} if first else {}
+        module = StageModule(
+            children,
+            parameters,
+            config=model.config,
+            adapter=adapter,
+            stage_index=s,
+            n_stages=n_stages,
+            layer_range=(start, stop),
+            language_model_path=lm_path,
+            head_name=head_name,
         )
+        module.tied = tied
+        adapter.prune_stage(module.stage_language_model, layers=range(start, stop), first=first, last=last)
+        modules.append(module)
     return modules
 
 
@@ -317,9 +337,10 @@ def static_stage_args(
     """
     b, S = microbatch_size, seq_len
     hidden_size, vocab = _text_dims(module.config)
-    head = module._modules.get(module.head_name) if module.is_last else None
+    head = module.output_head if module.is_last else None
     if isinstance(head, nn.Linear):
         vocab = head.out_features
+    vocab = module.adapter.logits_width(module.config, vocab)
 
     def ints(*shape: int) -> Tensor:
         return torch.zeros(shape, dtype=torch.int64, device=device)
@@ -339,10 +360,55 @@ def static_stage_args(
     return inputs, outputs
 
 
+def _stage_modules(
+    model: nn.Module | Sequence[StageModule],
+    n_stages: int | None,
+    stage_indices: Sequence[int] | None,
+    layers_per_stage: Sequence[int] | str | None,
+    adapter: VlmAdapter | None,
+    auto_split: Any = None,
+) -> tuple[list[StageModule], int, list[int]]:
+    """``make_pipeline_stages``' modules: ``model`` cut, or the prebuilt ones checked."""
+    if isinstance(model, nn.Module) and not isinstance(model, StageModule):
+        if n_stages is None or stage_indices is None:
+            raise TypeError("make_pipeline_stages(model, n_stages, stage_indices, ...): a model needs both")
+        built = build_stage_modules(
+            model, n_stages, stages=stage_indices, layers_per_stage=layers_per_stage, adapter=adapter,
+            auto_split=auto_split,
+        )
+        return built, n_stages, list(stage_indices)
+    modules = [model] if isinstance(model, StageModule) else list(model)
+    if not modules or not all(isinstance(m, StageModule) for m in modules):
+        raise TypeError(
+            f"make_pipeline_stages: got {type(model).__name__}; expected a model or StageModule objects "
+            f"(build_stage_modules / stages_from_pretrained)"
+        )
+    if layers_per_stage is not None or adapter is not None or auto_split is not None:
+        raise TypeError(
+            "make_pipeline_stages: layers_per_stage, auto_split and adapter apply when cutting a model; these modules are cut"
+        )
+    indices = [m.stage_index for m in modules]
+    lengths = {m.n_stages for m in modules}
+    if len(lengths) != 1 or (n_stages is not None and lengths != {n_stages}):
+        raise ValueError(f"n_stages: got {n_stages}; the modules belong to pipelines of {sorted(lengths)} stages")
+    if stage_indices is not None and list(stage_indices) != indices:
+        raise ValueError(f"stage_indices: got {list(stage_indices)}; the modules are stages {indices}")
+    return modules, lengths.pop(), indices
+
+
+def _to_device(module: nn.Module, device: torch.device) -> None:
+    """Move ``module`` to ``device`` unless it is there already or holds meta tensors (left as they
+    are: materialise them yourself, e.g. ``to_empty`` and a load); no data is copied needlessly."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.is_meta for t in tensors) or all(t.device == device for t in tensors):
+        return
+    module.to(device)
+
+
 def make_pipeline_stages(
-    model: nn.Module,
-    n_stages: int,
-    stage_indices: Sequence[int],
+    model: nn.Module | Sequence[StageModule],
+    n_stages: int | None = None,
+    stage_indices: Sequence[int] | None = None,
     device: torch.device | str = "cpu",
     *,
     group: Any = None,
@@ -355,21 +421,28 @@ def make_pipeline_stages(
     """``PipelineStage`` objects for the stages a rank owns (see :func:`build_stage_modules`).
 
     Args:
-        model: the full model (each rank builds the same one; its modules are then pruned per stage).
-        n_stages: pipeline length.
-        stage_indices: the stages of this rank (:func:`stage_indices_for_rank`).
-        device: where the stages run.
+        model: the full model (each rank builds the same one; its modules are then pruned per stage),
+            possibly built on the meta device; or this rank's prebuilt :class:`StageModule` objects
+            (:func:`build_stage_modules`, :func:`stages_from_pretrained`), used as they are.
+        n_stages: pipeline length (required with a model; checked against prebuilt modules).
+        stage_indices: the stages of this rank (:func:`stage_indices_for_rank`; required with a
+            model, checked against prebuilt modules).
+        device: where the stages run. Modules elsewhere are moved there; modules already there, or
+            holding meta tensors, are left as they are (no copy).
         group: the pipeline process group (default: the world).
         layers_per_stage: decoder layers per stage, or ``"auto"`` with ``auto_split`` (see
-            :func:`build_stage_modules`).
+            :func:`build_stage_modules`; with a model only).
         static_microbatch: ``(microbatch_size, seq_len)``: give every stage static
             ``input_args``/``output_args`` (no shape-inference forward); ``None`` infers shapes on the
             first step (pass the first stage to :func:`ppmedia.stage_media` so it costs no chunk).
+        adapter: the family adapter (with a model only; default: the registry's).
         encoder: ``"stage0"`` (the first stage runs the vision tower on its microbatches) or
             ``"spread"``: every pipeline rank encodes a share of each step's media
             (:class:`ppmedia.pipeline.EncoderSpread`, hung on every returned stage's module as
-            ``encoder_spread``; ranks without stage 0 keep a copy of the vision side). Collective
-            over ``group`` then: call it on every pipeline rank.
+            ``encoder_spread``; ranks without stage 0 keep a copy of the vision side, cut from
+            ``model``, which must then be a full model with real tensors). Collective over
+            ``group`` then: call it on every pipeline rank.
+        auto_split: with ``layers_per_stage="auto"``, a :class:`ppmedia.stepmodel.AutoSplit`.
 
     Returns:
         One ``torch.distributed.pipelining.PipelineStage`` per index, in order; ``stage.submod`` is
@@ -381,13 +454,11 @@ def make_pipeline_stages(
 
     if encoder not in ENCODER_MODES:
         raise ValueError(f"encoder: got {encoder!r}; expected one of {', '.join(ENCODER_MODES)}")
-    modules = build_stage_modules(
-        model, n_stages, stages=stage_indices, layers_per_stage=layers_per_stage, adapter=adapter, auto_split=auto_split
-    )
+    modules, n_stages, indices = _stage_modules(model, n_stages, stage_indices, layers_per_stage, adapter, auto_split)
     device = torch.device(device)
     stages = []
-    for index, module in zip(stage_indices, modules):
-        module.to(device)
+    for index, module in zip(indices, modules):
+        _to_device(module, device)
         kwargs: dict[str, Any] = {}
         if static_microbatch is not None:
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
@@ -399,13 +470,29 @@ def make_pipeline_stages(
     return stages
 
 
-def _attach_spread(model: nn.Module, modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
+def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
                    device: torch.device) -> None:
     """``encoder="spread"``: this rank's :class:`~ppmedia.pipeline.encoder.EncoderSpread` on every module."""
     from .encoder import SPREAD_ATTRIBUTE, EncoderSpread, vision_replica
 
     first = next((st for st in stages if st.is_first), None)
-    vision = modules[list(stages).index(first)] if first is not None else vision_replica(model).to(device)
+    if first is not None:
+        vision: nn.Module = modules[list(stages).index(first)]
+    elif isinstance(model, nn.Module) and not isinstance(model, StageModule):
+        vision = vision_replica(model, modules[0].adapter)
+        if any(t.is_meta for t in [*vision.parameters(), *vision.buffers()]):
+            raise ValueError(
+                "make_pipeline_stages(encoder='spread'): the model is on the meta device, so this rank's copy "
+                "of the vision side (it has no stage 0) would hold no data (its buffers, e.g. rotary "
+                "inv_freq, are in no checkpoint); build the model with real tensors on ranks without stage 0"
+            )
+        _to_device(vision, device)
+    else:
+        raise TypeError(
+            f"make_pipeline_stages(encoder='spread'): this rank holds stages {[m.stage_index for m in modules]} "
+            f"as prebuilt StageModule objects, but without stage 0 it needs its own copy of the vision side, "
+            f"cut from the full model; pass the model (build_stage_modules / stages_from_pretrained give none)"
+        )
     spread = EncoderSpread(vision, modules[0].adapter, first_stage=first, group=group)
     for module in modules:
         module.__dict__[SPREAD_ATTRIBUTE] = spread

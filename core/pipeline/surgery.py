@@ -12,9 +12,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from torch import nn
 
-__all__ = ["LANGUAGE_MODEL_PATHS", "default_layer_split", "find_language_model"]
+__all__ = ["LANGUAGE_MODEL_PATHS", "default_layer_split", "find_language_model", "find_output_head"]
 
-#: where the language model sits inside a ``...ForConditionalGeneration`` model, tried in order.
+#: where the language model sits inside a ``...ForConditionalGeneration`` model, tried in order when
+#: the family's adapter does not say (``VlmAdapter.language_model_path``).
 LANGUAGE_MODEL_PATHS: tuple[str, ...] = ("model.language_model", "language_model", "model.model")
 _LANGUAGE_MODEL_PATHS = LANGUAGE_MODEL_PATHS
 
@@ -84,23 +85,67 @@ def _get_path(root: nn.Module, path: str) -> nn.Module | None:
     return module
 
 
-def find_language_model(model: nn.Module) -> tuple[str, Any]:
+def _declared_path(model: nn.Module, adapter: Any) -> tuple[str | None, str]:
+    """``(language_model_path, who declares it)`` of the model's adapter (looked up when not given)."""
+    if adapter is None:
+        from ..registry import get_adapter
+
+        try:
+            adapter = get_adapter(model)
+        except (TypeError, ValueError):  # no model type, or no adapter for it: the default paths
+            return None, ""
+    path = getattr(adapter, "language_model_path", None)
+    return path, f"{type(adapter).__name__}.language_model_path"
+
+
+def find_language_model(model: nn.Module, adapter: Any = None) -> tuple[str, Any]:
     """``(dotted path, module)`` of the decoder stack inside ``model``.
 
-    The first of ``model.language_model`` (transformers 5 VLMs), ``language_model``, ``model.model``
-    that has a ``layers`` list.
+    The adapter's ``language_model_path`` when it declares one (``adapter``: default the registry's
+    for ``model``); otherwise the first of :data:`LANGUAGE_MODEL_PATHS` (``model.language_model``,
+    transformers 5 VLMs; ``language_model``; ``model.model``) that has a ``layers`` list.
 
     Raises:
-        TypeError: none of them exists.
+        TypeError: no such module (the paths tried are named).
     """
+    declared, who = _declared_path(model, adapter)
+    if declared is not None:
+        module = _get_path(model, declared)
+        if module is None or not isinstance(getattr(module, "layers", None), nn.ModuleList):
+            found = "nothing" if module is None else f"a {type(module).__name__} without a `layers` ModuleList"
+            raise TypeError(
+                f"{type(model).__name__}: {who} is {declared!r}, but the model holds {found} there; expected the "
+                f"decoder stack (a module with a `layers` ModuleList)"
+            )
+        return declared, module
     for path in _LANGUAGE_MODEL_PATHS:
         module = _get_path(model, path)
         if module is not None and isinstance(getattr(module, "layers", None), nn.ModuleList):
             return path, module
     raise TypeError(
         f"{type(model).__name__}: no language model with a `layers` list at any of "
-        f"{', '.join(_LANGUAGE_MODEL_PATHS)}"
+        f"{', '.join(_LANGUAGE_MODEL_PATHS)}; an adapter says where its family keeps it with language_model_path"
     )
+
+
+def find_output_head(model: nn.Module, language_model_path: str) -> str:
+    """Dotted path of ``model.get_output_embeddings()`` (the LM head), wherever it sits: a child of the
+    model (``lm_head``) or deeper (Llama 4's ``language_model.lm_head``), never inside the decoder stack.
+
+    Raises:
+        TypeError: the model has no output head, or it is not among its modules.
+    """
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if isinstance(head, nn.Module):
+        for name, child in model._modules.items():
+            if child is head:
+                return name
+        inside = language_model_path + "."
+        for name, module in model.named_modules():
+            if module is head and name and not name.startswith(inside):
+                return name
+    raise TypeError(f"{type(model).__name__}: cannot find its output head (lm_head) among its modules")
 
 
 def _child_name(parent: nn.Module, child: nn.Module | None, what: str) -> str:
@@ -149,22 +194,24 @@ def _stage_language_config(config: Any, kept: Sequence[int], total: int) -> Any:
     return new
 
 
-def _stage_tree(
+def _stage_children(
     model: nn.Module,
     lm: nn.Module,
     lm_path: str,
+    head_path: str,
     layer_range: tuple[int, int],
     *,
     first: bool,
     last: bool,
     embed_name: str,
     norm_name: str | None,
-) -> nn.Module:
-    """The stage's copy of ``model``'s first child on the way to the language model (``model.model``).
+) -> dict[str, nn.Module]:
+    """The stage's copies of ``model``'s children: what a :class:`StageModule` holds.
 
     The language model keeps its layers in ``layer_range``, its embedding (first stage), norm (last
-    stage) and rotary embedding (always); the modules between the root and the language model keep
-    everything else (the vision side) only on the first stage.
+    stage) and rotary embedding (always); the output head (``head_path``, at any depth) is kept on the
+    last stage; the modules on the way to either are shells; everything else (the vision side) is
+    kept only on the first stage.
     """
     start, stop = layer_range
     layers: Any = lm.layers
@@ -176,13 +223,38 @@ def _stage_tree(
     if norm_name is not None and not last:
         lm_shell._modules[norm_name] = nn.Identity()
     lm_shell.__dict__["config"] = _stage_language_config(lm.config, range(start, stop), num_layers)
+    keep = _Keep(lm_path, head_path, lm_shell, first, last)
+    children: dict[str, nn.Module] = {}
+    for name, child in model._modules.items():
+        pruned = keep.prune(child, name) if child is not None else None
+        if pruned is not None:
+            children[name] = pruned
+    return children
 
-    path = lm_path.split(".")
-    node: nn.Module = lm_shell
-    for depth in range(len(path) - 1, 0, -1):
-        parent = _get_path(model, ".".join(path[:depth]))
-        assert parent is not None
-        shell = _shallow(parent, keep_members=first)
-        shell._modules[path[depth]] = node
-        node = shell
-    return node
+
+class _Keep:
+    """What one stage keeps of a module tree (see :func:`_stage_children`)."""
+
+    def __init__(self, lm_path: str, head_path: str, lm_shell: nn.Module, first: bool, last: bool) -> None:
+        self.lm_path, self.head_path, self.lm_shell = lm_path, head_path, lm_shell
+        self.first, self.last = first, last
+
+    def prune(self, module: nn.Module, path: str) -> nn.Module | None:
+        if path == self.lm_path:
+            return self.lm_shell
+        if path == self.head_path:
+            return module if self.last else None
+        inside = path + "."
+        if not (self.lm_path.startswith(inside) or self.head_path.startswith(inside)):
+            return module if self.first else None  # off the language side: the vision side
+        shell = _shallow(module, keep_members=self.first)
+        for name, child in module._modules.items():
+            if child is None:  # an optional submodule set to None: reads as None on every stage
+                shell._modules[name] = None
+                continue
+            pruned = self.prune(child, inside + name)
+            if pruned is None:
+                shell._modules.pop(name, None)
+            else:
+                shell._modules[name] = pruned
+        return shell

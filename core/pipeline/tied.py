@@ -37,6 +37,22 @@ def tied_parameters(model: nn.Module) -> list[TiedParameters]:
     ]
 
 
+def _full(grad: Any) -> Any:
+    """The whole gradient: a ``DTensor`` (FSDP2 shard) gathered over its mesh, a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _like(total: torch.Tensor, param: nn.Parameter) -> Any:
+    """``total`` laid out like ``param``: its own shard for a ``DTensor`` parameter (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        return distribute_tensor(total.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+    return total.to(param.dtype, copy=True)
+
+
 def sync_tied_gradients(
     modules: Sequence[nn.Module], tied: Sequence[TiedParameters], group: Any = None
 ) -> None:
@@ -46,7 +62,12 @@ def sync_tied_gradients(
     the gradient and the last stage's copy the head's; the full model's gradient is their sum. A
     collective: every rank of ``group`` must call it with the same ``tied`` list (a rank holding no
     copy contributes zeros). A rank holding several names of one group on one parameter object
-    contributes it once.
+    contributes it once; two copies on one rank (a V-shaped schedule's first and last stage, after
+    :func:`~ppmedia.pipeline.apply_fsdp` gave them separate parameters) add up.
+
+    FSDP2 stages (``DTensor`` shards): each copy's gradient is gathered over its data-parallel mesh
+    (``full_tensor()``, collective among the replicas of this pipeline rank), the whole gradients are
+    summed over ``group``, and each copy keeps its own shard of the sum.
     """
     import torch.distributed as dist
 
@@ -62,7 +83,7 @@ def sync_tied_gradients(
         total = torch.zeros(entry.shape, dtype=entry.dtype, device=device)
         for p in params:
             if p.grad is not None:
-                total += p.grad
+                total += _full(p.grad).to(entry.dtype)
         dist.all_reduce(total, group=group)
         for p in params:
-            p.grad = total.to(p.dtype) if len(params) == 1 else total.to(p.dtype, copy=True)
+            p.grad = _like(total, p)

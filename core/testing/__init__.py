@@ -5,6 +5,8 @@
   tiny-family module (object or dotted name);
 * :mod:`ppmedia.testing.checks`: :func:`check_adapter`, an adapter through split -> stage -> consume ->
   merge for several microbatch counts against the model's own full-batch merged embeddings;
+* :mod:`ppmedia.testing.stages`: :func:`check_stage_splits`, stage modules of chosen layer splits run
+  in one process against the model's own logits and gradients (state that crosses stage boundaries);
 * :mod:`ppmedia.testing.goldens`: :func:`write_goldens` / :func:`check_goldens` (config, inputs and
   expected embeddings as safetensors; configs and inputs regenerate byte for byte, expected floats
   within :data:`~ppmedia.testing.goldens.REGENERATION_ATOL`);
@@ -29,9 +31,11 @@ _EXPORTS = {
     "FamilyKit": "kit",
     "Kit": "kit",
     "MicrobatchCheck": "checks",
+    "StageSplitCheck": "stages",
     "check_adapter": "checks",
     "check_goldens": "goldens",
     "check_pipeline_parity": "kit",
+    "check_stage_splits": "stages",
     "write_goldens": "goldens",
 }
 __getattr__, __dir__ = _lazy_attributes(__name__, _EXPORTS)
@@ -40,14 +44,17 @@ if _typing.TYPE_CHECKING:
     from .checks import AdapterMismatch, MicrobatchCheck, check_adapter
     from .goldens import check_goldens, write_goldens
     from .kit import FamilyKit, Kit, check_pipeline_parity
+    from .stages import StageSplitCheck, check_stage_splits
 
 __all__ = [
     "AdapterMismatch",
     "FamilyKit",
     "Kit",
     "MicrobatchCheck",
+    "StageSplitCheck",
     "check_adapter",
     "check_goldens",
     "check_pipeline_parity",
+    "check_stage_splits",
     "write_goldens",
 ]

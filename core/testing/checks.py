@@ -5,9 +5,9 @@ embeddings as the reference (:func:`~ppmedia.testing.tiny_models.capture_merged_
 the batch the way a pipeline's first stage sees it::
 
     staged = split_media(batch, n, **adapter.media_counts(batch, config))
-    with stage_media(first_stage, staged):
-        for k in range(n):                       # rows torch.tensor_split(range(B), n)[k]
-            chunk = next_vlm_media_chunk(first_stage)
+    with stage_media(model, staged):         # the model stands in for the first stage
+        for k in range(n):                     # rows torch.tensor_split(range(B), n)[k]
+            chunk = next_vlm_media_chunk(model)
             merged = adapter.merge(model, input_ids[rows], embed(input_ids[rows]), chunk)
             # merged must equal reference[rows] within atol
 
@@ -30,6 +30,7 @@ from .tiny_models import capture_reference
 
 if TYPE_CHECKING:
     from ..adapters.base import VlmAdapter
+    from ..layouts import LayoutSet
 
 __all__ = ["AdapterMismatch", "MicrobatchCheck", "capture_reference", "check_adapter", "check_merges"]
 
@@ -104,25 +105,27 @@ def check_merges(
     n: int,
     atol: float = 1e-5,
     positions: Tensor | None = None,
+    layouts: LayoutSet | None = None,
 ) -> list[MicrobatchCheck]:
     """One split of ``batch`` in ``n`` microbatches, each merged and compared with ``reference[rows]``
     (and, when ``positions`` is given and the adapter overrides ``position_ids``, its positions with
-    the model's own). ``name`` names the family in messages. Raises :class:`AdapterMismatch` at the
-    first difference.
+    the model's own). ``name`` names the family in messages; ``layouts``: the media layouts to split
+    by (default: the process-wide registry's). The model itself is staged as the first stage. Raises
+    :class:`AdapterMismatch` at the first difference.
     """
     from ..split import split_media
     from ..stage import stage_media
 
     split = _Split(name, f"{name} (adapter {adapter.name}), {n} microbatches", n, adapter, model, batch, reference, positions, atol)
     input_ids = batch["input_ids"]
-    stage = torch.nn.Module()
     results: list[MicrobatchCheck] = []
     with _blame(split, None):
-        staged = split_media(dict(batch), n, **adapter.media_counts(batch, model.config))
-        # stage_media's exit checks that every staged chunk was consumed exactly once
-        with stage_media(stage, staged):
+        staged = split_media(dict(batch), n, **adapter.media_counts(batch, model.config), layouts=layouts)
+        # stage_media's exit checks that every staged chunk was consumed exactly once; staged on the
+        # model itself, whose cursor then names the microbatch in merge's own errors
+        with stage_media(model, staged):
             for k, rows in enumerate(torch.tensor_split(torch.arange(input_ids.shape[0]), n)):
-                results.append(_check_one(split, stage, k, rows))
+                results.append(_check_one(split, model, k, rows))
     return results
 
 
@@ -151,7 +154,7 @@ def _check_one(split: _Split, stage: torch.nn.Module, k: int, rows: Tensor) -> M
         )
     if split.positions is not None and type(adapter).position_ids is not VlmAdapter.position_ids:
         _check_positions(split, here, k, rows, chunk)
-    return MicrobatchCheck(split.n, k, (a, b), chunk is not None, worst)
+    return MicrobatchCheck(split.n, k, (a, b), chunk is not None and chunk.has_media, worst)
 
 
 def _check_positions(split: _Split, here: str, k: int, rows: Tensor, chunk: Any) -> None:
@@ -198,6 +201,7 @@ def check_adapter(
     batch: Mapping[str, Tensor] | None = None,
     reference: Tensor | None = None,
     positions: Tensor | None = None,
+    layouts: LayoutSet | None = None,
 ) -> list[MicrobatchCheck]:
     """Check an adapter against the model's own merge on a tiny family's batch, for each microbatch count.
 
@@ -211,6 +215,8 @@ def check_adapter(
             Without ``reference``, both come from the model's own forward (:func:`capture_reference`);
             positions are compared (exactly) for adapters that override ``position_ids``.
         atol: largest absolute difference accepted per element.
+        layouts: the media layouts to split by (default: the process-wide registry's; a
+            :class:`~ppmedia.testing.kit.FamilyKit` passes its registry's, plugins included).
 
     Returns:
         One :class:`MicrobatchCheck` per microbatch of every split.
@@ -228,5 +234,5 @@ def check_adapter(
     resolved = _resolve_adapter(adapter, model)
     out: list[MicrobatchCheck] = []
     for n in microbatches:
-        out += check_merges(name, resolved, model, batch, reference, n, atol, positions)
+        out += check_merges(name, resolved, model, batch, reference, n, atol, positions, layouts)
     return out

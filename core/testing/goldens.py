@@ -5,7 +5,8 @@ A golden folder holds three files:
 * ``config.json``: the tiny model's config (``config.to_dict()``, sorted keys);
 * ``inputs.safetensors``: the processor-style batch (``input_ids`` and the media keys);
 * ``expected.safetensors``: ``inputs_embeds`` ``[B, S, hidden]`` as the model's OWN full-batch forward
-  merged them (captured at ``model.model.language_model``; ppmedia's path is never used to write them).
+  merged them (captured at its decoder stack, ``model.model.language_model`` for most families; ppmedia's
+  path is never used to write them).
 
 The same torch and transformers versions regenerate ``config.json`` and ``inputs.safetensors`` byte for
 byte (no safetensors metadata, deterministic algorithms on): they are integers, seeded draws and JSON.
@@ -103,6 +104,7 @@ def check_goldens(
     atol: float = 1e-5,
     regeneration_atol: float = REGENERATION_ATOL,
     bit_identical: bool = False,
+    layouts: Any = None,
 ) -> None:
     """Check ``folder``'s golden files of ``family``: they regenerate, and the adapter path
     (:func:`~ppmedia.testing.checks.check_adapter` on the golden inputs) reproduces the expected
@@ -112,7 +114,8 @@ def check_goldens(
     ``expected.safetensors`` with the same tensor names, shapes and dtypes and values within
     ``regeneration_atol`` (default :data:`REGENERATION_ATOL`: CPUs differ in the last bits of float
     results). ``bit_identical=True`` demands byte equality of the expected tensors too (only on the
-    machine that wrote them).
+    machine that wrote them). ``layouts``: the media layouts to split by (default: the process-wide
+    registry's; :class:`~ppmedia.testing.kit.FamilyKit` passes its own, plugins included).
 
     Raises:
         AssertionError: naming the family and the file (or microbatch) that differs, with the largest
@@ -149,7 +152,8 @@ def check_goldens(
     inputs = load_file(str(folder / "inputs.safetensors"))
     expected = load_file(str(folder / "expected.safetensors"))["inputs_embeds"]
     model = module.build_model(seed)
-    check_adapter(module, adapter=adapter, microbatches=microbatches, atol=atol, model=model, batch=inputs, reference=expected)
+    check_adapter(module, adapter=adapter, microbatches=microbatches, atol=atol, model=model, batch=inputs, reference=expected,
+                  layouts=layouts)
 
 
 def _within(fresh: pathlib.Path, on_disk: pathlib.Path, atol: float) -> bool:

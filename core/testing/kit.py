@@ -6,6 +6,7 @@
     llava.check_adapter(microbatches=[1, 2, 4])          # split -> stage -> consume -> merge vs the model
     llava.check_goldens("tests/goldens/llava")           # golden files regenerate; the adapter matches them
     llava.check_pipeline_parity(["gpipe", "1f1b"])      # real 2-process pipeline vs the model's own loss/grads
+    llava.check_stage_splits([(1, 1), (2, 0)])           # stage modules in one process vs the model's grads
 
 A :class:`FamilyKit` builds the tiny model, batch and reference once and keeps them.
 """
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from ..adapters.base import VlmAdapter
     from ..registry import AdapterRegistry
     from .parity import ParityReport, Scenario
+    from .stages import StageSplitCheck
 
 __all__ = ["FamilyKit", "Kit", "check_pipeline_parity"]
 
@@ -52,7 +54,7 @@ def _plugins_in_environment(plugins: Sequence[str]) -> Iterator[None]:
 
 
 def check_pipeline_parity(
-    family: str | ModuleType,
+    family: str | ModuleType | Sequence[str | ModuleType],
     scenarios: Iterable[str | Scenario] = ("gpipe", "1f1b"),
     *,
     plugins: Sequence[str] = (),
@@ -68,7 +70,8 @@ def check_pipeline_parity(
 
     Args:
         family: a built-in name, or a plugin's tiny-family module or dotted name (the workers import it
-            by name, so it must be importable from ``sys.path``).
+            by name, so it must be importable from ``sys.path``); or a list of them, run in ONE set of
+            worker processes (starting a pair costs seconds).
         scenarios: ``"schedule[/shapes]"`` strings or :class:`~ppmedia.testing.parity.Scenario`.
         plugins: dotted names of plugin modules the workers load (``PPMEDIA_PLUGINS``), for a plugin
             that is importable but not installed; an installed plugin is found by its entry point.
@@ -83,11 +86,13 @@ def check_pipeline_parity(
     """
     from .parity import ParityError, run_parity
 
-    name = tiny_models.family_name(family)
+    families = [family] if isinstance(family, (str, ModuleType)) else list(family)
+    names = [tiny_models.family_name(f) for f in families]
+    name = ", ".join(names)
     with _plugins_in_environment(plugins):
         try:
             report = run_parity(
-                [name], scenarios, steps=steps, n_microbatches=n_microbatches, seed=seed,
+                names, scenarios, steps=steps, n_microbatches=n_microbatches, seed=seed,
                 tolerance=tolerance, world_size=world_size,
             )
         except ParityError as exc:
@@ -174,6 +179,7 @@ class FamilyKit:
         return check_adapter(
             self.module, adapter=self.adapter, microbatches=microbatches, atol=atol,
             model=self.model, batch=self.batch, reference=self.reference, positions=self.positions,
+            layouts=self.registry.media_layouts(),
         )
 
     def write_goldens(self, folder: str | pathlib.Path) -> dict[str, int]:
@@ -189,7 +195,17 @@ class FamilyKit:
             self.write_goldens(folder)
         check_goldens(
             self.module, folder, adapter=self.adapter, microbatches=microbatches, seed=self.seed, atol=atol,
-            regeneration_atol=regeneration_atol, bit_identical=bit_identical,
+            regeneration_atol=regeneration_atol, bit_identical=bit_identical, layouts=self.registry.media_layouts(),
+        )
+
+    def check_stage_splits(self, splits: Iterable[Sequence[int]], *, n_microbatches: int = 4, atol: float = 1e-5) -> list[StageSplitCheck]:
+        """:func:`~ppmedia.testing.stages.check_stage_splits` on this family's model and batch (the
+        model's gradients are cleared after each run)."""
+        from .stages import check_stage_splits
+
+        return check_stage_splits(
+            self.module, splits, adapter=self.adapter, n_microbatches=n_microbatches, atol=atol,
+            model=self.model, batch=self.batch,
         )
 
     def check_pipeline_parity(self, scenarios: Iterable[str | Scenario] = ("gpipe", "1f1b"), **kwargs: Any) -> ParityReport:

@@ -15,7 +15,10 @@ Each worker builds the same tiny seeded model (``ppmedia.testing.tiny_models``),
 
 A scenario (:class:`Scenario`) picks the schedule (any torch ships), inferred or static shapes, the
 ``dp x pp`` layout (``pp = world_size // dp``; rank ``= dp_rank * pp + pp_rank``), the model's own
-activation checkpointing, bfloat16 parameters and global-norm clipping.
+activation checkpointing, bfloat16 parameters and global-norm clipping, or stages loaded from a
+checkpoint (``pretrained``: rank 0 writes the tiny model with ``save_pretrained`` once per family, in
+many small shards, and every rank builds only its stages with
+:func:`ppmedia.pipeline.stages_from_pretrained`; the ranks need a file system they share).
 
 The reference is computed in the same worker, single-process, on the full batch, by the model's OWN
 forward (``model(**reference_inputs(batch), labels=...)``, transformers' own loss: the mean token
@@ -50,7 +53,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -70,6 +73,7 @@ __all__ = [
     "ScenarioResult",
     "StepResult",
     "VARIANTS",
+    "VARLEN_PAD",
     "exit_worker",
     "launched_by_torchrun",
     "main",
@@ -89,8 +93,10 @@ __all__ = [
 #: the second step's loss and gradients differ.
 FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies")
 #: run variants that must still match (see :class:`Scenario`).
-VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision")
+VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica", "varlen")
 _SHAPES = ("inferred", "static")
+#: extra padding columns of the ``varlen`` variant's first batch of a step.
+VARLEN_PAD = 3
 #: bfloat16 parameters vs the float32 reference: the loss may differ by this much (absolute) ...
 BF16_LOSS_TOLERANCE = 2e-3
 #: ... and each gradient by this fraction of the largest reference gradient of its side.
@@ -127,11 +133,28 @@ class Scenario:
         variant: ``None``, or one of :data:`VARIANTS`: ``text_only_first`` builds the batch with its
             text-only samples first (the tiny module's ``build_batch(seed, text_only_first=True)``), so
             the schedule infers shapes from a microbatch without media; ``frozen_vision`` freezes every
-            parameter outside the language model (``requires_grad=False``) on both sides.
+            parameter outside the language model (``requires_grad=False``) on both sides;
+            ``text_only_replica`` fills the first half of the batch with the tiny batch's text-only
+            samples (repeated) and the second half with its first half, media included: with ``dp2``
+            replica 0 holds no media at all (its vision tower gets no gradient); ``varlen``
+            accumulates two schedule steps before each optimizer step (and each comparison): another
+            batch right-padded by :data:`VARLEN_PAD` columns (another sequence length ``S``), then the
+            step's batch; the reference accumulates the same two, and the stages are never rebuilt.
         balance: reorder the samples for an even vision load (``split_media(balance=...)`` with the
             adapter's ``image_costs``); the reference still runs the original order.
         encoder: ``stage0`` (the first stage runs the vision tower) or ``spread`` (every pipeline rank
             encodes a share: ``make_pipeline_stages(..., encoder="spread")``, token ``/spread``).
+        pretrained: build the stages from a checkpoint of the tiny model
+            (:func:`~ppmedia.pipeline.stages_from_pretrained`, each rank only its stages) instead of
+            cutting the model in memory; the tiny module's ``build_checkpoint_model`` (if it has one)
+            is the model written and the reference.
+        fsdp: shard every stage with FSDP2 over the data-parallel mesh
+            (:func:`ppmedia.pipeline.apply_fsdp`) instead of summing replicated gradients
+            (``all_reduce_gradients``); gradients are compared after gathering them (``full_tensor()``).
+            With ``dtype="bfloat16"`` the parameters stay float32 and FSDP2's mixed precision computes
+            in bfloat16 (gradients reduced in float32).
+        microbatches: microbatches per step for this scenario (default: the run's ``n_microbatches``),
+            e.g. ``mb4`` for DualPipeV, which needs at least as many microbatches as stages.
     """
 
     schedule: str
@@ -145,6 +168,9 @@ class Scenario:
     variant: str | None = None
     balance: bool = False
     encoder: str = "stage0"
+    pretrained: bool = False
+    fsdp: bool = False
+    microbatches: int | None = None
 
     def __post_init__(self) -> None:
         from ..pipeline import schedule_layout
@@ -175,15 +201,18 @@ class Scenario:
 
 
 def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
-    """``schedule/shapes[/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``."""
+    """``schedule/shapes[/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``."""
     parts = [sc.schedule, sc.shapes] + ([sc.fault] if sc.fault else [])
     parts += [f"dp{sc.dp}"] if sc.dp != 1 else []
+    parts += ["fsdp"] * sc.fsdp
+    parts += [f"mb{sc.microbatches}"] if sc.microbatches is not None else []
     parts += ["ckpt"] * sc.checkpointing + ["bf16"] * (sc.dtype == "bfloat16") + ["clip"] * sc.clip
     if sc.layers is not None:
         parts.append("layers=" + "+".join(str(n) for n in sc.layers))
     if sc.variant is not None:
         parts.append(sc.variant)
-    return "/".join(parts + ["balanced"] * sc.balance + ["spread"] * (getattr(sc, "encoder", "stage0") == "spread"))
+    return "/".join(parts + ["balanced"] * sc.balance + ["pretrained"] * sc.pretrained
+                    + ["spread"] * (getattr(sc, "encoder", "stage0") == "spread"))
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -195,7 +224,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/spread]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -225,12 +254,18 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["variant"] = token
             elif token == "balanced":
                 kwargs["balance"] = True
+            elif token == "pretrained":
+                kwargs["pretrained"] = True
+            elif token == "fsdp":
+                kwargs["fsdp"] = True
+            elif token.startswith("mb") and token[2:].isdigit():
+                kwargs["microbatches"] = int(token[2:])
             elif token == "spread":
                 kwargs["encoder"] = "spread"
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/spread]"
+                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -347,6 +382,9 @@ class ScenarioResult:
     variant: str | None = None
     balance: bool = False
     encoder: str = "stage0"
+    pretrained: bool = False
+    fsdp: bool = False
+    microbatches: int | None = None
 
     @property
     def name(self) -> str:
@@ -558,6 +596,13 @@ class _Job:
     n_microbatches: int
     seed: int
     lr: float
+    extra: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # family -> its own scenarios
+
+    def all_families(self) -> list[str]:
+        return self.families + [f for f in self.extra if f not in self.families]
+
+    def scenarios_of(self, family: str) -> list[dict[str, Any]]:
+        return (self.scenarios if family in self.families else []) + self.extra.get(family, [])
 
 
 def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -589,6 +634,7 @@ class _Groups:
     dp_rank: int
     pp_group: Any
     dp_group: Any
+    mesh: Any = None  # the (dp, pp) DeviceMesh, when dp > 1
 
 
 _GROUP_CACHE: dict[tuple[int, int], _Groups] = {}
@@ -597,17 +643,16 @@ _GROUP_CACHE: dict[tuple[int, int], _Groups] = {}
 def _groups(world: int, rank: int, dp: int) -> _Groups:
     """The pipeline and data-parallel groups of a ``dp x (world // dp)`` layout (created once per layout;
     ``new_group`` is collective, so every rank creates every group in the same order)."""
-    import torch.distributed as dist
-
     if (world, dp) in _GROUP_CACHE:
         return _GROUP_CACHE[(world, dp)]
     pp = world // dp
     if dp == 1:
         groups = _Groups(pp, 1, rank, 0, None, None)
     else:
-        pp_groups = [dist.new_group([d * pp + p for p in range(pp)]) for d in range(dp)]
-        dp_groups = [dist.new_group([d * pp + p for d in range(dp)]) for p in range(pp)]
-        groups = _Groups(pp, dp, rank % pp, rank // pp, pp_groups[rank // pp], dp_groups[rank % pp])
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))  # row-major: rank = d * pp + p
+        groups = _Groups(pp, dp, rank % pp, rank // pp, mesh["pp"].get_group(), mesh["dp"].get_group(), mesh)
     _GROUP_CACHE[(world, dp)] = groups
     return groups
 
@@ -634,18 +679,75 @@ def _build_batch(tiny_module: Any, scenario: Scenario, seed: int) -> dict[str, A
     """The tiny batch of ``seed``, in the scenario's sample order."""
     if scenario.variant == "text_only_first":
         return dict(tiny_module.build_batch(seed, text_only_first=True))
+    if scenario.variant == "text_only_replica":
+        return _text_only_first_half(tiny_module, dict(tiny_module.build_batch(seed)))
     return dict(tiny_module.build_batch(seed))
 
 
-def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module, tiny_module: Any) -> _Built:
-    from ..pipeline import (
-        build_schedule,
-        default_layer_split,
-        find_language_model,
-        make_pipeline_stages,
-        schedule_layout,
-        tied_parameters,
+def _text_only_first_half(tiny_module: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """``B`` samples: the batch's text-only samples, repeated, for the first half; its first half,
+    with exactly that half's media (views), for the second."""
+    from ..pipeline.parallel import _PER_SAMPLE_MEDIA_KEYS
+    from ..registry import get_adapter
+
+    config = tiny_module.build_config()
+    adapter = get_adapter(config)
+    B = int(batch["input_ids"].shape[0])
+    per_sample = _split(adapter, config, dict(batch), B)
+    text_only = [k for k in range(B) if per_sample.chunk(k) is None]
+    if not text_only:
+        raise ValueError("text_only_replica: the tiny batch has no text-only sample")
+    # repeated in alternating order, so no two microbatches of the half hold the same rows
+    cycled = [i for r in range(B) for i in (text_only if r % 2 == 0 else text_only[::-1])]
+    order = cycled[: B // 2] + list(range(B // 2))
+    halves = _split(adapter, config, dict(batch), 2)
+    media_keys = set(halves.sources.values())
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in _PER_SAMPLE_MEDIA_KEYS:
+            out[key] = torch.cat([torch.zeros_like(value[: B // 2]), value[: B // 2]])
+        elif key in media_keys:
+            out[key] = halves.chunks[next(f for f, k in halves.sources.items() if k == key)][0]
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == B:
+            out[key] = value[order]
+        else:
+            out[key] = value
+    return out
+
+
+def _stages(
+    scenario: Scenario, pristine: torch.nn.Module, n_stages: int, indices: list[int], g: _Groups,
+    layers_per_stage: list[int], static: tuple[int, int] | None, checkpoint: str | None,
+) -> tuple[list[Any], list[Any]]:
+    """This rank's PipelineStages and the tied parameter groups: cut from a copy of ``pristine``, or
+    loaded from ``checkpoint`` (the ``pretrained`` scenarios)."""
+    from ..pipeline import make_pipeline_stages, stages_from_pretrained, tied_parameters
+
+    if scenario.pretrained:
+        assert checkpoint is not None
+        dtype = torch.bfloat16 if scenario.dtype == "bfloat16" else None
+        modules = stages_from_pretrained(checkpoint, n_stages, stages=indices, layers_per_stage=layers_per_stage, dtype=dtype)
+        stages = make_pipeline_stages(modules, n_stages, indices, "cpu", group=g.pp_group, static_microbatch=static)
+        return stages, list(modules[0].tied)
+    model = copy.deepcopy(pristine)
+    if scenario.dtype == "bfloat16" and not scenario.fsdp:  # with FSDP2: its mixed-precision policy
+        model.to(torch.bfloat16)
+    if scenario.checkpointing:
+        enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable")
+        enable()
+        model.train()
+    tied = tied_parameters(model)
+    stages = make_pipeline_stages(
+        model, n_stages, indices, "cpu", group=g.pp_group, layers_per_stage=layers_per_stage, static_microbatch=static,
+        encoder=scenario.encoder,
     )
+    return stages, tied  # the model itself is dropped: this rank keeps only its stages' modules
+
+
+def _build(
+    scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module, tiny_module: Any, checkpoint: str | None = None
+) -> _Built:
+    from ..pipeline import build_schedule, default_layer_split, find_language_model, schedule_layout
 
     layout = schedule_layout(scenario.schedule)
     n_stages = layout.n_stages(g.pp)
@@ -655,23 +757,17 @@ def _build(scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module,
     else:
         layers_per_stage = default_layer_split(len(lm.layers), n_stages)
     indices = layout.stage_indices(g.pp_rank, g.pp)
-    model = copy.deepcopy(pristine)
-    if scenario.dtype == "bfloat16":
-        model.to(torch.bfloat16)
-    if scenario.checkpointing:
-        enable: Any = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable")
-        enable()
-        model.train()
-    tied = tied_parameters(model)
     B, S = _build_batch(tiny_module, scenario, job.seed)["input_ids"].shape
-    static = (B // g.dp // job.n_microbatches, S) if scenario.shapes == "static" else None
-    stages = make_pipeline_stages(
-        model, n_stages, indices, "cpu", group=g.pp_group, layers_per_stage=layers_per_stage, static_microbatch=static,
-        encoder=scenario.encoder,
-    )
-    del model  # this rank keeps only its stages' modules
+    n = scenario.microbatches or job.n_microbatches
+    static = (B // g.dp // n, S) if scenario.shapes == "static" else None
+    stages, tied = _stages(scenario, pristine, n_stages, indices, g, layers_per_stage, static, checkpoint)
+    if scenario.fsdp:
+        from ..pipeline import apply_fsdp
+
+        mixed = torch.bfloat16 if scenario.dtype == "bfloat16" else None
+        apply_fsdp(stages, g.mesh["dp"], mixed_precision=mixed)
     modules = [st.submod for st in stages]
-    schedule = build_schedule(scenario.schedule, stages, job.n_microbatches)
+    schedule = build_schedule(scenario.schedule, stages, n)
     owned: dict[str, tuple[torch.nn.Parameter, bool]] = {}
     for module in modules:
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -771,8 +867,10 @@ def _media_rows(probe: _Probe, media_batch: dict[str, Any], global_split: Any, g
 
 
 def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[str, Any], media_local: dict[str, Any],
-                   num_valid: int, probe: _Probe, adapter: Any, config: Any, n: int) -> tuple[list[torch.Tensor], float, Any]:
-    """One schedule step on this replica's share, then the tied, data-parallel and clipping steps."""
+                   num_valid: int, probe: _Probe, adapter: Any, config: Any, n: int,
+                   accumulate: bool = False) -> tuple[list[torch.Tensor], float, Any]:
+    """One schedule step on this replica's share, then the tied and data-parallel reductions
+    (``accumulate``: keep the gradients already there, and leave the reductions to the next step)."""
     from ..pipeline import all_reduce_gradients, make_labels, sync_tied_gradients
     from ..stage import stage_media
 
@@ -782,7 +880,8 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     ids, mask = local["input_ids"], local["attention_mask"]  # reordered in place by a balanced split
     labels = make_labels(ids, config, adapter, attention_mask=mask)
     probe.reset(ids, staged.samples)
-    built.optimizer.zero_grad(set_to_none=True)
+    if not (accumulate or scenario.variant == "varlen"):
+        built.optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
     dist.barrier()
     t0 = time.perf_counter()
@@ -798,8 +897,10 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
         staging = stage_media(built.first.submod if scenario.fault == "bare_module" else built.first, staged)
     with staging:
         built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
+    if accumulate:
+        return losses, time.perf_counter() - t0, staged
     sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
-    if g.dp > 1:
+    if g.dp > 1 and not scenario.fsdp:  # FSDP2 has reduce-scattered them over the dp mesh
         all_reduce_gradients(built.modules, group=g.dp_group)
     return losses, time.perf_counter() - t0, staged
 
@@ -822,9 +923,39 @@ def _encoded_rows(built: _Built, scenario: Scenario, staged: Any, g: _Groups, wh
     return [[g.dp_rank, spread.rank, k] for k in spread.last_encoded]
 
 
-def _reference_step(built: _Built, tiny_module: Any, batch: dict[str, Any], targets: torch.Tensor) -> tuple[Any, float]:
+def _padded(batch: dict[str, Any], config: Any, columns: int) -> dict[str, Any]:
+    """``batch`` with ``columns`` more padding positions at the end of every row (another ``S``)."""
+    from ..adapters.base import config_value
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    pad = int(config_value(config, "pad_token_id", "text_config.pad_token_id"))
+    extra = torch.full((ids.shape[0], columns), pad, dtype=ids.dtype)
+    return dict(batch, input_ids=torch.cat([ids, extra], 1), attention_mask=torch.cat([mask, torch.zeros_like(extra)], 1))
+
+
+def _accumulate_padded(built: _Built, scenario: Scenario, g: _Groups, seed: int, probe: _Probe, tiny_module: Any,
+                       n: int) -> None:
+    """``varlen``: zero the gradients, then one schedule step (and one reference forward and backward)
+    on another batch, right-padded by :data:`VARLEN_PAD` columns; the step's own batch follows."""
+    from ..pipeline import count_valid_tokens, make_labels, shard_batch
+    from ..registry import get_adapter
+
+    config = built.reference.config
+    adapter = get_adapter(config)
+    batch = _padded(dict(tiny_module.build_batch(seed)), config, VARLEN_PAD)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    num_valid = count_valid_tokens(make_labels(ids, config, adapter, attention_mask=mask))
+    local = shard_batch(batch, g.dp_rank, g.dp, **adapter.media_counts(batch, config)) if g.dp > 1 else dict(batch)
+    built.optimizer.zero_grad(set_to_none=True)
+    _pipeline_step(built, scenario, g, local, dict(local), num_valid, probe, adapter, config, n, accumulate=True)
+    _reference_step(built, tiny_module, batch, make_labels(ids, config, adapter, attention_mask=mask, shift=False))
+
+
+def _reference_step(built: _Built, tiny_module: Any, batch: dict[str, Any], targets: torch.Tensor,
+                    accumulate: bool = False) -> tuple[Any, float]:
     t0 = time.perf_counter()
-    built.ref_optimizer.zero_grad(set_to_none=True)
+    if not accumulate:
+        built.ref_optimizer.zero_grad(set_to_none=True)
     inputs = dict(tiny_module.reference_inputs(batch))
     inputs.setdefault("use_cache", False)
     out = built.reference(**inputs, labels=targets)
@@ -849,19 +980,27 @@ def _compare(built: _Built) -> tuple[dict[bool, float], dict[bool, float], dict[
     diffs = {True: 0.0, False: 0.0}
     scale = {True: 0.0, False: 0.0}
     counts = {True: 0, False: 0}
-    for name, (param, is_lm) in built.owned.items():
+    for name, (param, is_lm) in built.owned.items():  # the same order on every replica (collectives)
         ref_grad = ref_params[name].grad
-        grad = None if param.grad is None else param.grad.float()
+        grad = None if param.grad is None else _full(param.grad).float()
         diffs[is_lm] = max(diffs[is_lm], _max_abs_diff(grad, ref_grad))
         scale[is_lm] = max(scale[is_lm], _max_abs_diff(ref_grad, None))
         counts[is_lm] += 1
     return diffs, scale, counts
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP2 shard (``DTensor``) gathered over its data-parallel mesh."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def _check_calls(probe: _Probe, built: _Built, scenario: Scenario, step: int, n: int, where: str) -> tuple[int, int]:
     """Stage 0 ran once per microbatch (plus the shape-inference forward) on its own chunk; returns
     the decoder layers' calls and the expected number."""
-    inference = scenario.shapes == "inferred" and step == 0
+    # varlen: every schedule step has another S than the previous one, so shapes are inferred again
+    inference = scenario.shapes == "inferred" and (step == 0 or scenario.variant == "varlen")
     expected_calls = n + inference
     if built.first is not None:
         if len(probe.trace) != expected_calls:
@@ -888,15 +1027,16 @@ def _splits_backward(schedule: Any) -> bool:
 
 
 def _run_scenario(
-    family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any
+    family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any,
+    checkpoint: str | None = None,
 ) -> dict[str, Any]:
     from ..pipeline import count_valid_tokens, make_labels, shard_batch
     from ..registry import get_adapter
 
-    n = job.n_microbatches
+    n = scenario.microbatches or job.n_microbatches
     adapter, config = get_adapter(pristine), pristine.config
     g = _groups(world, rank, scenario.dp)
-    built = _build(scenario, job, g, pristine, tiny_module)
+    built = _build(scenario, job, g, pristine, tiny_module, checkpoint)
     probe = _Probe(built)
     step_results = []
     try:
@@ -911,9 +1051,11 @@ def _run_scenario(
                 (shard_batch(b, g.dp_rank, g.dp, **media_counts) for b in (batch, media_batch))
                 if g.dp > 1 else (dict(batch), dict(media_batch))
             )
+            if scenario.variant == "varlen":
+                _accumulate_padded(built, scenario, g, job.seed + 500 + step, probe, tiny_module, n)
             losses, wall_pipeline, staged = _pipeline_step(built, scenario, g, local, media_local, num_valid, probe, adapter, config, n)
             targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
-            out, wall_reference = _reference_step(built, tiny_module, batch, targets)
+            out, wall_reference = _reference_step(built, tiny_module, batch, targets, accumulate=scenario.variant == "varlen")
             norms = _clip_both(built, g) if scenario.clip else (None, None)
             diffs, scale, counts = _compare(built)
             expected_calls, expected_layers = _check_calls(probe, built, scenario, step, n, where)
@@ -969,11 +1111,16 @@ def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]
     batch = module.build_batch(job.seed)
     from ..registry import get_adapter
 
-    dp = max((spec.get("dp", 1) for spec in job.scenarios), default=1)
+    specs = job.scenarios_of(family)
+    dp = max((spec.get("dp", 1) for spec in specs), default=1)
     infos = _microbatch_infos(get_adapter(pristine), pristine.config, dict(batch), job.n_microbatches, dp)
-    results = [
-        _run_scenario(family, Scenario(**spec), job, rank, world, pristine, module) for spec in job.scenarios
-    ]
+    wants_checkpoint = any(spec.get("pretrained") for spec in specs)
+    with _checkpoint(module, job, rank) if wants_checkpoint else contextlib.nullcontext((pristine, None)) as (written, path):
+        results = [
+            _run_scenario(family, Scenario(**spec), job, rank, world, written if spec.get("pretrained") else pristine,
+                          module, path)
+            for spec in specs
+        ]
     return {
         "family": family,
         "model_type": pristine.config.model_type,
@@ -983,6 +1130,38 @@ def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]
         "microbatches": [asdict(i) for i in infos],
         "scenarios": results,
     }
+
+
+@contextlib.contextmanager
+def _checkpoint(tiny_module: Any, job: _Job, rank: int) -> Iterator[tuple[torch.nn.Module, str]]:
+    """Rank 0 writes the tiny model (``build_checkpoint_model`` if the module has one, else
+    ``build_model``) with ``save_pretrained`` in 40 KB shards; yields ``(model, directory)`` on every
+    rank and removes the directory afterwards (collective: every rank enters)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    build = getattr(tiny_module, "build_checkpoint_model", tiny_module.build_model)
+    model = build(job.seed)
+    box: list[Any] = [None]
+    if rank == 0:
+        from transformers.utils import logging as hf_logging
+
+        box[0] = tempfile.mkdtemp(prefix="ppmedia-parity-checkpoint-")
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(box[0], max_shard_size="40KB")
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+    dist.broadcast_object_list(box, src=0)
+    try:
+        yield model, box[0]
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
 
 
 def _merge_step(k: int, rows: list[dict[str, Any]]) -> StepResult:
@@ -1037,6 +1216,9 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         variant=sc.get("variant"),
         balance=sc.get("balance", False),
         encoder=sc.get("encoder", "stage0"),
+        pretrained=sc.get("pretrained", False),
+        fsdp=sc.get("fsdp", False),
+        microbatches=sc.get("microbatches"),
         stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0],
     )
 
@@ -1074,7 +1256,7 @@ def run_worker(
     gathers all ranks' results and returns the merged report (on every rank).
 
     ``job`` holds ``families``, ``scenarios`` (dicts of :class:`Scenario` fields), ``steps``,
-    ``n_microbatches``, ``seed`` and ``lr``. ``init_method`` is ``tcp://127.0.0.1:PORT`` or ``env://``.
+    ``n_microbatches``, ``seed``, ``lr`` and optionally ``extra`` (family -> its own scenario dicts). ``init_method`` is ``tcp://127.0.0.1:PORT`` or ``env://``.
 
     With ``env://`` (torchrun) the process group is created on the first call and kept for later
     calls in the same process (``ppmedia demo`` runs one family per call): re-creating it would
@@ -1095,7 +1277,7 @@ def run_worker(
         else:
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, **kwargs)
     try:
-        mine = [_run_family(family, spec, dist.get_rank(), dist.get_world_size()) for family in spec.families]
+        mine = [_run_family(family, spec, dist.get_rank(), dist.get_world_size()) for family in spec.all_families()]
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return _merge(gathered, dist.get_world_size(), tolerance, launcher, time.perf_counter() - start)
@@ -1180,14 +1362,17 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
         if world_size % sc.dp:
             raise ValueError(f"{sc.name}: dp {sc.dp} does not divide the {world_size} processes")
         rows = batch_size // sc.dp if batch_size % sc.dp == 0 else 0
-        if rows == 0 or rows % n_microbatches:
+        n = sc.microbatches or n_microbatches
+        if rows == 0 or n < 1 or rows % n:
             raise ValueError(
-                f"{sc.name}: {sc.dp} replicas of the {batch_size}-sample batch cannot each run {n_microbatches} "
+                f"{sc.name}: {sc.dp} replicas of the {batch_size}-sample batch cannot each run {n} "
                 f"equal microbatches"
             )
         n_stages = schedule_layout(sc.schedule).n_stages(world_size // sc.dp)
         if sc.layers is not None and len(sc.layers) != n_stages:
             raise ValueError(f"{sc.name}: {len(sc.layers)} layer counts for {n_stages} stages")
+        for family in families:
+            _refuse_idle_ranks(family, sc, world_size // sc.dp)
         if sc.variant == "text_only_first":
             for family in families:
                 if "text_only_first" not in inspect.signature(tiny.load(family).build_batch).parameters:
@@ -1196,10 +1381,42 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             raise ValueError(f"{sc.name}: the stale_copies fault breaks the encoder spread: add /spread")
         if sc.encoder == "spread" and sc.fault not in (None, "stale_copies"):
             raise ValueError(f"{sc.name}: the encoder spread runs no fault but stale_copies")
+        if sc.encoder == "spread" and sc.pretrained:
+            raise ValueError(f"{sc.name}: the encoder spread cuts its vision copies from the full model; "
+                             f"stages_from_pretrained gives none: drop /pretrained or /spread")
         if sc.balance and (sc.dp != 1 or sc.fault is not None):
             raise ValueError(f"{sc.name}: balancing is run with one replica and no fault")
+        if sc.pretrained and sc.checkpointing:
+            raise ValueError(f"{sc.name}: a scenario loads its stages from a checkpoint or checkpoints activations, not both")
+        if sc.fsdp and sc.dp < 2:
+            raise ValueError(f"{sc.name}: fsdp shards over the data-parallel replicas: use dp2 or more")
+        if sc.variant == "text_only_replica" and sc.dp != 2:
+            raise ValueError(f"{sc.name}: text_only_replica gives replica 0 of two the text-only half: use dp2")
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")
+
+
+def _refuse_idle_ranks(family: str, sc: Scenario, pp: int) -> None:
+    """A pipeline rank whose stages hold neither a decoder layer nor the first or last stage has nothing
+    to train (and torch's optimizer refuses an empty parameter list): refuse it before spawning."""
+    from ..pipeline import default_layer_split, schedule_layout
+    from . import tiny_models as tiny
+
+    layout = schedule_layout(sc.schedule)
+    n_stages = layout.n_stages(pp)
+    config = tiny.load(family).build_config()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_layers = int(getattr(text, "num_hidden_layers"))
+    layers = list(sc.layers) if sc.layers is not None else default_layer_split(num_layers, n_stages)
+    for rank in range(pp):
+        indices = layout.stage_indices(rank, pp)
+        if all(layers[i] == 0 and 0 < i < n_stages - 1 for i in indices):
+            raise ValueError(
+                f"{sc.name}: {n_stages} pipeline stages ({pp} ranks x {layout.stages_per_rank}) for the {num_layers} decoder "
+                f"layers of {family} (per stage {layers}): pipeline rank {rank} would hold only stages {indices}, "
+                f"without a layer; use at most {max(1, (num_layers + 2) // layout.stages_per_rank)} pipeline ranks for "
+                f"{layout.name}" + (", or a schedule with one stage per rank" if layout.stages_per_rank > 1 else "")
+            )
 
 
 def run_parity(
@@ -1212,6 +1429,7 @@ def run_parity(
     lr: float = 1e-2,
     tolerance: float = 1e-5,
     world_size: int = 2,
+    family_scenarios: Mapping[str, Iterable[str | Scenario]] | None = None,
 ) -> ParityReport:
     """Run ``families`` through a real multi-process pipeline and compare with the model itself.
 
@@ -1227,6 +1445,8 @@ def run_parity(
         seed: model and batch seed (step ``k`` uses batch ``seed + k``).
         tolerance: what :meth:`ScenarioResult.passed` and :attr:`ParityReport.ok` accept.
         world_size: processes to spawn (ignored under torchrun).
+        family_scenarios: more scenarios for single families, run in the same processes after
+            ``scenarios`` (a family named only here runs only its own).
 
     Raises:
         ParityError: a worker failed (its traceback is in the message).
@@ -1234,10 +1454,14 @@ def run_parity(
     """
     names = [families] if isinstance(families, str) else list(families)
     specs = parse_scenarios(scenarios)
+    extra = {family: parse_scenarios(more) for family, more in (family_scenarios or {}).items()}
     if launched_by_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
     _validate(names, specs, n_microbatches, world_size, steps)
-    job = asdict(_Job(names, [asdict(s) for s in specs], steps, n_microbatches, seed, lr))
+    for family, more in extra.items():
+        _validate([family], more, n_microbatches, world_size, steps)
+    job = asdict(_Job(names, [asdict(s) for s in specs], steps, n_microbatches, seed, lr,
+                      {family: [asdict(s) for s in more] for family, more in extra.items()}))
 
     if launched_by_torchrun():
         try:
@@ -1288,7 +1512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
     parser.add_argument(
         "--scenario", action="append",
-        help="schedule[/shapes][/fault][/dpN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/spread], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        help="schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
         "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
     )
     parser.add_argument("--steps", type=int, default=2)
@@ -1296,14 +1520,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     args = parser.parse_args(argv)
-    report = run_parity(
-        args.families,
-        args.scenario or DEFAULT_SCENARIOS,
-        steps=args.steps,
-        n_microbatches=args.microbatches,
-        seed=args.seed,
-        world_size=args.world_size,
-    )
+    try:
+        report = run_parity(
+            args.families,
+            args.scenario or DEFAULT_SCENARIOS,
+            steps=args.steps,
+            n_microbatches=args.microbatches,
+            seed=args.seed,
+            world_size=args.world_size,
+        )
+    except (ValueError, TypeError) as exc:  # arguments refused before anything started: one line
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if not launched_by_torchrun() or os.environ.get("RANK") == "0":
         print(report.format())
     return 0 if report.ok else 1

@@ -10,6 +10,10 @@ Fixtures:
 * ``ppmedia_host_reads``: a started :class:`ppmedia.HostReadCounter` (``.total``, ``.counts``).
 
 Option ``--ppmedia-write-goldens``: ``FamilyKit.check_goldens`` (re)writes the golden files first.
+
+Marker ``multiprocess``: a test that spawns real worker processes (``FamilyKit.check_pipeline_parity``);
+registered here, so a plugin's suite may run with ``--strict-markers`` and deselect them with
+``-m "not multiprocess"``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ import pytest
 if TYPE_CHECKING:
     from ..hostreads import HostReadCounter
     from .kit import Kit
+
+
+#: the markers the kit's users put on their tests (name: description), registered in every session.
+MARKERS = {"multiprocess": "spawns real worker processes (gloo on 127.0.0.1), e.g. FamilyKit.check_pipeline_parity"}
+
+
+def pytest_configure(config: Any) -> None:
+    for name, description in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
 
 
 def pytest_addoption(parser: Any) -> None:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg]]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -17,7 +17,12 @@ Measures, in one process with ``torch.set_num_threads(1)``:
    (see ``model_bench.py``);
 6. media-aware balancing: real 2-process 1F1B and GPipe pipelines on a skewed batch, balanced vs as-is,
    and the simulator's prediction (see ``balance_bench.py``; alone: ``--balance``);
-7. the encoder spread: real 2-process 1F1B pipelines on a vision-heavy tiny model, the vision tower on
+7. load memory: the last of 4 stages straight from a mid-size checkpoint vs ``from_pretrained`` of the
+   whole model, peak RSS in fresh processes (see ``load_memory_bench.py``; alone: ``--load-memory``).
+8. FSDP2 memory: pp=2 x dp=2 (4 processes) on a mid-size model, the largest rank's parameters +
+   gradients + optimizer state over one process's, FSDP2 and replicated side by side (see
+   ``fsdp_memory_bench.py``; alone: ``--fsdp-memory``).
+9. the encoder spread: real 2-process 1F1B pipelines on a vision-heavy tiny model, the vision tower on
    stage 0 (uniform and other static splits) vs spread over both ranks, with the planner's predictions
    and the timeline picture (see ``stage0_bench.py``; alone: ``--stage0``).
 
@@ -50,6 +55,8 @@ import ppmedia  # noqa: E402
 from ppmedia.testing.tiny_models import FAMILIES  # noqa: E402
 
 import balance_bench  # noqa: E402
+import load_memory_bench  # noqa: E402
+import fsdp_memory_bench  # noqa: E402
 import model_bench  # noqa: E402
 import stage0_bench  # noqa: E402
 import staging_bench  # noqa: E402
@@ -111,12 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-install", action="store_true", help="do not pip-install the Automodel reference")
     parser.add_argument("--balance", action="store_true", help="run only the balancing benchmark (section 6)")
     parser.add_argument("--force", action="store_true", help="balancing: print the ratio even on an unquiet machine")
-    parser.add_argument("--stage0", action="store_true", help="run only the encoder-spread benchmark (section 7)")
+    parser.add_argument("--load-memory", action="store_true", help="run only the load-memory benchmark (section 7)")
+    parser.add_argument("--fsdp-memory", action="store_true", help="run only the FSDP2 memory benchmark (section 8)")
+    parser.add_argument("--stage0", action="store_true", help="run only the encoder-spread benchmark (section 9)")
     parser.add_argument("--timeline", type=Path, default=None,
-                        help="section 7: draw its predicted and measured timelines here (SVG)")
+                        help="section 9: draw its predicted and measured timelines here (SVG)")
     args = parser.parse_args(argv)
     if args.balance:
         return _run_balance(args, None)
+    if args.load_memory:
+        return _run_load_memory(args, None)
+    if args.fsdp_memory:
+        return _run_fsdp_memory(args, None)
     if args.stage0:
         return _run_stage0(args, None)
 
@@ -212,7 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     balance = _run_balance(args, targets)
     print()
 
-    # -- 7: the encoder spread ---------------------------------------------------------------------
+    # -- 7: load memory ----------------------------------------------------------------------------
+    load_memory = _run_load_memory(args, targets)
+    print()
+
+    # -- 8: FSDP2 memory -----------------------------------------------------------------------------
+    fsdp_memory = _run_fsdp_memory(args, targets)
+    print()
+
+    # -- 9: the encoder spread ---------------------------------------------------------------------
     spread = _run_stage0(args, targets)
     print()
 
@@ -251,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "balance": balance,
         "stage0": spread,
+        "load_memory": load_memory,
+        "fsdp_memory": fsdp_memory,
         "environment": env,
         "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
         "elapsed_s": round(elapsed, 1),
@@ -305,7 +328,7 @@ def _run_balance(args: argparse.Namespace, targets: list[dict[str, Any]] | None)
 
 
 def _run_stage0(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
-    """Section 7; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    """Section 9; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
     raw = stage0_bench.run(6 if args.quick else 16)
     analysis = stage0_bench.analyse(raw)
     print(stage0_bench.report(raw, analysis, args.force))
@@ -330,6 +353,32 @@ def _run_stage0(args: argparse.Namespace, targets: list[dict[str, Any]] | None) 
                     "measured": round(spread, 3) if quiet else None, "met": spread <= 0.80 if quiet else None})
     targets.append({"target": "encoder spread: planner within 0.05 of the measured ratio",
                     "measured": round(error, 3) if quiet else None, "met": abs(error) <= 0.05 if quiet else None})
+    return result
+
+
+def _run_load_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 7; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    result = load_memory_bench.run(repeats=1 if args.quick else 3)
+    print(load_memory_bench.report(result))
+    if targets is not None:
+        targets.append({"target": f"load memory: last of {result['n_stages']} stages / whole model <= {result['target']}",
+                        "measured": round(result["ratio"], 3), "met": result["met"]})
+        return result
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"load_memory": result}, indent=1) + "\n")
+    return 0
+
+
+def _run_fsdp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 8; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    result = fsdp_memory_bench.run()
+    print(fsdp_memory_bench.report(result))
+    if targets is None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"fsdp_memory": result}, indent=1) + "\n")
+        return 0
+    targets.append({"target": f"fsdp-memory: pp=2 x dp=2 FSDP2, largest rank / one process <= {result['target']}",
+                    "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
     return result
 
 

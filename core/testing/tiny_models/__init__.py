@@ -12,7 +12,10 @@ Each family module defines:
 * ``build_batch(seed=0)``: a processor-style batch of 8 samples, ``input_ids`` ``[8, S]`` plus the
   media keys :func:`ppmedia.split_media` reads; split in 4 microbatches, microbatch 2 (samples 4 and
   5) is text-only;
-* ``reference_inputs(batch)``: the keyword arguments of the model's own full-batch forward.
+* ``reference_inputs(batch)``: the keyword arguments of the model's own full-batch forward;
+* optionally ``ADAPTER``: the name of the adapter serving the model, when it is not the family's name
+  (a variant: ``mistral_small4`` is served by ``mistral3``, ``llava_pixtral`` by ``llava``,
+  ``kimi_k25_video`` by ``kimi_vl``).
 
 A plugin's own tiny-family module follows the same protocol (:data:`PROTOCOL`); the parity harness
 needs its ``build_batch`` to hold 8 samples, like the built-ins'.
@@ -27,10 +30,47 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "PROTOCOL", "capture_merged_embeds", "capture_reference", "family_name", "load", "seeded"]
+__all__ = [
+    "FAMILIES",
+    "PROTOCOL",
+    "REFERENCE_LANGUAGE_MODELS",
+    "capture_merged_embeds",
+    "capture_reference",
+    "constant_parameters",
+    "family_name",
+    "load",
+    "seeded",
+    "seeded_distinct",
+]
 
 #: family name -> module name under ``ppmedia.testing.tiny_models``.
-FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3", "mistral3")
+FAMILIES: tuple[str, ...] = (
+    "qwen2_5_vl",
+    "llava_next",
+    "step3",
+    "kimi_vl",
+    "qwen3_vl",
+    "gemma3",
+    "mistral3",
+    "mistral_large4",
+    "mistral_small4",
+    "llava",
+    "llava_pixtral",
+    "minimax_m3_vl",
+    "inkling2",
+    "kimi_k25_video",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+    "paligemma",
+    "aya_vision",
+    "llama4",
+    "internvl",
+    "glm4v",
+    "glm4v_moe",
+    "glm46v",
+    "ernie4_5_vl_moe",
+)
 
 
 #: what a tiny-family module must define (see the module docstring).
@@ -77,16 +117,69 @@ def family_name(family: str | ModuleType) -> str:
 
 
 def seeded(model_class: type, config: Any, seed: int) -> torch.nn.Module:
-    """``model_class(config)`` with weights drawn after ``torch.manual_seed(seed)``, float32, eval mode."""
+    """``model_class(config)`` with weights drawn after ``torch.manual_seed(seed)``, float32, eval mode.
+
+    Only floating-point tensors are cast: ``Module.to(torch.float32)`` would also cast complex buffers
+    to real, dropping their imaginary part (Llama 4's vision rotary table ``freqs_ci`` is complex).
+    """
     torch.manual_seed(seed)
-    return model_class(config).to(torch.float32).eval()
+    model: torch.nn.Module = model_class(config)
+    return model._apply(lambda t: t.float() if t.is_floating_point() else t).eval()
+
+
+def constant_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s parameters whose entries all hold one value (norm weights initialised to
+    ones, query scalings and block-state queries to zeros): a golden or parity test cannot tell
+    their entries apart, so a bug that mixes them up would go unnoticed."""
+    names = []
+    for name, param in model.named_parameters():
+        flat = param.detach().reshape(-1)
+        if flat.numel() and bool((flat == flat[0]).all()):
+            names.append(name)
+    return names
+
+
+def seeded_distinct(model_class: type, config: Any, seed: int) -> torch.nn.Module:
+    """:func:`seeded`, then every parameter of :func:`constant_parameters` redrawn from the seed:
+    ``c + 0.1 * max(1, |c|) * N(0, 1)`` entry by entry (``c`` its constant). transformers initialises
+    several parameters to constants that checkpoints overwrite (Mistral Large 4's query scaling,
+    Inkling 2's block-state queries, MiniMax's norm weights start at zero); drawn, every entry is
+    distinct and every test can see them."""
+    model = seeded(model_class, config, seed)
+    gen = torch.Generator().manual_seed(seed + 7919)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in constant_parameters(model):
+            param = params[name]
+            c = float(param.reshape(-1)[0])
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            param.copy_((c + 0.1 * max(1.0, abs(c)) * noise).to(param.dtype))
+    return model
+
+
+#: where :func:`capture_reference` hooks the model's language model (the module its own forward hands the
+#: merged ``inputs_embeds``), tried in order: transformers 5 VLMs' ``model.language_model``; Llama 4's
+#: ``language_model`` (a ``Llama4ForCausalLM`` at the top level). Fixed paths, not ppmedia's lookup.
+REFERENCE_LANGUAGE_MODELS: tuple[str, ...] = ("model.language_model", "language_model")
+
+
+def _reference_language_model(model: torch.nn.Module) -> Any:
+    for path in REFERENCE_LANGUAGE_MODELS:
+        module: Any = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise TypeError(f"{type(model).__name__}: no language model at {' or '.join(REFERENCE_LANGUAGE_MODELS)}")
 
 
 def capture_merged_embeds(model: torch.nn.Module, **inputs: Any) -> Tensor:
     """Run ``model(**inputs)`` and return the ``inputs_embeds`` ``[B, S, hidden]`` its language model got.
 
-    The tensor is captured by a forward pre-hook on ``model.model.language_model``, i.e. after the
-    model merged the image features itself: the reference for golden tests, independent of ppmedia.
+    The tensor is captured by a forward pre-hook on the model's decoder stack (``model.model.language_model``;
+    Idefics3's ``model.model.text_model``, Llama 4's ``model.language_model.model``: the adapter's
+    ``language_model_path``; without an adapter the first of :data:`REFERENCE_LANGUAGE_MODELS`), i.e. after
+    the model merged the image features itself: the reference for golden tests, independent of ppmedia.
     """
     return capture_reference(model, **inputs)[0]
 
@@ -100,7 +193,12 @@ def capture_reference(model: torch.nn.Module, **inputs: Any) -> tuple[Tensor, Te
     def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         captured.append({k: kwargs.get(k) for k in ("inputs_embeds", "position_ids")})
 
-    language_model: Any = getattr(model, "model").language_model
+    from ...pipeline.surgery import find_language_model
+
+    try:
+        language_model: Any = find_language_model(model)[1]
+    except TypeError:  # no adapter registered for it: the usual places
+        language_model = _reference_language_model(model)
     handle = language_model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():

@@ -44,6 +44,7 @@ __all__ = [
     "VISION_END_TOKEN_ID",
     "VISION_START_TOKEN_ID",
     "build_batch",
+    "build_checkpoint_model",
     "build_config",
     "build_model",
     "reference_inputs",
@@ -155,6 +156,25 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     from transformers import Kimi_K25ForConditionalGeneration
 
     config = build_config()
+    config._attn_implementation = "eager"
+    config.vision_config._attn_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    return seeded(Kimi_K25ForConditionalGeneration, config, seed)
+
+
+def build_checkpoint_model(seed: int = 0) -> torch.nn.Module:
+    """:func:`build_model` with ``q_lora_rank`` 16 (the query through ``q_a_proj`` / ``q_b_proj``, as in
+    real Kimi-K2.5 configs), for checkpoint round trips.
+
+    transformers 5.23 cannot read back a ``kimi_k25`` checkpoint whose text config has ``q_lora_rank``
+    ``None`` (:func:`build_model`'s): its conversion mapping for the vision tower's fused ``wqkv``
+    (pattern ``attn.q_proj``) also catches the text attention's ``self_attn.q_proj``, so
+    ``save_pretrained`` writes it as a ``wqkv`` and ``from_pretrained`` fails on it (``PermuteForRope``).
+    """
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    config = build_config()
+    config.text_config.q_lora_rank = 16
     config._attn_implementation = "eager"
     config.vision_config._attn_implementation = "eager"
     config.text_config._attn_implementation = "eager"

@@ -36,6 +36,8 @@ from torch import Tensor
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
 
 from . import seeded
+from ._pixtral import PixtralLayout, pixtral_batch
+from ._pixtral import image_ids as _image_ids
 
 __all__ = [
     "IMAGE_BREAK_TOKEN_ID",
@@ -127,12 +129,16 @@ def tokens_per_image(size: tuple[int, int]) -> int:
     return (size[0] // (PATCH_SIZE * MERGE)) * (size[1] // (PATCH_SIZE * MERGE))
 
 
+_LAYOUT = PixtralLayout(
+    step=PATCH_SIZE * MERGE, max_size=MAX_SIZE, vocab=VOCAB_SIZE, first_text_id=_FIRST_TEXT_ID,
+    image=IMAGE_TOKEN_ID, image_break=IMAGE_BREAK_TOKEN_ID, image_end=IMAGE_END_TOKEN_ID, pad=PAD_TOKEN_ID,
+    sizes=SAMPLE_IMAGE_SIZES, prefix=_PREFIX, suffix=_SUFFIX,
+)
+
+
 def image_ids(size: tuple[int, int]) -> list[int]:
     """The tokens of one image as ``PixtralProcessor`` writes them (rows, breaks, end)."""
-    rows, cols = size[0] // (PATCH_SIZE * MERGE), size[1] // (PATCH_SIZE * MERGE)
-    ids = ([IMAGE_TOKEN_ID] * cols + [IMAGE_BREAK_TOKEN_ID]) * rows
-    ids[-1] = IMAGE_END_TOKEN_ID
-    return ids
+    return _image_ids(_LAYOUT, size)
 
 
 def build_batch(seed: int = 0) -> dict[str, Tensor]:
@@ -141,34 +147,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
     Keys: ``input_ids`` and ``attention_mask`` ``[8, S]``, ``pixel_values`` ``[8, 3, 64, 64]`` float32
     (zero past each image's true size), ``image_sizes`` ``[8, 2]`` int64.
     """
-    gen = torch.Generator().manual_seed(seed)
-
-    def text(n: int) -> list[int]:
-        return torch.randint(_FIRST_TEXT_ID, VOCAB_SIZE, (n,), generator=gen).tolist()
-
-    rows: list[list[int]] = []
-    for i, sizes in enumerate(SAMPLE_IMAGE_SIZES):
-        ids = text(_PREFIX[i])
-        for j, size in enumerate(sizes):
-            ids += (text(1) if j else []) + image_ids(size)
-        ids += text(_SUFFIX[i])
-        rows.append(ids)
-    seq = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), seq), PAD_TOKEN_ID, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), seq), dtype=torch.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        attention_mask[i, : len(ids)] = 1
-    all_sizes = [size for sizes in SAMPLE_IMAGE_SIZES for size in sizes]
-    pixel_values = torch.zeros(len(all_sizes), 3, MAX_SIZE, MAX_SIZE)
-    for k, (h, w) in enumerate(all_sizes):
-        pixel_values[k, :, :h, :w] = torch.randn(3, h, w, generator=gen)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "pixel_values": pixel_values,
-        "image_sizes": torch.tensor(all_sizes, dtype=torch.int64),
-    }
+    return pixtral_batch(_LAYOUT, seed)
 
 
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:

@@ -8,6 +8,11 @@ which keeps the CLS token). Installed, the package announces itself in ``pyproje
     llava = "ppmedia_llava_plugin"
 
 and ``ppmedia.get_adapter(model)`` finds :class:`LlavaAdapter` for any LLaVA model.
+
+ppmedia also ships a LLaVA adapter of its own (``ppmedia.adapters.llava``: LLaVA-1.5 and
+Pixtral-backbone LLaVA). Two adapters claiming one model type are an error unless the one that should
+win says so: :attr:`LlavaAdapter.override` is ``True``, so this plugin, installed, takes ``llava`` over
+from the built-in, which is how a plugin replaces a built-in family with its own adapter.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class LlavaAdapter(VlmAdapter):
     name = "llava"
     model_types = ("llava",)
     layout = "complete images [images, C, H, W]"
+    #: take ``llava`` over from ppmedia's built-in LLaVA adapter
+    override = True
 
     def media_per_sample(
         self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None

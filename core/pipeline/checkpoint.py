@@ -1,0 +1,408 @@
+"""Distributed checkpoints of pipeline stages (``torch.distributed.checkpoint``): full-model names,
+published atomically, resumable on any ``pp x dp`` layout, with or without FSDP2.
+
+A checkpoint is a folder ``step{N}/`` under a save directory, holding DCP's files (``.metadata`` and
+one ``__{rank}_0.distcp`` per rank) and ``ppmedia.json`` (the step, the model type, every parameter
+name, the tied names, the caller's ``extra``). The state it stores, by key:
+
+* every parameter and persistent buffer under its FULL-MODEL name (``model.language_model.layers.3.mlp.up_proj.weight``,
+  ``lm_head.weight``): :func:`torch.distributed.checkpoint.state_dict.get_model_state_dict` of each
+  stage module (ppmedia's stage modules keep the full model's names); FSDP2 shards are saved as the
+  pieces of one tensor, so the names and shapes are those of the unsharded model;
+* ``optimizer.state.<name>.<key>`` and ``optimizer.param_groups.<name>.<key>``: each stage's optimizer,
+  flattened by parameter name (``flatten_optimizer_state_dict=True``); a parameter with several names
+  (a tied embedding on one stage) is saved under each of them, so a layout that splits the names over
+  two stages finds both.
+
+Because nothing is keyed by rank or stage, a checkpoint written at ``pp x dp`` loads at any other
+``pp' x dp'``: DCP reads, for each rank, the pieces of the tensors that rank holds.
+
+Saving writes into ``step{N}.partial/``; rank 0 adds ``ppmedia.json`` after DCP has written its
+``.metadata`` (last, once every rank's data is on disk) and renames the folder to ``step{N}/``. A
+save killed half way leaves only ``step{N}.partial/``, which :func:`latest_checkpoint` never takes.
+Loading checks first, on every rank, that the checkpoint holds exactly this model's names with these
+shapes, and refuses a mismatch (another family, another config, another optimizer) with the names,
+before any tensor is overwritten. The save directory must be one filesystem that every rank sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from torch import nn
+
+__all__ = [
+    "CHECKPOINT_INFO",
+    "check_checkpoint",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "stage_optimizers",
+]
+
+#: the file ppmedia writes into every checkpoint folder (after DCP's own files).
+CHECKPOINT_INFO = "ppmedia.json"
+_FORMAT = "ppmedia-dcp/1"
+_STEP = re.compile(r"step(\d+)")
+_OPTIMIZER = "optimizer"
+_SHOWN = 8  # names listed per kind of mismatch
+
+
+def checkpoint_path(save_dir: str | os.PathLike[str], step: int) -> Path:
+    """``save_dir/step{step}``: where :func:`save_checkpoint` publishes step ``step``."""
+    return Path(save_dir) / f"step{int(step)}"
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / ".metadata").is_file() and (folder / CHECKPOINT_INFO).is_file()
+
+
+def latest_checkpoint(save_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``save_dir`` (highest ``N`` of a ``step{N}/`` folder that
+    holds DCP's ``.metadata`` and ``ppmedia.json``), or ``None``. ``step{N}.partial/`` folders (a save
+    that did not finish) and anything else are ignored."""
+    root = Path(save_dir)
+    if not root.is_dir():
+        return None
+    found = []
+    for folder in root.iterdir():
+        match = _STEP.fullmatch(folder.name)
+        if match and folder.is_dir() and _is_complete(folder):
+            found.append((int(match.group(1)), folder))
+    return max(found)[1] if found else None
+
+
+def stage_optimizers(
+    modules: Sequence[nn.Module], factory: Callable[[Iterable[nn.Parameter]], Any]
+) -> list[Any]:
+    """One optimizer per stage module, ``factory(module.parameters())`` (what DCP's optimizer state
+    dict needs: each optimizer's parameters named by its module).
+
+    A parameter object shared by two of this rank's modules (a V-shaped schedule's first and last
+    stage with a tied embedding, without FSDP2) would be stepped twice; the later module gets its own
+    copy first (equal values; :func:`~ppmedia.pipeline.sync_tied_gradients` sums the copies'
+    gradients, so they stay equal). Call it after :func:`~ppmedia.pipeline.apply_fsdp`, if any.
+    """
+    from .fsdp import _untie_across_modules
+
+    _untie_across_modules(modules)
+    return [factory(module.parameters()) for module in modules]
+
+
+# -- state dicts ------------------------------------------------------------------------------------
+def _options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _aliases(module: nn.Module) -> dict[str, list[str]]:
+    """First name -> the other names of each parameter that has several in ``module``."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {group[0]: group[1:] for group in names.values() if len(group) > 1}
+
+
+def _model_state(modules: Sequence[nn.Module]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state: dict[str, Any] = {}
+    for module in modules:
+        for name, value in get_model_state_dict(module, options=_options()).items():
+            if name in state and state[name] is not value:
+                raise ValueError(f"checkpoint: two stages on this rank hold different tensors named {name!r}")
+            state[name] = value
+    return state
+
+
+def _optimizer_state(modules: Sequence[nn.Module], optimizers: Sequence[Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if len(optimizers) != len(modules):
+        raise ValueError(
+            f"checkpoint: {len(optimizers)} optimizers for {len(modules)} stage modules; expected one per "
+            f"module (stage_optimizers)"
+        )
+    state: dict[str, Any] = {}
+    for module, optimizer in zip(modules, optimizers):
+        flat = get_optimizer_state_dict(module, optimizer, options=_options())
+        for first, others in _aliases(module).items():
+            for key in [k for k in flat if _param_of(k) == first]:
+                head, rest = key.split(".", 1)
+                for other in others:
+                    flat[f"{head}.{other}{rest[len(first):]}"] = flat[key]
+        state.update(flat)
+    return state
+
+
+def _param_of(key: str) -> str:
+    """``state.<name>.<field>`` / ``param_groups.<name>.<field>`` -> ``<name>``."""
+    return key.split(".", 1)[1].rsplit(".", 1)[0]
+
+
+def _state(modules: Sequence[nn.Module], optimizers: Sequence[Any] | None) -> dict[str, Any]:
+    state = _model_state(modules)
+    if optimizers is not None:
+        state[_OPTIMIZER] = _optimizer_state(modules, optimizers)
+    return state
+
+
+# -- process group helpers ----------------------------------------------------------------------------
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if _distributed() else 0
+
+
+def _barrier(group: Any) -> None:
+    import torch.distributed as dist
+
+    if _distributed():
+        dist.barrier(group=group)
+
+
+def _gather(obj: Any, group: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not _distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _config_model_type(modules: Sequence[nn.Module]) -> str | None:
+    config = getattr(modules[0], "config", None) if modules else None
+    return getattr(config, "model_type", None)
+
+
+# -- save ---------------------------------------------------------------------------------------------
+def save_checkpoint(
+    save_dir: str | os.PathLike[str],
+    step: int,
+    modules: Sequence[nn.Module],
+    optimizers: Sequence[Any] | None,
+    *,
+    extra: dict[str, Any] | None = None,
+    process_group: Any = None,
+) -> Path:
+    """Write this rank's share of a checkpoint of step ``step`` and publish ``save_dir/step{step}/``.
+
+    A collective over ``process_group`` (default: the world; every rank of the training job calls it,
+    each with its own stage modules and their optimizers, one per module). Works without
+    ``torch.distributed`` initialised too (one process).
+
+    Args:
+        save_dir: the folder holding the ``step{N}/`` checkpoints (created if missing).
+        step: the step the checkpoint continues at.
+        modules: this rank's stage modules (``[s.submod for s in stages]``), sharded or not.
+        optimizers: one optimizer per module (:func:`stage_optimizers`), or ``None`` (weights only).
+        extra: JSON-serialisable values to keep with it (e.g. the data loader's position); returned by
+            :func:`load_checkpoint` under ``"extra"``.
+
+    Returns:
+        The published folder. An existing ``step{step}/`` is replaced.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    final = checkpoint_path(save_dir, step)
+    partial = final.with_name(final.name + ".partial")
+    rank0 = _rank(process_group) == 0
+    if rank0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier(process_group)
+    state = _state(modules, optimizers)
+    names = sorted(set().union(*_gather(sorted(k for k in state if k != _OPTIMIZER), process_group)))
+    dcp.save(state, checkpoint_id=str(partial), process_group=process_group, no_dist=not _distributed())
+    if rank0:
+        info = {"format": _FORMAT, "step": int(step), "model_type": _config_model_type(modules),
+                "names": names, "optimizer": optimizers is not None, "extra": extra or {}}
+        _write_json(partial / CHECKPOINT_INFO, info)
+        _publish(partial, final)
+    _barrier(process_group)
+    return final
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Rename ``partial`` to ``final`` (replacing an older ``final``), then make the rename durable."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(partial, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# -- check and load -----------------------------------------------------------------------------------
+def _read_info(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path}: no such folder")
+    if not _is_complete(path):
+        present = sorted(p.name for p in path.iterdir())
+        raise ValueError(
+            f"checkpoint {path}: not a complete ppmedia checkpoint (holds {present}); expected DCP's "
+            f".metadata and {CHECKPOINT_INFO} (a save that did not finish leaves step{{N}}.partial/)"
+        )
+    with open(path / CHECKPOINT_INFO) as fh:
+        info: dict[str, Any] = json.load(fh)
+    if info.get("format") != _FORMAT:
+        raise ValueError(f"checkpoint {path}: {CHECKPOINT_INFO} has format {info.get('format')!r}; expected {_FORMAT!r}")
+    return info
+
+
+def _saved_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Every key DCP stored, with its tensor shape (``None`` for non-tensor values)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {
+        key: tuple(value.size) if isinstance(value, TensorStorageMetadata) else None
+        for key, value in metadata.state_dict_metadata.items()
+    }
+
+
+def _flat_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    from torch import Tensor
+
+    out: dict[str, tuple[int, ...] | None] = {}
+    for key, value in state.items():
+        if key == _OPTIMIZER:
+            out.update({f"{_OPTIMIZER}.{k}": v for k, v in _flat_shapes(value).items()})
+        else:
+            out[key] = tuple(value.shape) if isinstance(value, Tensor) else None
+    return out
+
+
+def _problems(wanted: dict[str, tuple[int, ...] | None], saved: dict[str, tuple[int, ...] | None]) -> dict[str, list[str]]:
+    """Names this rank needs that ``saved`` lacks (model names; optimizer entries of parameters the
+    checkpoint does hold), and shapes that differ."""
+    prefix = _OPTIMIZER + "."
+    missing = sorted(k for k in wanted if k not in saved and not k.startswith(prefix))
+    lost = set(missing)
+    optimizer = sorted(
+        k[len(prefix):] for k in wanted
+        if k.startswith(prefix) and k not in saved and _param_of(k[len(prefix):]) not in lost
+    )
+    shapes = sorted(
+        f"{k}: saved {list(saved[k] or [])}, here {list(v or [])}"
+        for k, v in wanted.items()
+        if k in saved and v is not None and saved[k] != v
+    )
+    return {"missing": missing, "optimizer": optimizer, "shapes": shapes}
+
+
+def _message(path: Path, info: dict[str, Any], here: str | None, problems: dict[str, list[str]]) -> str:
+    parts = []
+    if info.get("model_type") != here:
+        parts.append(f"it was saved from a {info.get('model_type')!r} model, these stages are {here!r}")
+    labels = {"missing": "names these stages need that the checkpoint lacks",
+              "unexpected": "names in the checkpoint that this model lacks",
+              "shapes": "shapes that differ",
+              "optimizer": "optimizer entries the checkpoint lacks (another optimizer, or saved without one)"}
+    for kind, label in labels.items():
+        names = problems.get(kind) or []
+        if names:
+            more = f" (and {len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
+            parts.append(f"{len(names)} {label}: {', '.join(names[:_SHOWN])}{more}")
+    return f"checkpoint {path} does not fit these stages; nothing was loaded: " + "; ".join(parts)
+
+
+def check_checkpoint(
+    path: str | os.PathLike[str],
+    modules: Sequence[nn.Module],
+    optimizers: Sequence[Any] | None = None,
+    *,
+    process_group: Any = None,
+) -> dict[str, Any]:
+    """Check that checkpoint ``path`` fits this job's stages (and optimizers) without loading anything.
+
+    A collective over ``process_group`` (default: the world): every rank checks the names and shapes
+    its own stages need; the ranks' findings are gathered, so every rank returns or raises alike
+    (no rank is left waiting in a later collective).
+
+    Returns:
+        The checkpoint's ``ppmedia.json`` (``step``, ``model_type``, ``names``, ``extra``).
+
+    Raises:
+        ValueError: not a complete checkpoint; another model type; names this job needs that it lacks,
+            parameter names in it that this model lacks, or shapes that differ (listed, with counts).
+    """
+    folder = Path(path)
+    info = _read_info(folder)
+    saved = _saved_shapes(folder)
+    wanted = _flat_shapes(_state(modules, optimizers))
+    mine = _problems(wanted, saved)
+    gathered = _gather((mine, sorted(k for k in wanted if not k.startswith(_OPTIMIZER + "."))), process_group)
+    problems: dict[str, list[str]] = {"missing": [], "optimizer": [], "shapes": []}
+    model_names: set[str] = set()
+    for found, names in gathered:
+        for kind in problems:
+            problems[kind] = sorted(set(problems[kind]) | set(found[kind]))
+        model_names.update(names)
+    problems["unexpected"] = sorted(set(info.get("names", ())) - model_names)
+    here = _config_model_type(modules)
+    if info.get("model_type") != here or any(problems.values()):
+        raise ValueError(_message(folder, info, here, problems))
+    return info
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    modules: Sequence[nn.Module],
+    optimizers: Sequence[Any] | None = None,
+    *,
+    process_group: Any = None,
+) -> dict[str, Any]:
+    """Load checkpoint ``path`` into this rank's stage modules (and their optimizers), any layout.
+
+    A collective over ``process_group`` (default: the world). :func:`check_checkpoint` runs first:
+    a checkpoint that does not fit is refused before any tensor is overwritten. ``optimizers``:
+    one per module, built like the saving job's (a fresh optimizer gets its state from the checkpoint).
+
+    Returns:
+        The checkpoint's ``ppmedia.json``: ``info["step"]``, ``info["extra"]``, ...
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    info = check_checkpoint(path, modules, optimizers, process_group=process_group)
+    state = _state(modules, optimizers)
+    dcp.load(state, checkpoint_id=str(path), process_group=process_group, no_dist=not _distributed())
+    for module in modules:
+        names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        names |= {name for name, _ in module.named_buffers()}
+        set_model_state_dict(module, {k: v for k, v in state.items() if k in names}, options=_options())
+    if optimizers is not None:
+        flat = state[_OPTIMIZER]
+        for module, optimizer in zip(modules, optimizers):
+            names = {name for name, _ in module.named_parameters()}  # one name per parameter: no aliases
+            own = {k: v for k, v in flat.items() if _param_of(k) in names}
+            set_optimizer_state_dict(module, optimizer, own, options=_options())
+    return info
