@@ -34,7 +34,7 @@ TOL = 1e-5
 FAMILIES = ("qwen2_5_vl", "llava_next")
 TORCH_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 DP_SCENARIOS = ("1f1b/static/dp2/clip", "gpipe/inferred/dp2", "ZBVZeroBubble/static/dp2", "1f1b/static/dp4/clip",
-                "1f1b/static/dp2/clip/spread",
+                "1f1b/static/dp2/clip/spread", "1f1b/static/dp2/fsdp/clip/spread",
                 # FSDP2 (gradients gathered with full_tensor() for the comparison)
                 "1f1b/static/dp2/fsdp/clip", "1f1b/static/dp2/fsdp/text_only_replica")
 #: schedules not in DP_SCENARIOS with FSDP2 (DualPipeV needs as many microbatches as its 4 stages)
@@ -244,7 +244,7 @@ def test_the_encoder_spread_matches_the_full_batch_model(family, scenario):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("scenario", ["1f1b/static/dp2/clip/spread"])
+@pytest.mark.parametrize("scenario", ["1f1b/static/dp2/clip/spread", "1f1b/static/dp2/fsdp/clip/spread"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_encoder_spread_with_data_parallel_replicas(family, scenario):
     """pp=2 x dp=2, replicated or FSDP2 stages (the first stage's vision side left whole, its
