@@ -442,15 +442,20 @@ class EncoderSpread:
 
     def _follow_trainable(self) -> None:
         """The copies' ``requires_grad`` follows stage 0's, parameter by parameter (one small broadcast
-        per step and one host read of it on the other ranks): freezing the tower on stage 0, as the
-        optimizer sees it, freezes it everywhere, so every rank agrees on whether gradients travel."""
+        per step, in the background on stage 0's rank, and one host read of it on the other ranks):
+        freezing the tower on stage 0, as the optimizer sees it, freezes it everywhere, so every rank
+        agrees on whether gradients travel."""
         import torch.distributed as dist
 
         if self.size == 1:
             return
         flags = torch.tensor([p.requires_grad for _, p in self.params], dtype=torch.int32, device=self.device)
-        dist.broadcast(flags, group_src=0, group=self.group)
-        if self.rank != 0:
+        work = dist.broadcast(flags, group_src=0, group=self.group, async_op=True)
+        if self.rank == 0:  # stage 0 goes on; the step waits for it at the end
+            self._pending.append(work)
+            self._keep.append(flags)
+        else:
+            work.wait()
             for (_, p), trainable in zip(self.params, flags.tolist()):
                 p.requires_grad_(bool(trainable))
 
@@ -607,9 +612,9 @@ class EncoderSpread:
         """
         from ..stage import stage_media
 
+        self._keep, self._grad_sends, self._pending = [], [], []
         self._follow_trainable()
         self._needs_grad = torch.is_grad_enabled() and any(p.requires_grad for _, p in self.params)
-        self._keep, self._grad_sends, self._pending = [], [], []
         t0 = time.perf_counter()
         self.refresh(everything=not self._synced)
         self._record("S", -1, t0, time.perf_counter())
