@@ -149,6 +149,25 @@ def test_make_pipeline_stages_refuses_an_unknown_encoder_mode():
         pipeline.encoder_spread_of(build_stage_modules(model, 2, stages=[0]))
 
 
+def test_a_rank_without_stage_0_needs_the_full_model_with_real_tensors():
+    """Its copy of the vision side is cut from the model: prebuilt stage modules (stages_from_pretrained)
+    and a model on the meta device are refused, before any process group is touched."""
+    import types
+
+    from ppmedia.pipeline.stages import _attach_spread
+
+    module = tiny.load("qwen2_5_vl")
+    model = module.build_model(0)
+    modules = build_stage_modules(model, 2, stages=[1])
+    not_first = [types.SimpleNamespace(is_first=False)]
+    with pytest.raises(TypeError, match=r"holds stages \[1\] as prebuilt StageModule objects.*pass the model"):
+        _attach_spread(modules, modules, not_first, None, torch.device("cpu"))
+    with torch.device("meta"):
+        meta = module.build_model(0)
+    with pytest.raises(ValueError, match="the model is on the meta device"):
+        _attach_spread(meta, build_stage_modules(meta, 2, stages=[1]), not_first, None, torch.device("cpu"))
+
+
 # ----------------------------------------------------------------------------------------------
 # the step model
 

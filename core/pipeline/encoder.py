@@ -29,6 +29,10 @@ Loss and gradients equal the stage-0 placement's (and the model's own full-batch
 rounding: the tower runs on exactly the same chunks, only on another rank. Every rank must hold the
 same batch (each splits it, ``split_media``, the same way). Deepstack outputs (Qwen3-VL) travel as
 further ``[tokens, H]`` tensors (``adapter.encoder_output_names``).
+
+With FSDP2 stages (:func:`~ppmedia.pipeline.apply_fsdp` after ``make_pipeline_stages``) the first
+stage's vision side stays whole, outside its FSDP2 group (:meth:`EncoderSpread.shard_over`), and the
+spread sums its gradients over the data-parallel replicas at the end of the step.
 """
 
 from __future__ import annotations
