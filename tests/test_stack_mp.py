@@ -10,6 +10,8 @@
   schedule, Qwen3-VL (a deepstack level crosses the boundary), Kimi-K2.5's tied embedding (across
   ranks, and on one rank under a V-shaped schedule), a replica without media, mixed precision, and
   two schedule steps of different sequence lengths accumulated before one optimizer step.
+* the encoder spread (every pipeline rank encodes a share of the media): GPipe, 1F1B and ZBVZeroBubble
+  at pp=2, and pp=2 x dp=2 with replicated and with FSDP2 stages; its planted bug (stale copies).
 
 One spawn per process count runs every scenario (ppmedia.testing.parity); the tests read its report.
 """
