@@ -385,7 +385,8 @@ def _stage_modules(
         )
     if layers_per_stage is not None or adapter is not None or auto_split is not None:
         raise TypeError(
-            "make_pipeline_stages: layers_per_stage, auto_split and adapter apply when cutting a model; these modules are cut"
+            "make_pipeline_stages: layers_per_stage and adapter apply when cutting a model (auto_split too); "
+            "these modules are cut"
         )
     indices = [m.stage_index for m in modules]
     lengths = {m.n_stages for m in modules}
