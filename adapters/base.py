@@ -556,6 +556,25 @@ class VlmAdapter(abc.ABC):
             inputs_embeds = inputs_embeds.masked_scatter(mask, feats.to(inputs_embeds.dtype))
         return inputs_embeds
 
+    def encoder_outputs(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
+        """Everything the first stage takes from the vision side for one chunk, by name, each
+        ``[tokens, H]`` (``H`` the text hidden size) with one row per placeholder of its modality.
+
+        The encoder spread (:mod:`ppmedia.pipeline.encoder`) runs this on whichever pipeline rank
+        encodes the chunk, sends the tensors to the first stage and hands them back through an
+        override of this method (and of :meth:`encode`), so the first stage never runs the tower.
+        The names are :meth:`encoder_output_names` of each modality the chunk has. Default:
+        :meth:`encode` (names = modalities); a family whose first stage needs more (Qwen3-VL's
+        deepstack sets) overrides both and reads its outputs through this method in
+        :meth:`first_stage`.
+        """
+        return self.encode(model, chunk, host)
+
+    def encoder_output_names(self, config: Any, modality: str) -> tuple[str, ...]:
+        """The names :meth:`encoder_outputs` gives for ``modality`` when a chunk has it; each is
+        ``[placeholders of modality, H]``. Default: ``(modality,)``."""
+        return (modality,)
+
     def image_costs(self, patches: "np.ndarray", config: Any) -> "np.ndarray":
         """Relative vision-encoder cost of sequences of ``patches`` patches each (an image, a video or
         a crop: one attention sequence each), for ``split_media(..., balance=...)``.

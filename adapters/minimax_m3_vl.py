@@ -62,6 +62,9 @@ class MiniMaxM3VLAdapter(Qwen3VLAdapter):
     wire_tensors = VlmAdapter.wire_tensors
     first_stage = VlmAdapter.first_stage
     decoder_kwargs = VlmAdapter.decoder_kwargs
+    # what the encoder spread sends stage 0: this family's encode, no deepstack sets
+    encoder_outputs = VlmAdapter.encoder_outputs
+    encoder_output_names = VlmAdapter.encoder_output_names
 
     def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """Images and video chunks per sample (see :meth:`Qwen3VLAdapter.media_counts`), after checking

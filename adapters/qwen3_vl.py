@@ -195,6 +195,19 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         """The merged features ``{modality: [tokens, hidden]}`` (deepstack sets: :meth:`first_stage`)."""
         return self.encode_with_deepstack(model, chunk)[0]
 
+    def encoder_outputs(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
+        """``{modality: [tokens, H]}`` and, per deepstack level ``i``, ``{"{modality}.deepstack_{i}":
+        [tokens, H]}`` (see :meth:`encoder_output_names`)."""
+        features, deepstack = self.encode_with_deepstack(model, chunk)
+        outputs = dict(features)
+        for modality, sets in deepstack.items():
+            outputs.update({f"{modality}.deepstack_{i}": tensor for i, tensor in enumerate(sets)})
+        return outputs
+
+    def encoder_output_names(self, config: Any, modality: str) -> tuple[str, ...]:
+        """``modality``, then ``modality.deepstack_{i}`` for each deepstack level."""
+        return (modality, *(f"{modality}.deepstack_{i}" for i in range(_deepstack_levels(config))))
+
     # -- positions -------------------------------------------------------------------------------
     def position_ids(
         self,
@@ -240,19 +253,19 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Merge, positions, and each deepstack level scattered to the visual positions ``[b, S, H]``."""
         config = model.config
-        masks, _host = self.check_counts(input_ids, chunk, config)  # the one host read
+        masks, host = self.check_counts(input_ids, chunk, config)  # the one host read
         hidden = inputs_embeds
-        deepstack: dict[str, list[Tensor]] = {}
+        outputs: dict[str, Tensor] = {}
         if chunk is not None:
-            features, deepstack = self.encode_with_deepstack(model, chunk)
-            hidden = self.scatter(inputs_embeds, masks, features)
+            outputs = self.encoder_outputs(model, chunk, host)  # features and deepstack sets, by name
+            hidden = self.scatter(inputs_embeds, masks, {m: outputs[m] for m in masks if m in outputs})
         wire = {"position_ids": self.position_ids(model, input_ids, chunk, attention_mask).transpose(0, 1)}
         levels = _deepstack_levels(config)
         if levels:
             wire["visual_pos_mask"] = (masks["image"] | masks["video"]).to(torch.int64)
             for level in range(levels):
                 # zeros off the visual positions: the model adds level i only at its visual positions
-                per_modality = {m: sets[level] for m, sets in deepstack.items()}
+                per_modality = {m: outputs[f"{m}.deepstack_{level}"] for m in masks if m in outputs}
                 wire[f"deepstack_{level}"] = self.scatter(torch.zeros_like(inputs_embeds), masks, per_modality)
         return hidden, wire
 

@@ -8,6 +8,8 @@ Run it with torchrun; the world is ``pp x dp`` processes (gloo on CPU here, nccl
         --fsdp --schedule 1f1b --steps 20 --save-dir ckpt --resume auto   # continues at step 10
     torchrun --standalone --nproc-per-node 2 examples/train.py --model hf-ckpt --family qwen2_5_vl \\
         --pp 2 --steps 20 --export trained-hf                    # from and to a Hugging Face checkpoint
+    torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen3_vl --pp 2 \\
+        --encoder spread --trace step.svg                        # vision spread over both ranks, timeline
 
 Every rank sees the same global batch; replica ``r`` trains on its share (its samples, their media
 only), split into ``--microbatches`` microbatches for its pipeline. With ``--fsdp`` every stage is
@@ -18,7 +20,9 @@ the pipeline, gradients clipped to a global L2 norm, AdamW (one optimizer per st
 Checkpoints are torch.distributed.checkpoint folders ``--save-dir/step{N}/`` under full-model names,
 published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, with or without
 ``--fsdp`` (``auto``: the newest complete one under ``--save-dir``, or a fresh start if there is none).
-``--eval-every N`` adds the loss of a held-out batch (forward only) to every N-th step's log line.
+``--encoder spread`` lets every pipeline rank encode a share of each step's media
+(``pipeline.EncoderSpread``; see docs/encoder-spread.md), ``--trace FILE.svg`` draws the last step's
+measured per-rank timeline. ``--eval-every N`` adds the loss of a held-out batch (forward only) to every N-th step's log line.
 
 A rank that fails (an error, or a peer that died) prints ``train.py rank R: step S failed: ...`` and
 exits with status 1; a dead peer is noticed at the next communication with it, at the latest after the
@@ -75,7 +79,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="a Hugging Face checkpoint directory to train (instead of the tiny family's model)")
     parser.add_argument("--export", help="write the trained model as a Hugging Face checkpoint in this directory")
     parser.add_argument("--eval-every", type=int, default=0, help="every N steps, the held-out batch's loss (forward only)")
+    parser.add_argument("--encoder", default="stage0", choices=("stage0", "spread"),
+                        help="where the vision tower runs: on stage 0, or spread over the pipeline ranks")
+    parser.add_argument("--trace", metavar="FILE.svg",
+                        help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     args = parser.parse_args(argv)
+    if args.encoder == "spread" and args.model:
+        parser.error("--encoder spread cuts each rank's copy of the vision tower from the full model; "
+                     "--model loads only each rank's stages: drop one of them")
     if args.resume == "auto" and not args.save_dir:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
     if args.bf16 and not args.fsdp:
@@ -98,12 +109,11 @@ def replica_share(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Nam
     ids, mask = batch["input_ids"], batch["attention_mask"]
     # the loss is normalised by the valid tokens of the GLOBAL batch: replicas' gradients then add up
     num_valid = pipeline.count_valid_tokens(pipeline.make_labels(ids, config, adapter, attention_mask=mask))
-    images, videos = adapter.media_per_sample(ids, config)
-    local = pipeline.shard_batch(batch, ctx["dp_rank"], args.dp, images_per_sample=images, videos_per_sample=videos)
+    # counts from the tokens (and, where tokens cannot tell, the batch's metadata: Qwen3-VL videos)
+    local = pipeline.shard_batch(batch, ctx["dp_rank"], args.dp, **adapter.media_counts(batch, config))
     ids, mask = local["input_ids"], local["attention_mask"]
     labels = pipeline.make_labels(ids, config, adapter, attention_mask=mask)
-    images, videos = adapter.media_per_sample(ids, config)
-    staged = ppmedia.split_media(local, args.microbatches, images_per_sample=images, videos_per_sample=videos)
+    staged = ppmedia.split_media(local, args.microbatches, **adapter.media_counts(local, config))
     return {"ids": ids, "mask": mask, "labels": labels, "staged": staged, "num_valid": num_valid}
 
 
@@ -113,7 +123,13 @@ def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namesp
     for optimizer in ctx["optimizers"]:
         optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
-    with ppmedia.stage_media(first, share["staged"]) if first is not None else contextlib.nullcontext():
+    if ctx["tracer"] is not None:
+        ctx["tracer"].start(group=ctx["pp_group"])
+    if args.encoder == "spread":  # every pipeline rank encodes a share; stage 0 also stages the chunks
+        staging = pipeline.encoder_spread_of(ctx["stages"]).step(share["staged"], share["ids"])
+    else:
+        staging = ppmedia.stage_media(first, share["staged"]) if first is not None else contextlib.nullcontext()
+    with staging:
         ctx["schedule"].step(share["ids"], share["mask"], target=share["labels"], losses=losses,
                              loss_kwargs={"num_valid_tokens": share["num_valid"]})
     modules = ctx["modules"]
@@ -155,13 +171,24 @@ def stage_modules(args: argparse.Namespace, n_stages: int, indices: list[int]) -
     return pipeline.build_stage_modules(model, n_stages, stages=indices)  # the rest of the model is dropped
 
 
+def spread_stages(args: argparse.Namespace, n_stages: int, indices: list[int], pp_group: Any) -> list[Any]:
+    """``--encoder spread``: this rank's stages cut from the full tiny model, which also gives a rank
+    without stage 0 its copy of the vision side (``make_pipeline_stages(..., encoder="spread")``)."""
+    model = tiny_models.load(args.family).build_model(args.seed)
+    return pipeline.make_pipeline_stages(model, n_stages, indices, "cpu", group=pp_group, encoder="spread")
+
+
 def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any) -> dict[str, Any]:
     """The model's config, adapter, tied names and this rank's pipeline stages (each rank holds only
     its stages)."""
     layout = pipeline.schedule_layout(args.schedule)  # stages per rank and their placement (loop / V)
     n_stages, indices = layout.n_stages(args.pp), layout.stage_indices(pp_rank, args.pp)
-    modules = stage_modules(args, n_stages, indices)
-    stages = pipeline.make_pipeline_stages(modules, n_stages, indices, "cpu", group=pp_group)
+    if args.encoder == "spread":
+        stages = spread_stages(args, n_stages, indices, pp_group)
+        modules = [stage.submod for stage in stages]
+    else:
+        modules = stage_modules(args, n_stages, indices)
+        stages = pipeline.make_pipeline_stages(modules, n_stages, indices, "cpu", group=pp_group)
     return {"config": modules[0].config, "adapter": modules[0].adapter, "tied": list(modules[0].tied), "stages": stages}
 
 
@@ -179,8 +206,21 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         modules=modules, first=next((s for s in stages if s.is_first), None),
         schedule=pipeline.build_schedule(args.schedule, stages, args.microbatches),
         optimizers=pipeline.stage_optimizers(modules, lambda params: torch.optim.AdamW(params, lr=args.lr)),
+        tracer=None if not args.trace else pipeline.StepTracer(
+            stages, pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None),
     )
     return ctx
+
+
+def draw_trace(ctx: dict[str, Any], args: argparse.Namespace) -> None:
+    """The last step's measured timeline of replica 0's pipeline, as an SVG (written by its rank 0)."""
+    from ppmedia.timeline import write_svg
+
+    title = f"measured: {args.family}, {args.schedule}, pp={args.pp}, vision {args.encoder}"
+    timeline = ctx["tracer"].timeline(title, group=ctx["pp_group"])  # collective over the pipeline
+    if ctx["dp_rank"] == 0 and ctx["pp_rank"] == 0:
+        write_svg(args.trace, [[timeline]], f"examples/train.py --encoder {args.encoder}: one step")
+        print(f"wrote {args.trace}: step {timeline.step_time * 1e3:.1f} ms, bubble {timeline.bubble:.0%}", flush=True)
 
 
 def resume(ctx: dict[str, Any], args: argparse.Namespace) -> int:
@@ -229,6 +269,8 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
             pipeline.save_checkpoint(args.save_dir, step + 1, ctx["modules"], ctx["optimizers"],
                                      extra={"family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp})
+    if ctx["tracer"] is not None:
+        draw_trace(ctx, args)
     if args.export and (args.fsdp or ctx["dp_rank"] == 0):
         # each pipeline rank writes its stages' shards (FSDP2: every replica gathers, the first writes)
         pipeline.save_pretrained_stages(ctx["modules"], args.export, group=ctx["pp_group"])

@@ -41,7 +41,12 @@ SCENARIO_NAMES = [s.name for s in ALL_SCENARIOS]
 #: keeps every deepstack layer on stage 0.
 EXTRA_SCENARIOS: dict[str, tuple[Scenario, ...]] = {
     "qwen3_vl": tuple(Scenario(s, shapes, layers=(2, 0)) for s in ("gpipe", "1f1b") for shapes in ("inferred", "static"))
-    + (Scenario("1f1b", "inferred", variant="text_only_first"), Scenario("gpipe", "inferred", variant="frozen_vision")),
+    + (Scenario("1f1b", "inferred", variant="text_only_first"), Scenario("gpipe", "inferred", variant="frozen_vision"))
+    # the encoder spread: deepstack levels encoded on rank 1 reach layers on both ranks (ZBV: 4 stages,
+    # stage 0 without layers), a text-only first microbatch, a frozen tower (no gradients travel back)
+    + (Scenario("1f1b", "static", encoder="spread"),
+       Scenario("ZBVZeroBubble", "inferred", variant="text_only_first", encoder="spread"),
+       Scenario("gpipe", "static", variant="frozen_vision", encoder="spread")),
 }
 
 #: the families with a spawn of their own here (2-layer tiny models split 1 + 1); the later families
@@ -120,12 +125,17 @@ def test_qwen3_vl_deepstack_scenarios(scenario):
     microbatch without media (whose deepstack features carry no gradient); frozen_vision: the vision
     tower trains not at all, and nothing reaches it."""
     result = _report("qwen3_vl").family("qwen3_vl").scenario(scenario)
-    assert result.layers_per_stage == ([2, 0] if "layers=" in scenario else [1, 1])
+    assert result.layers_per_stage == ([2, 0] if "layers=" in scenario else default_layer_split(2, result.n_stages))
     assert result.missing_params == []
     for st in result.steps:
         assert st.loss_diff <= TOL and st.grad_diff_vision <= TOL and st.grad_diff_lm <= TOL, (scenario, st)
         assert st.reference_grad_max_lm > 1e-4
-        frozen = scenario.endswith("frozen_vision")
+        frozen = "frozen_vision" in scenario
+        if scenario.endswith("/spread"):  # each microbatch with media encoded once, and some on rank 1
+            encoded = sorted(k for _, _, k in st.encoded)
+            media = [m.index for m in microbatch_table("qwen3_vl", N_MICROBATCHES, seed=st.step) if not m.text_only]
+            assert encoded == ([1, 2, 3] if "text_only_first" in scenario else media), (scenario, st.encoded)
+            assert {r for _, r, _ in st.encoded} == {0, 1}
         assert (st.reference_grad_max_vision == 0.0) if frozen else (st.reference_grad_max_vision > 1e-4)
     assert result.passed(TOL)
 

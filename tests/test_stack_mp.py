@@ -10,6 +10,8 @@
   schedule, Qwen3-VL (a deepstack level crosses the boundary), Kimi-K2.5's tied embedding (across
   ranks, and on one rank under a V-shaped schedule), a replica without media, mixed precision, and
   two schedule steps of different sequence lengths accumulated before one optimizer step.
+* the encoder spread (every pipeline rank encodes a share of the media): GPipe, 1F1B and ZBVZeroBubble
+  at pp=2, and pp=2 x dp=2 with replicated and with FSDP2 stages; its planted bug (stale copies).
 
 One spawn per process count runs every scenario (ppmedia.testing.parity); the tests read its report.
 """
@@ -34,6 +36,7 @@ TOL = 1e-5
 FAMILIES = ("qwen2_5_vl", "llava_next")
 TORCH_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 DP_SCENARIOS = ("1f1b/static/dp2/clip", "gpipe/inferred/dp2", "ZBVZeroBubble/static/dp2", "1f1b/static/dp4/clip",
+                "1f1b/static/dp2/clip/spread", "1f1b/static/dp2/fsdp/clip/spread",
                 # FSDP2 (gradients gathered with full_tensor() for the comparison)
                 "1f1b/static/dp2/fsdp/clip", "1f1b/static/dp2/fsdp/text_only_replica")
 #: schedules not in DP_SCENARIOS with FSDP2 (DualPipeV needs as many microbatches as its 4 stages)
@@ -57,12 +60,16 @@ PP_SCENARIOS = (
     "1f1b/static/bf16",
     "1f1b/static/clip",
 )
+#: the encoder spread (every pipeline rank encodes a share of the media) under GPipe, 1F1B and a
+#: zero-bubble schedule, in the same spawn; and its planted bug (copies of the tower never refreshed)
+SPREAD_SCENARIOS = ("gpipe/inferred/spread", "1f1b/static/spread", "ZBVZeroBubble/static/spread")
+STALE = "1f1b/static/stale_copies/spread"
 _reports: dict[int, object] = {}
 
 
 def _report(world: int):
     if world not in _reports:
-        scenarios = DP_SCENARIOS if world == 4 else PP_SCENARIOS
+        scenarios = DP_SCENARIOS if world == 4 else (*PP_SCENARIOS, *SPREAD_SCENARIOS, STALE)
         try:
             _reports[world] = run_parity(FAMILIES, scenarios, steps=2, n_microbatches=2 if world == 4 else 4,
                                          world_size=world, tolerance=TOL,
@@ -205,6 +212,62 @@ def test_bf16_parameters_stay_within_the_measured_tolerance(family):
         assert st.grad_diff_lm <= BF16_GRAD_RTOL * st.reference_grad_max_lm
         assert st.grad_diff_lm > TOL  # not a float32 run in disguise
         assert st.chunk_trace == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# the encoder spread
+
+
+def _assert_spread_encoded_each_chunk_once(family, result, dp=1):
+    """Every microbatch with media was encoded exactly once, by some rank of its own replica, and
+    both pipeline ranks encoded a share."""
+    for st in result.steps:
+        table = microbatch_table(family, 4, seed=st.step)  # replica r's microbatch k: entry r * n + k
+        n = len(table) // dp
+        for replica in range(dp):
+            media = [k for k, m in enumerate(table[replica * n:(replica + 1) * n]) if not m.text_only]
+            mine = sorted(k for r, _, k in st.encoded if r == replica)
+            assert mine == media, (result.name, replica, st.encoded)
+        assert {pp for _, pp, _ in st.encoded} == {0, 1}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scenario", SPREAD_SCENARIOS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_encoder_spread_matches_the_full_batch_model(family, scenario):
+    """Vision work spread over both pipeline ranks: loss and every gradient as the model's own run,
+    stage 0 still consumes each chunk once, the second step encodes with the updated tower."""
+    result = _report(2).family(family).scenario(scenario)
+    _assert_parity(result)
+    for st in result.steps:
+        inference = result.shapes == "inferred" and st.step == 0
+        assert st.chunk_trace == [0] * inference + [0, 1, 2, 3]
+    _assert_spread_encoded_each_chunk_once(family, result)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scenario", ["1f1b/static/dp2/clip/spread", "1f1b/static/dp2/fsdp/clip/spread"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_encoder_spread_with_data_parallel_replicas(family, scenario):
+    """pp=2 x dp=2, replicated or FSDP2 stages (the first stage's vision side left whole, its
+    gradients summed over the replicas by the spread): loss, clipped norm and every gradient as the
+    model's own run; replica 1's first microbatch is text-only."""
+    result = _report(4).family(family).scenario(scenario)
+    _assert_parity(result)
+    _assert_spread_encoded_each_chunk_once(family, result, dp=2)
+    assert [microbatch_table(family, 4, seed=0)[k].text_only for k in (2, 3)] == [True, False]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stale_copies_of_the_tower_fail_the_comparison(family):
+    """The planted bug: without the per-step broadcast the other rank encodes with the first step's
+    weights. Step 0 still matches (the copies start equal); step 1 does not."""
+    result = _report(2).family(family).scenario(STALE)
+    first, second = result.steps
+    assert first.loss_diff <= TOL and first.grad_diff <= TOL
+    assert second.loss_diff > 1e-4 and second.grad_diff_vision > 1e-4
+    assert not result.passed(TOL) and _report(2).ok  # a deliberate fault does not fail the report
 
 
 # ----------------------------------------------------------------------------------------------

@@ -65,6 +65,8 @@ The package, one module per concern (every public name is importable from ``ppme
 ``loss``            :func:`make_labels`, :func:`count_valid_tokens`, :func:`pipeline_loss`
 ``tied``            tied parameters across stages
 ``parallel``        data parallelism: :func:`shard_batch`, gradient reduction, global-norm clipping
+``encoder``         the encoder spread: every pipeline rank encodes a share of the media (:class:`EncoderSpread`)
+``trace``           measured per-action timelines of a real step (:class:`StepTracer`)
 ``pretrained``      :func:`stages_from_pretrained`: a rank's stages from a Hugging Face checkpoint
                     (built on meta, only the stage's tensors read, from only their shard files)
 ``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
@@ -84,6 +86,7 @@ from .checkpoint import (
     save_checkpoint,
     stage_optimizers,
 )
+from .encoder import ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, vision_replica
 from .evaluate import eval_step
 from .export import save_pretrained_stages
 from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
@@ -103,19 +106,25 @@ from .schedules import (
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
 from .surgery import default_layer_split, find_language_model
 from .tied import TiedParameters, sync_tied_gradients, tied_parameters
+from .trace import StepTracer
 
 __all__ = [
     "CHECKPOINT_INFO",
+    "ENCODER_MODES",
+    "EncoderSpread",
     "IGNORE_INDEX",
     "SCHEDULES",
     "SCHEDULE_ALIASES",
     "SPLIT_BACKWARD_RESHARD_REASON",
     "ScheduleLayout",
     "ShapeFollowingSchedule",
+    "SpreadPlan",
     "StageModule",
+    "StepTracer",
     "TiedParameters",
     "all_reduce_gradients",
     "apply_fsdp",
+    "assign_encoders",
     "build_schedule",
     "build_stage_modules",
     "check_checkpoint",
@@ -124,6 +133,7 @@ __all__ = [
     "clip_grad_norm",
     "count_valid_tokens",
     "default_layer_split",
+    "encoder_spread_of",
     "eval_step",
     "find_language_model",
     "is_sharded",
@@ -144,4 +154,5 @@ __all__ = [
     "static_stage_args",
     "sync_tied_gradients",
     "tied_parameters",
+    "vision_replica",
 ]

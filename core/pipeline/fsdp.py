@@ -19,6 +19,12 @@ first use until the step's last backward (``PipelineStage`` runs the backward wi
 and reduce-scatters once, in ``perform_reduce_grad``), so grouping the tower with the root costs no
 memory during the step; at rest the tower is sharded like everything else.
 
+With the encoder spread (``make_pipeline_stages(..., encoder="spread")``) the first stage's vision
+side is left out of its FSDP2 group (``ignored_params``): it stays whole and replicated over the
+replicas, which the spread needs (it broadcasts whole weights to the other pipeline ranks and runs the
+tower outside the stage's forward); the spread sums its gradients over the replicas itself
+(:meth:`~ppmedia.pipeline.EncoderSpread.shard_over`).
+
 Gradients are summed over the replicas, not averaged (``set_gradient_divide_factor(1.0)`` with
 ``set_force_sum_reduction_for_comms(True)``, which gloo needs): :func:`~ppmedia.pipeline.pipeline_loss`
 divides by the GLOBAL batch's valid tokens, so the sum is the full batch's gradient. Do not call
@@ -198,6 +204,17 @@ def _keep_gradients_uniform(stage: Any, module: nn.Module) -> None:
     stage.perform_reduce_grad = uniform_then_reduce
 
 
+def _spread_vision(module: nn.Module, mesh: Any) -> set[nn.Parameter]:
+    """With the encoder spread (``make_pipeline_stages(..., encoder="spread")``): the first stage's
+    vision parameters, which stay whole (:meth:`~ppmedia.pipeline.EncoderSpread.shard_over`)."""
+    from .encoder import SPREAD_ATTRIBUTE
+
+    spread = module.__dict__.get(SPREAD_ATTRIBUTE)
+    if spread is None or spread.vision is not module:
+        return set()
+    return spread.shard_over(mesh)
+
+
 def _policies(mixed_precision: Any) -> tuple[Any, Any]:
     """(policy of the decoder layers, policy of the stage root) for ``mixed_precision``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -264,7 +281,8 @@ def apply_fsdp(
     for module in modules:
         for layer in module.stage_language_model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=layer_policy, reshard_after_forward=reshard_after_forward)
-        fully_shard(module, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=_spread_vision(module, mesh) or None)
         module.__dict__[_RESHARDS] = reshard_after_forward
         for sub in module.modules():
             if isinstance(sub, FSDPModule):

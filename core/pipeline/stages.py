@@ -16,6 +16,9 @@ from .tied import TiedParameters, tied_parameters
 
 __all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "static_stage_args"]
 
+#: where :class:`ppmedia.pipeline.encoder.EncoderSpread` hangs a step's precomputed features on the
+#: first stage's module (an object with ``adapter_for(microbatch, chunk) -> VlmAdapter``)
+FEATURES_ATTRIBUTE = "_ppmedia_encoder_features"
 
 
 class StageModule(nn.Module):
@@ -159,11 +162,13 @@ class StageModule(nn.Module):
     def _embed_and_merge(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         lm = self.stage_language_model
         embeds = lm.get_input_embeddings()(input_ids)  # [b, S, H]
+        features = self.__dict__.get(FEATURES_ATTRIBUTE)  # set for one step by an encoder spread
+        k = self.__dict__.get(CURSOR_ATTRIBUTE)
         chunk = next_vlm_media_chunk(self)
-        hidden, wire = self.adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
+        adapter = self.adapter if features is None else features.adapter_for(k, chunk)
+        hidden, wire = adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
         if self.adapter.sample_inputs:
-            cursor = self.__dict__.get(CURSOR_ATTRIBUTE)
-            self.adapter.add_sample_inputs(wire, chunk, f" for microbatch {cursor - 1}" if isinstance(cursor, int) else "")
+            self.adapter.add_sample_inputs(wire, chunk, f" for microbatch {k}" if isinstance(k, int) else "")
         b, S = input_ids.shape
         for spec in self.adapter.stage_wire_tensors(self.config, 0):
             tensor = wire.get(spec.name)
@@ -210,8 +215,9 @@ def build_stage_modules(
     n_stages: int,
     *,
     stages: Iterable[int] | None = None,
-    layers_per_stage: Sequence[int] | None = None,
+    layers_per_stage: Sequence[int] | str | None = None,
     adapter: VlmAdapter | None = None,
+    auto_split: Any = None,
 ) -> list[StageModule]:
     """Cut ``model`` into pipeline stage modules.
 
@@ -219,8 +225,12 @@ def build_stage_modules(
         model: a ``...ForConditionalGeneration`` whose ``config.model_type`` has a registered adapter.
         n_stages: the number of pipeline stages (>= 1).
         stages: which stage indices to build (default: all); each rank builds only its own.
-        layers_per_stage: decoder layers per stage (default :func:`default_layer_split`).
+        layers_per_stage: decoder layers per stage (default :func:`default_layer_split`), or
+            ``"auto"``: the split with the shortest predicted step for ``auto_split``
+            (:func:`ppmedia.stepmodel.auto_layer_split`: option (b) of ``ppmedia plan``).
         adapter: the family adapter (default: ``ppmedia.registry.get_adapter(model)``).
+        auto_split: with ``layers_per_stage="auto"``, a :class:`ppmedia.stepmodel.AutoSplit` (a
+            representative batch, the schedule, optionally calibrated costs).
 
     Returns:
         The requested :class:`StageModule` objects in the order of ``stages``. They share parameters
@@ -232,6 +242,8 @@ def build_stage_modules(
         adapter = get_adapter(model)
     lm_path, lm = find_language_model(model, adapter)
     num_layers = len(lm.layers)
+    if isinstance(layers_per_stage, str):
+        layers_per_stage = _auto_layers(model, n_stages, layers_per_stage, auto_split, adapter, num_layers)
     ranges = _layer_ranges(num_layers, n_stages, layers_per_stage)
     wanted = list(range(n_stages)) if stages is None else [int(s) for s in stages]
     for s in wanted:
@@ -265,6 +277,21 @@ def build_stage_modules(
         adapter.prune_stage(module.stage_language_model, layers=range(start, stop), first=first, last=last)
         modules.append(module)
     return modules
+
+
+def _auto_layers(model: nn.Module, n_stages: int, value: str, auto_split: Any, adapter: VlmAdapter,
+                 num_layers: int) -> list[int]:
+    """``layers_per_stage="auto"``: the step model's best split for ``auto_split``."""
+    from ..stepmodel import AutoSplit, auto_layer_split
+
+    if value != "auto":
+        raise ValueError(f"layers_per_stage: got {value!r}; expected a list of counts or 'auto'")
+    if not isinstance(auto_split, AutoSplit):
+        raise TypeError(
+            f"layers_per_stage='auto' needs auto_split=ppmedia.stepmodel.AutoSplit(batch, n_microbatches, ...); "
+            f"got {type(auto_split).__name__}"
+        )
+    return auto_layer_split(model.config, n_stages, auto_split, adapter, num_layers).layers_per_stage
 
 
 def _wire_shape(spec: WireTensor, b: int, S: int, H: int) -> list[int]:
@@ -340,15 +367,17 @@ def _stage_modules(
     model: nn.Module | Sequence[StageModule],
     n_stages: int | None,
     stage_indices: Sequence[int] | None,
-    layers_per_stage: Sequence[int] | None,
+    layers_per_stage: Sequence[int] | str | None,
     adapter: VlmAdapter | None,
+    auto_split: Any = None,
 ) -> tuple[list[StageModule], int, list[int]]:
     """``make_pipeline_stages``' modules: ``model`` cut, or the prebuilt ones checked."""
     if isinstance(model, nn.Module) and not isinstance(model, StageModule):
         if n_stages is None or stage_indices is None:
             raise TypeError("make_pipeline_stages(model, n_stages, stage_indices, ...): a model needs both")
         built = build_stage_modules(
-            model, n_stages, stages=stage_indices, layers_per_stage=layers_per_stage, adapter=adapter
+            model, n_stages, stages=stage_indices, layers_per_stage=layers_per_stage, adapter=adapter,
+            auto_split=auto_split,
         )
         return built, n_stages, list(stage_indices)
     modules = [model] if isinstance(model, StageModule) else list(model)
@@ -357,8 +386,11 @@ def _stage_modules(
             f"make_pipeline_stages: got {type(model).__name__}; expected a model or StageModule objects "
             f"(build_stage_modules / stages_from_pretrained)"
         )
-    if layers_per_stage is not None or adapter is not None:
-        raise TypeError("make_pipeline_stages: layers_per_stage and adapter apply when cutting a model; these modules are cut")
+    if layers_per_stage is not None or adapter is not None or auto_split is not None:
+        raise TypeError(
+            "make_pipeline_stages: layers_per_stage and adapter apply when cutting a model (auto_split too); "
+            "these modules are cut"
+        )
     indices = [m.stage_index for m in modules]
     lengths = {m.n_stages for m in modules}
     if len(lengths) != 1 or (n_stages is not None and lengths != {n_stages}):
@@ -384,9 +416,11 @@ def make_pipeline_stages(
     device: torch.device | str = "cpu",
     *,
     group: Any = None,
-    layers_per_stage: Sequence[int] | None = None,
+    layers_per_stage: Sequence[int] | str | None = None,
     static_microbatch: tuple[int, int] | None = None,
     adapter: VlmAdapter | None = None,
+    encoder: str = "stage0",
+    auto_split: Any = None,
 ) -> list[Any]:
     """``PipelineStage`` objects for the stages a rank owns (see :func:`build_stage_modules`).
 
@@ -400,11 +434,19 @@ def make_pipeline_stages(
         device: where the stages run. Modules elsewhere are moved there; modules already there, or
             holding meta tensors, are left as they are (no copy).
         group: the pipeline process group (default: the world).
-        layers_per_stage: decoder layers per stage (with a model only).
+        layers_per_stage: decoder layers per stage, or ``"auto"`` with ``auto_split`` (see
+            :func:`build_stage_modules`; with a model only).
         static_microbatch: ``(microbatch_size, seq_len)``: give every stage static
             ``input_args``/``output_args`` (no shape-inference forward); ``None`` infers shapes on the
             first step (pass the first stage to :func:`ppmedia.stage_media` so it costs no chunk).
         adapter: the family adapter (with a model only; default: the registry's).
+        encoder: ``"stage0"`` (the first stage runs the vision tower on its microbatches) or
+            ``"spread"``: every pipeline rank encodes a share of each step's media
+            (:class:`ppmedia.pipeline.EncoderSpread`, hung on every returned stage's module as
+            ``encoder_spread``; ranks without stage 0 keep a copy of the vision side, cut from
+            ``model``, which must then be a full model with real tensors). Collective over
+            ``group`` then: call it on every pipeline rank.
+        auto_split: with ``layers_per_stage="auto"``, a :class:`ppmedia.stepmodel.AutoSplit`.
 
     Returns:
         One ``torch.distributed.pipelining.PipelineStage`` per index, in order; ``stage.submod`` is
@@ -412,7 +454,11 @@ def make_pipeline_stages(
     """
     from torch.distributed.pipelining import PipelineStage
 
-    modules, n_stages, indices = _stage_modules(model, n_stages, stage_indices, layers_per_stage, adapter)
+    from .encoder import ENCODER_MODES
+
+    if encoder not in ENCODER_MODES:
+        raise ValueError(f"encoder: got {encoder!r}; expected one of {', '.join(ENCODER_MODES)}")
+    modules, n_stages, indices = _stage_modules(model, n_stages, stage_indices, layers_per_stage, adapter, auto_split)
     device = torch.device(device)
     stages = []
     for index, module in zip(indices, modules):
@@ -423,4 +469,34 @@ def make_pipeline_stages(
             inputs, outputs = static_stage_args(module, *static_microbatch, dtype=dtype, device=device)
             kwargs.update(input_args=inputs, output_args=outputs)
         stages.append(PipelineStage(module, index, n_stages, device, group=group, **kwargs))
+    if encoder != "stage0":
+        _attach_spread(model, modules, stages, group, device)
     return stages
+
+
+def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
+                   device: torch.device) -> None:
+    """``encoder="spread"``: this rank's :class:`~ppmedia.pipeline.encoder.EncoderSpread` on every module."""
+    from .encoder import SPREAD_ATTRIBUTE, EncoderSpread, vision_replica
+
+    first = next((st for st in stages if st.is_first), None)
+    if first is not None:
+        vision: nn.Module = modules[list(stages).index(first)]
+    elif isinstance(model, nn.Module) and not isinstance(model, StageModule):
+        vision = vision_replica(model, modules[0].adapter)
+        if any(t.is_meta for t in [*vision.parameters(), *vision.buffers()]):
+            raise ValueError(
+                "make_pipeline_stages(encoder='spread'): the model is on the meta device, so this rank's copy "
+                "of the vision side (it has no stage 0) would hold no data (its buffers, e.g. rotary "
+                "inv_freq, are in no checkpoint); build the model with real tensors on ranks without stage 0"
+            )
+        _to_device(vision, device)
+    else:
+        raise TypeError(
+            f"make_pipeline_stages(encoder='spread'): this rank holds stages {[m.stage_index for m in modules]} "
+            f"as prebuilt StageModule objects, but without stage 0 it needs its own copy of the vision side, "
+            f"cut from the full model; pass the model (build_stage_modules / stages_from_pretrained give none)"
+        )
+    spread = EncoderSpread(vision, modules[0].adapter, first_stage=first, group=group)
+    for module in modules:
+        module.__dict__[SPREAD_ATTRIBUTE] = spread

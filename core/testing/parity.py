@@ -88,7 +88,10 @@ __all__ = [
 #: inferred shapes the shape-inference forward then takes chunk 0 and the step runs out of chunks.
 #: ``wrong_batch``: stage the media of a different batch with the same layout (same counts and
 #: shapes, other pixels): nothing raises, the losses and gradients differ from the reference.
-FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch")
+#: ``stale_copies`` (with ``/spread`` only): the encoder spread never refreshes its copies of the
+#: vision tower, so after the first update the other ranks encode with old weights: nothing raises,
+#: the second step's loss and gradients differ.
+FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies")
 #: run variants that must still match (see :class:`Scenario`).
 VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica", "varlen")
 _SHAPES = ("inferred", "static")
@@ -139,6 +142,8 @@ class Scenario:
             step's batch; the reference accumulates the same two, and the stages are never rebuilt.
         balance: reorder the samples for an even vision load (``split_media(balance=...)`` with the
             adapter's ``image_costs``); the reference still runs the original order.
+        encoder: ``stage0`` (the first stage runs the vision tower) or ``spread`` (every pipeline rank
+            encodes a share: ``make_pipeline_stages(..., encoder="spread")``, token ``/spread``).
         pretrained: build the stages from a checkpoint of the tiny model
             (:func:`~ppmedia.pipeline.stages_from_pretrained`, each rank only its stages) instead of
             cutting the model in memory; the tiny module's ``build_checkpoint_model`` (if it has one)
@@ -162,6 +167,7 @@ class Scenario:
     layers: tuple[int, ...] | None = None
     variant: str | None = None
     balance: bool = False
+    encoder: str = "stage0"
     pretrained: bool = False
     fsdp: bool = False
     microbatches: int | None = None
@@ -183,6 +189,8 @@ class Scenario:
             raise ValueError(f"scenario dtype: got {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(n) for n in self.layers))
+        if self.encoder not in ("stage0", "spread"):
+            raise ValueError(f"scenario encoder: got {self.encoder!r}; expected stage0 or spread")
         if self.variant is not None and self.variant not in VARIANTS:
             raise ValueError(f"scenario variant: got {self.variant!r}; expected None or one of {', '.join(VARIANTS)}")
 
@@ -203,7 +211,8 @@ def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
         parts.append("layers=" + "+".join(str(n) for n in sc.layers))
     if sc.variant is not None:
         parts.append(sc.variant)
-    return "/".join(parts + ["balanced"] * sc.balance + ["pretrained"] * sc.pretrained)
+    return "/".join(parts + ["balanced"] * sc.balance + ["pretrained"] * sc.pretrained
+                    + ["spread"] * (getattr(sc, "encoder", "stage0") == "spread"))
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -215,7 +224,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -251,10 +260,12 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["fsdp"] = True
             elif token.startswith("mb") and token[2:].isdigit():
                 kwargs["microbatches"] = int(token[2:])
+            elif token == "spread":
+                kwargs["encoder"] = "spread"
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained]"
+                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -340,6 +351,7 @@ class StepResult:
     expected_layer_calls: int = -1
     vision_layer_calls: int = -1
     media_rows: list[list[Any]] = field(default_factory=list)
+    encoded: list[list[int]] = field(default_factory=list)
 
     @property
     def loss_diff(self) -> float:
@@ -370,6 +382,7 @@ class ScenarioResult:
     layers: list[int] | None = None  # the scenario's explicit layers_per_stage, if any
     variant: str | None = None
     balance: bool = False
+    encoder: str = "stage0"
     pretrained: bool = False
     fsdp: bool = False
     microbatches: int | None = None
@@ -727,7 +740,8 @@ def _stages(
         model.train()
     tied = tied_parameters(model)
     stages = make_pipeline_stages(
-        model, n_stages, indices, "cpu", group=g.pp_group, layers_per_stage=layers_per_stage, static_microbatch=static
+        model, n_stages, indices, "cpu", group=g.pp_group, layers_per_stage=layers_per_stage, static_microbatch=static,
+        encoder=scenario.encoder,
     )
     return stages, tied  # the model itself is dropped: this rank keeps only its stages' modules
 
@@ -887,7 +901,14 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     dist.barrier()
     t0 = time.perf_counter()
     staging: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if built.first is not None:
+    if scenario.encoder == "spread":  # every rank: its share of the encoding; stage 0 also stages
+        from ..pipeline import encoder_spread_of
+
+        spread = encoder_spread_of(built.stages)
+        if scenario.fault == "stale_copies":  # the copies keep the weights of the first step
+            spread.refresh = lambda everything=True: None  # type: ignore[method-assign]
+        staging = spread.step(staged, ids)
+    elif built.first is not None:
         staging = stage_media(built.first.submod if scenario.fault == "bare_module" else built.first, staged)
     with staging:
         built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
@@ -897,6 +918,24 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     if g.dp > 1 and not scenario.fsdp:  # FSDP2 has reduce-scattered them over the dp mesh
         all_reduce_gradients(built.modules, group=g.dp_group)
     return losses, time.perf_counter() - t0, staged
+
+
+def _encoded_rows(built: _Built, scenario: Scenario, staged: Any, g: _Groups, where: str) -> list[list[int]]:
+    """Spread: ``[dp_rank, pp_rank, microbatch]`` per chunk this rank encoded; checks that it encoded
+    exactly its share of the plan and that the plan gives every microbatch with media an encoder."""
+    if scenario.encoder != "spread":
+        return []
+    from ..pipeline import encoder_spread_of
+
+    spread = encoder_spread_of(built.stages)
+    plan = spread.last_plan
+    assert plan is not None
+    for k in range(staged.n_microbatches):
+        if bool(plan.names[k]) != (staged.chunk(k) is not None):
+            raise AssertionError(f"{where}: microbatch {k}: plan {plan.names[k]} but chunk {staged.chunk(k)!r:.60}")
+    if spread.last_encoded != plan.encoded_by(spread.rank):
+        raise AssertionError(f"{where}: rank {spread.rank} encoded {spread.last_encoded}; its share is {plan.encoded_by(spread.rank)}")
+    return [[g.dp_rank, spread.rank, k] for k in spread.last_encoded]
 
 
 def _padded(batch: dict[str, Any], config: Any, columns: int) -> dict[str, Any]:
@@ -1029,7 +1068,7 @@ def _run_scenario(
             )
             if scenario.variant == "varlen":
                 _accumulate_padded(built, scenario, g, job.seed + 500 + step, probe, tiny_module, n)
-            losses, wall_pipeline, _ = _pipeline_step(built, scenario, g, local, media_local, num_valid, probe, adapter, config, n)
+            losses, wall_pipeline, staged = _pipeline_step(built, scenario, g, local, media_local, num_valid, probe, adapter, config, n)
             targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
             out, wall_reference = _reference_step(built, tiny_module, batch, targets, accumulate=scenario.variant == "varlen")
             norms = _clip_both(built, g) if scenario.clip else (None, None)
@@ -1059,6 +1098,7 @@ def _run_scenario(
                     "vision_layer_calls": probe.vision_calls,
                     # a balanced split copies the media in the new order: nothing to locate in the batch
                     "media_rows": [] if scenario.balance else _media_rows(probe, media_batch, global_split, g, n, where),
+                    "encoded": _encoded_rows(built, scenario, staged, g, where),
                 }
             )
             built.optimizer.step()
@@ -1165,6 +1205,7 @@ def _merge_step(k: int, rows: list[dict[str, Any]]) -> StepResult:
         ),
         vision_layer_calls=sum(r["vision_layer_calls"] for r in rows),
         media_rows=[row for r in rows for row in r["media_rows"]],
+        encoded=[row for r in rows for row in r.get("encoded", [])],
     )
 
 
@@ -1189,6 +1230,7 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         layers=None if sc.get("layers") is None else list(sc["layers"]),
         variant=sc.get("variant"),
         balance=sc.get("balance", False),
+        encoder=sc.get("encoder", "stage0"),
         pretrained=sc.get("pretrained", False),
         fsdp=sc.get("fsdp", False),
         microbatches=sc.get("microbatches"),
@@ -1350,6 +1392,13 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             for family in families:
                 if "text_only_first" not in inspect.signature(tiny.load(family).build_batch).parameters:
                     raise ValueError(f"{sc.name}: the tiny {family} batch has no text_only_first order")
+        if sc.fault == "stale_copies" and sc.encoder != "spread":
+            raise ValueError(f"{sc.name}: the stale_copies fault breaks the encoder spread: add /spread")
+        if sc.encoder == "spread" and sc.fault not in (None, "stale_copies"):
+            raise ValueError(f"{sc.name}: the encoder spread runs no fault but stale_copies")
+        if sc.encoder == "spread" and sc.pretrained:
+            raise ValueError(f"{sc.name}: the encoder spread cuts its vision copies from the full model; "
+                             f"stages_from_pretrained gives none: drop /pretrained or /spread")
         if sc.balance and (sc.dp != 1 or sc.fault is not None):
             raise ValueError(f"{sc.name}: balancing is run with one replica and no fault")
         if sc.pretrained and sc.checkpointing:
@@ -1480,7 +1529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
     parser.add_argument(
         "--scenario", action="append",
-        help="schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        help="schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
         "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
     )
     parser.add_argument("--steps", type=int, default=2)

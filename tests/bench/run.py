@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg]]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -22,6 +22,9 @@ Measures, in one process with ``torch.set_num_threads(1)``:
 8. FSDP2 memory: pp=2 x dp=2 (4 processes) on a mid-size model, the largest rank's parameters +
    gradients + optimizer state over one process's, FSDP2 and replicated side by side (see
    ``fsdp_memory_bench.py``; alone: ``--fsdp-memory``).
+9. the encoder spread: real 2-process 1F1B pipelines on a vision-heavy tiny model, the vision tower on
+   stage 0 (uniform and other static splits) vs spread over both ranks, with the planner's predictions
+   and the timeline picture (see ``stage0_bench.py``; alone: ``--stage0``).
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -55,6 +58,7 @@ import balance_bench  # noqa: E402
 import load_memory_bench  # noqa: E402
 import fsdp_memory_bench  # noqa: E402
 import model_bench  # noqa: E402
+import stage0_bench  # noqa: E402
 import staging_bench  # noqa: E402
 from reference import load_reference  # noqa: E402
 
@@ -116,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="balancing: print the ratio even on an unquiet machine")
     parser.add_argument("--load-memory", action="store_true", help="run only the load-memory benchmark (section 7)")
     parser.add_argument("--fsdp-memory", action="store_true", help="run only the FSDP2 memory benchmark (section 8)")
+    parser.add_argument("--stage0", action="store_true", help="run only the encoder-spread benchmark (section 9)")
+    parser.add_argument("--timeline", type=Path, default=None,
+                        help="section 9: draw its predicted and measured timelines here (SVG)")
     args = parser.parse_args(argv)
     if args.balance:
         return _run_balance(args, None)
@@ -123,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_load_memory(args, None)
     if args.fsdp_memory:
         return _run_fsdp_memory(args, None)
+    if args.stage0:
+        return _run_stage0(args, None)
 
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -224,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     fsdp_memory = _run_fsdp_memory(args, targets)
     print()
 
+    # -- 9: the encoder spread ---------------------------------------------------------------------
+    spread = _run_stage0(args, targets)
+    print()
+
     # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
@@ -258,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     results = {
         "balance": balance,
+        "stage0": spread,
         "load_memory": load_memory,
         "fsdp_memory": fsdp_memory,
         "environment": env,
@@ -300,12 +314,45 @@ def _run_balance(args: argparse.Namespace, targets: list[dict[str, Any]] | None)
                             "measured": None if analysis["unquiet"] else round(c["ratio"], 3),
                             "met": None if analysis["unquiet"] else c["ratio"] <= limit})
     result = {"raw": raw, "analysis": analysis}
+    costs = args.out.parent / "bench-stage0-costs.json"  # per-operation costs for ppmedia plan --calibration
+    costs.parent.mkdir(parents=True, exist_ok=True)
+    costs.write_text(json.dumps(analysis["costs"], indent=1) + "\n")
+    print(f"wrote {costs} (ppmedia plan --calibration {costs.name})")
     if targets is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"balance": result}, indent=1) + "\n")
         print(last)
         return 0
     print(last)
+    return result
+
+
+def _run_stage0(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 9; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    raw = stage0_bench.run(6 if args.quick else 16)
+    analysis = stage0_bench.analyse(raw)
+    print(stage0_bench.report(raw, analysis, args.force))
+    if args.timeline is not None:
+        from ppmedia.timeline import write_svg
+
+        write_svg(str(args.timeline), stage0_bench.timelines(raw, analysis),
+                  "one 1F1B step of the benchmark's batch, predicted (left) and measured (right)")
+        print(f"wrote {args.timeline}")
+    quiet = not analysis["unquiet"]
+    spread, error = analysis["arms"]["spread"]["ratio"], analysis["spread_error"]
+    result = {"raw": raw, "analysis": analysis}
+    costs = args.out.parent / "bench-stage0-costs.json"  # per-operation costs for ppmedia plan --calibration
+    costs.parent.mkdir(parents=True, exist_ok=True)
+    costs.write_text(json.dumps(analysis["costs"], indent=1) + "\n")
+    print(f"wrote {costs} (ppmedia plan --calibration {costs.name})")
+    if targets is None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"stage0": result}, indent=1) + "\n")
+        return 0
+    targets.append({"target": "encoder spread: spread/stage-0 step time <= 0.80",
+                    "measured": round(spread, 3) if quiet else None, "met": spread <= 0.80 if quiet else None})
+    targets.append({"target": "encoder spread: planner within 0.05 of the measured ratio",
+                    "measured": round(error, 3) if quiet else None, "met": abs(error) <= 0.05 if quiet else None})
     return result
 
 

@@ -1,0 +1,774 @@
+"""Encoder spread: every pipeline rank encodes a share of the step's media, off stage 0's critical path.
+
+With the vision tower on stage 0 (``encoder="stage0"``, the default) the first stage's forward runs the
+tower on its microbatch, so under 1F1B the whole step runs at the pace of the stage that also does
+all the vision work. :class:`EncoderSpread` (``make_pipeline_stages(..., encoder="spread")``) moves it:
+
+1. **refresh**: every rank without stage 0 holds a copy of the vision side (:func:`vision_replica`:
+   the tower, projector, whatever the adapter's ``encode`` reads; not the language model). Stage 0
+   keeps the original (its optimizer, checkpoint, clipping and data-parallel reduction are unchanged);
+   at the start of each step its parameters are broadcast to the copies (all of them on the first
+   step, the trainable ones after that: the optimizer step in between changed only those);
+2. **plan** (:class:`SpreadPlan`, the same on every rank): each microbatch's vision cost (the
+   adapter's :meth:`~ppmedia.adapters.base.VlmAdapter.image_costs` model) and placeholder rows (one
+   host read per batch), and its encoding rank (:func:`assign_encoders`);
+3. **encode**: each rank runs the adapter's :meth:`~ppmedia.adapters.base.VlmAdapter.encoder_outputs`
+   on its microbatches' chunks (views of the staged batch, checked with ``check_counts`` as stage 0
+   would) and sends the outputs to stage 0 (a process group of its own, so that nothing it sends can
+   be matched with the schedule's traffic); stage 0 posts the receives before it encodes its own share;
+4. **step**: the media are staged on stage 0 as always (``stage_media``: the cursor contract is
+   unchanged, each forward takes its own chunk once); its forward takes microbatch ``k``'s outputs
+   instead of running the tower (waiting for them only then) as leaf tensors that collect their
+   gradient in the schedule's backward;
+5. **return**: as soon as microbatch ``k``'s backward on stage 0 has filled those gradients they are
+   sent back to its encoder (the rest at the end of the step), which finishes the tower's backward
+   for its share after its own ``schedule.step`` returns; then the tower's gradients are summed onto
+   stage 0 (one ``reduce`` per dtype) and the copies' gradients are dropped.
+
+Loss and gradients equal the stage-0 placement's (and the model's own full-batch run) within float
+rounding: the tower runs on exactly the same chunks, only on another rank. Every rank must hold the
+same batch (each splits it, ``split_media``, the same way). Deepstack outputs (Qwen3-VL) travel as
+further ``[tokens, H]`` tensors (``adapter.encoder_output_names``).
+
+With FSDP2 stages (:func:`~ppmedia.pipeline.apply_fsdp` after ``make_pipeline_stages``) the first
+stage's vision side stays whole, outside its FSDP2 group (:meth:`EncoderSpread.shard_over`), and the
+spread sums its gradients over the data-parallel replicas at the end of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..adapters.base import HostValues, VlmAdapter, read_host
+from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk
+from .stages import FEATURES_ATTRIBUTE, StageModule, _text_dims
+from .surgery import _child_name, _get_path, _stage_children, find_language_model, find_output_head
+
+__all__ = [
+    "ENCODER_MODES",
+    "EncoderSpread",
+    "SpreadPlan",
+    "assign_encoders",
+    "encoder_spread_of",
+    "vision_replica",
+]
+
+#: where the vision tower runs: on the first stage (``stage0``) or spread over the pipeline ranks.
+ENCODER_MODES: tuple[str, ...] = ("stage0", "spread")
+#: the attribute of a stage module that holds its rank's :class:`EncoderSpread`.
+SPREAD_ATTRIBUTE = "encoder_spread"
+#: point-to-point tags of the spread's own traffic (features forward, gradients back).
+_FEATURE_TAG, _GRAD_TAG = 7301, 7302
+
+
+# --------------------------------------------------------------------------------------------------
+# who encodes what
+
+
+def _linear_partition(costs: Sequence[float], parts: int) -> list[int]:
+    """Cut points of ``costs`` into ``parts`` contiguous blocks: the largest block sum as small as
+    possible, and among those cuts the most even (smallest sum of squares; ties: earlier ranks take
+    more). ``bounds[i]:bounds[i + 1]`` is block ``i``; two dynamic programmes over ``O(parts n^2)``."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+
+    def solve(cap: float | None) -> tuple[list[list[float]], list[list[int]]]:
+        best = [[inf] * (n + 1) for _ in range(parts + 1)]
+        cut = [[0] * (n + 1) for _ in range(parts + 1)]
+        best[0][0] = 0.0
+        for p in range(1, parts + 1):
+            for j in range(n + 1):
+                for i in range(j + 1):
+                    if best[p - 1][i] == inf:
+                        continue
+                    block = prefix[j] - prefix[i]
+                    if cap is None:
+                        value = max(best[p - 1][i], block)
+                    elif block > cap + 1e-9 * max(1.0, cap):
+                        continue
+                    else:
+                        value = best[p - 1][i] + block * block
+                    if value <= best[p][j] + 1e-12 * max(1.0, abs(value)):
+                        best[p][j], cut[p][j] = value, i
+        return best, cut
+
+    largest, _ = solve(None)
+    _, cut = solve(largest[parts][n])
+    bounds = [n]
+    for p in range(parts, 0, -1):
+        bounds.append(cut[p][bounds[-1]])
+    return bounds[::-1]
+
+
+def assign_encoders(costs: Sequence[float], n_ranks: int, *, weights: Sequence[float] | None = None) -> list[int]:
+    """The pipeline rank that encodes each microbatch.
+
+    Contiguous blocks of microbatches with balanced vision cost, in rank order: rank 0 (the first
+    stage's) encodes the first block, so it can start its first forward as soon as its own first
+    chunk is encoded; later ranks encode later microbatches, which stage 0 needs later. A block may be
+    empty (fewer microbatches with media than ranks). Microbatches without media (cost 0) go to the
+    block they sit in and cost nothing.
+
+    Args:
+        costs: ``[n]`` vision cost per microbatch (any unit, ``>= 0``).
+        n_ranks: pipeline ranks.
+        weights: optional ``[n_ranks]`` relative speed (share) of each rank; default equal.
+
+    Returns:
+        ``[n]`` group ranks.
+    """
+    if n_ranks < 1:
+        raise ValueError(f"n_ranks: got {n_ranks}; expected >= 1")
+    values = [float(c) for c in costs]
+    if any(c < 0 or c != c for c in values):
+        raise ValueError(f"costs: got {values}; expected costs >= 0")
+    if weights is not None:
+        if len(weights) != n_ranks or any(w <= 0 for w in weights):
+            raise ValueError(f"weights: got {list(weights)}; expected {n_ranks} positive shares")
+    owners = [0] * len(values)
+    if n_ranks == 1 or not any(values):
+        return owners
+    if weights is None:
+        bounds = _linear_partition(values, n_ranks)
+    else:  # greedy on the cumulative shares: block r ends where the cost reaches its share
+        total, share, bounds, acc = sum(values), 0.0, [0], 0.0
+        for r in range(n_ranks - 1):
+            share += float(weights[r]) / float(sum(weights))
+            k = bounds[-1]
+            while k < len(values) and acc + values[k] / 2 <= share * total:
+                acc += values[k]
+                k += 1
+            bounds.append(k)
+        bounds.append(len(values))
+    for rank in range(n_ranks):
+        for k in range(bounds[rank], bounds[rank + 1]):
+            owners[k] = rank
+    return owners
+
+
+@dataclass(frozen=True)
+class SpreadPlan:
+    """One step's encoder assignment, computed the same way on every pipeline rank.
+
+    Attributes:
+        owners: ``[n]`` the pipeline-group rank that encodes each microbatch.
+        costs: ``[n]`` each microbatch's vision cost (the adapter's cost model, MFLOP).
+        rows: per microbatch, ``{modality: placeholder tokens}`` (the feature rows it needs).
+        names: per microbatch, the ``(name, modality)`` pairs of the tensors its encoder sends, in
+            send order (``adapter.encoder_output_names`` of each modality with rows).
+    """
+
+    owners: tuple[int, ...]
+    costs: tuple[float, ...]
+    rows: tuple[dict[str, int], ...]
+    names: tuple[tuple[tuple[str, str], ...], ...]
+
+    def encoded_by(self, rank: int) -> list[int]:
+        """The microbatches ``rank`` encodes, in order."""
+        return [k for k, owner in enumerate(self.owners) if owner == rank and self.names[k]]
+
+
+# --------------------------------------------------------------------------------------------------
+# the vision side on ranks without stage 0
+
+
+class _VisionReplica(nn.Module):
+    """The vision side of a model under the full model's names (``model.visual.blocks.0...``)."""
+
+    def __init__(self, children: Mapping[str, nn.Module], parameters: Mapping[str, nn.Parameter], config: Any) -> None:
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+        for name, param in parameters.items():
+            self.register_parameter(name, param)
+        self.config = config
+
+
+def vision_replica(model: nn.Module, adapter: VlmAdapter | None = None) -> nn.Module:
+    """What the first stage holds besides the language model and head, as a module of its own:
+    the vision tower, projector and any root-level parameter, under the full model's names.
+
+    It shares parameters with ``model`` (no copy); the language model in it keeps no decoder layer,
+    no embedding, no norm (only its shell, so paths like ``model.model.visual`` resolve). An
+    adapter's ``encode(replica, chunk, host)`` runs as on the first stage. ``adapter``: the family's
+    (default: the registry's), which may say where the language model sits.
+    """
+    lm_path, lm = find_language_model(model, adapter)
+    embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
+    norm_name = "norm" if isinstance(lm._modules.get("norm"), nn.Module) else None
+    head_path = find_output_head(model, lm_path)
+    children = _stage_children(model, lm, lm_path, head_path, (0, 0), first=True, last=False,
+                               embed_name=embed_name, norm_name=norm_name)
+    replica = _VisionReplica(children, {k: v for k, v in model._parameters.items() if v is not None}, model.config)
+    shell = _get_path(replica, lm_path)
+    assert shell is not None
+    shell._modules.clear()  # nothing of the language model: its shell only (a new registry: the model keeps its own)
+    shell._parameters.clear()
+    shell._buffers.clear()
+    return replica
+
+
+def _vision_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The vision-side parameters of a first-stage module or a replica, sorted by name."""
+    if isinstance(module, StageModule):
+        named = [(n, p) for n, p in module.named_parameters() if not module.is_language_parameter(n)]
+    else:
+        named = list(module.named_parameters())
+    return sorted(named, key=lambda item: item[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# the first stage's side: precomputed outputs instead of the tower
+
+
+_PRECOMPUTED: dict[type, type] = {}
+
+
+def _precomputed_class(cls: type) -> type:
+    """A subclass of adapter class ``cls`` whose ``encoder_outputs``/``encode`` return the outputs
+    handed to it (checked against the chunk's placeholders) instead of running the tower (made once
+    per class)."""
+    if cls in _PRECOMPUTED:
+        return _PRECOMPUTED[cls]
+
+    def encoder_outputs(self: Any, model: nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
+        k, outputs, rows = self.__dict__["_ppmedia_precomputed"]
+        wanted = {m: host.total(m) for m in set(host.totals) | set(rows) if host.total(m) or rows.get(m)}
+        if wanted != {m: n for m, n in rows.items() if n}:
+            raise ValueError(
+                f"encoder spread, microbatch {k}: the chunk's placeholders {wanted} differ from the rows "
+                f"the step's plan encoded {rows} (the first stage consumed another batch's chunk?)"
+            )
+        return outputs
+
+    def encode(self: Any, model: nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
+        outputs = self.encoder_outputs(model, chunk, host)
+        return {m: t for m, t in outputs.items() if "." not in m}
+
+    made = type(f"Precomputed{cls.__name__}", (cls,), {"encoder_outputs": encoder_outputs, "encode": encode,
+                                                       "__module__": __name__})
+    _PRECOMPUTED[cls] = made
+    return made
+
+
+def _precomputed(adapter: VlmAdapter, k: int, outputs: dict[str, Tensor], rows: dict[str, int]) -> VlmAdapter:
+    if not hasattr(adapter, "__dict__"):
+        raise TypeError(f"encoder spread: {type(adapter).__name__} has no __dict__ (slots); expected a plain adapter class")
+    proxy = copy.copy(adapter)
+    proxy.__class__ = _precomputed_class(type(adapter))
+    proxy.__dict__["_ppmedia_precomputed"] = (k, outputs, rows)
+    return proxy
+
+
+@dataclass
+class _Incoming:
+    """Microbatch ``k``'s outputs on the first stage: received (or encoded here), then leaves."""
+
+    k: int
+    buffers: dict[str, Tensor]
+    works: list[Any] = field(default_factory=list)
+    leaves: dict[str, Tensor] | None = None
+    sent: bool = False
+
+
+class _StepFeatures:
+    """Hung on the first stage's module for one step: ``adapter_for(k, chunk)`` gives the adapter
+    that hands the stage microbatch ``k``'s precomputed outputs (waiting for them only now)."""
+
+    def __init__(self, spread: "EncoderSpread", plan: SpreadPlan, incoming: dict[int, _Incoming]) -> None:
+        self.spread, self.plan, self.incoming = spread, plan, incoming
+        self.takes: list[int] = []
+
+    def adapter_for(self, k: int | None, chunk: VlmMediaChunk | None) -> VlmAdapter:
+        spread = self.spread
+        if k is None or not 0 <= k < len(self.plan.owners):
+            raise ValueError(
+                f"encoder spread: the first stage's forward found cursor {k!r}; expected a microbatch "
+                f"0..{len(self.plan.owners) - 1} (stage the media with EncoderSpread.step)"
+            )
+        self.takes.append(k)
+        item = self.incoming.get(k)
+        if item is None:  # a microbatch without media
+            return _precomputed(spread.adapter, k, {}, {})
+        if item.leaves is None:
+            t0 = time.perf_counter()
+            for work in item.works:
+                work.wait()
+            spread._record("wait", k, t0, time.perf_counter())
+            item.leaves = {name: t.requires_grad_(spread._needs_grad) for name, t in item.buffers.items()}
+            if spread._needs_grad and self.plan.owners[k] != spread.rank:
+                self._watch(item)
+        return _precomputed(spread.adapter, k, item.leaves, self.plan.rows[k])
+
+    def _watch(self, item: _Incoming) -> None:
+        """Send microbatch ``item.k``'s gradients back as soon as all of them are accumulated."""
+        assert item.leaves is not None
+        pending = set(item.leaves)
+
+        def hook(name: str) -> Callable[[Tensor], None]:
+            def filled(_: Tensor) -> None:
+                pending.discard(name)
+                if not pending and not item.sent:
+                    self.spread._send_gradients(item, self.plan.owners[item.k])
+
+            return filled
+
+        for name, leaf in item.leaves.items():
+            leaf.register_post_accumulate_grad_hook(hook(name))
+
+
+# --------------------------------------------------------------------------------------------------
+# the spread
+
+
+def _group_ranks(group: Any) -> list[int]:
+    import torch.distributed as dist
+
+    return list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+
+
+class EncoderSpread:
+    """One pipeline rank's part of the encoder spread (see the module docstring).
+
+    Build it on every rank of the pipeline group (collective: it makes a process group of its own),
+    usually through ``make_pipeline_stages(..., encoder="spread")``, which hangs it on each stage
+    module as ``encoder_spread`` (:func:`encoder_spread_of`). Then, on EVERY pipeline rank::
+
+        staged = ppmedia.split_media(batch, n, images_per_sample=..., videos_per_sample=...)
+        with spread.step(staged, batch["input_ids"]):     # replaces stage_media(first, staged)
+            schedule.step(input_ids, attention_mask, target=labels, losses=losses)
+        # the vision gradients are on stage 0's parameters now, as with encoder="stage0"
+
+    Args:
+        vision: the module the adapter encodes with: the first stage's :class:`StageModule` on the
+            rank that holds stage 0, a :func:`vision_replica` elsewhere.
+        adapter: the family adapter.
+        first_stage: the rank's first ``PipelineStage`` (or its module) when it holds stage 0, else ``None``.
+        group: the pipeline process group (default: the world); stage 0 is on its rank 0.
+        assign: ``costs [n], ranks -> owners [n]`` (default :func:`assign_encoders`).
+    """
+
+    def __init__(
+        self,
+        vision: nn.Module,
+        adapter: VlmAdapter,
+        *,
+        first_stage: Any = None,
+        group: Any = None,
+        assign: Callable[[Sequence[float], int], Sequence[int]] | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        self.vision, self.adapter, self.config = vision, adapter, vision.config
+        self.first_stage = first_stage
+        ranks = _group_ranks(group)
+        self.group = dist.new_group(ranks, use_local_synchronization=True) if len(ranks) > 1 else group
+        self.rank, self.size = ranks.index(dist.get_rank()), len(ranks)
+        if (first_stage is not None) != (self.rank == 0):
+            raise ValueError(
+                f"EncoderSpread: pipeline rank {self.rank} {'holds' if first_stage is not None else 'lacks'} "
+                f"the first stage; expected it on pipeline rank 0 (where every torch schedule places it)"
+            )
+        self.assign = assign or assign_encoders
+        self.params = _vision_parameters(vision)
+        self.device = next((p.device for _, p in self.params), torch.device("cpu"))
+        self.wire_dtype = next((p.dtype for _, p in self.params if p.is_floating_point()), torch.float32)
+        self.hidden = _text_dims(self.config)[0]
+        self.trace: list[tuple[str, int, float, float]] | None = None  # (kind, microbatch, t0, t1) when set
+        self.last_plan: SpreadPlan | None = None
+        self.last_encoded: list[int] = []
+        self._needs_grad = False
+        self._synced = False
+        self._keep: list[Tensor] = []  # tensors in flight (a send's buffer must outlive it)
+        self._grad_sends: list[Any] = []
+        self._pending: list[Any] = []  # stage 0's background broadcasts
+        #: with FSDP2 stages (:meth:`shard_over`): the data-parallel groups stage 0's vision gradients
+        #: are summed over (the vision side stays whole, outside FSDP2's groups)
+        self.replica_groups: tuple[Any, ...] = ()
+        self._check_layout()
+
+    # -- small pieces --------------------------------------------------------------------------
+    def _record(self, kind: str, k: int, t0: float, t1: float) -> None:
+        if self.trace is not None:
+            self.trace.append((kind, k, t0, t1))
+
+    def _check_layout(self) -> None:
+        """Every rank holds the same vision parameters (names, shapes, dtypes), or the broadcasts
+        and reductions would pair the wrong tensors."""
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.params]
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        for rank, theirs in enumerate(gathered):
+            if theirs != mine:
+                diff = sorted(set(map(str, theirs)) ^ set(map(str, mine)))[:4]
+                raise ValueError(
+                    f"EncoderSpread: pipeline rank {rank} holds other vision parameters than rank {self.rank} "
+                    f"({len(theirs)} vs {len(mine)}; e.g. {diff}); expected the same model on every rank"
+                )
+
+    def _flat(self, tensors: Sequence[Tensor]) -> dict[torch.dtype, tuple[Tensor, list[int]]]:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        return {d: (torch.cat([tensors[i].detach().reshape(-1) for i in idx]), idx) for d, idx in by_dtype.items()}
+
+    def shard_over(self, mesh: Any) -> set[nn.Parameter]:
+        """FSDP2: the vision parameters the first stage's ``fully_shard`` must leave alone
+        (``ignored_params``), and, on the rank holding stage 0, sum their gradients over ``mesh``
+        (the data-parallel mesh, 1-D or 2-D) at the end of every step.
+
+        :func:`~ppmedia.pipeline.apply_fsdp` calls it. The vision side stays whole on stage 0, as the
+        copies on the other pipeline ranks are: the spread broadcasts whole weights to them and runs
+        the tower outside the stage's forward (where FSDP2 would gather it), and a sharded tower would
+        need an all-gather of its own every step. So with FSDP2 the vision parameters, gradients and
+        optimizer state are replicated over the data-parallel replicas (summed gradients keep them
+        equal); everything else is sharded as without the spread.
+        """
+        if self.rank != 0:
+            return set()
+        self.replica_groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
+        return {p for _, p in self.params}
+
+    def _follow_trainable(self) -> None:
+        """The copies' ``requires_grad`` follows stage 0's, parameter by parameter (one small broadcast
+        per step, in the background on stage 0's rank, and one host read of it on the other ranks):
+        freezing the tower on stage 0, as the optimizer sees it, freezes it everywhere, so every rank
+        agrees on whether gradients travel."""
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return
+        flags = torch.tensor([p.requires_grad for _, p in self.params], dtype=torch.int32, device=self.device)
+        work = dist.broadcast(flags, group_src=0, group=self.group, async_op=True)
+        if self.rank == 0:  # stage 0 goes on; the step waits for it at the end
+            self._pending.append(work)
+            self._keep.append(flags)
+        else:
+            work.wait()
+            for (_, p), trainable in zip(self.params, flags.tolist()):
+                p.requires_grad_(bool(trainable))
+
+    def refresh(self, everything: bool = True) -> None:
+        """Broadcast stage 0's vision parameters to the copies (collective over the pipeline group).
+
+        :meth:`step` calls it: everything on the first step, the trainable parameters after. Call it
+        yourself (with ``everything=True``) after loading frozen vision weights into stage 0 mid-run.
+        On stage 0's rank the broadcast runs in the background (it goes on encoding its own share;
+        :meth:`step` waits for it at the end); the copies wait for their weights.
+        """
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return
+        params = [p for _, p in self.params if everything or p.requires_grad]
+        for _, (flat, idx) in sorted(self._flat(params).items(), key=lambda item: str(item[0])):
+            work = dist.broadcast(flat, group_src=0, group=self.group, async_op=True)
+            if self.rank == 0:
+                self._pending.append(work)
+                self._keep.append(flat)
+                continue
+            work.wait()
+            offset = 0
+            with torch.no_grad():
+                for i in idx:
+                    n = params[i].numel()
+                    params[i].copy_(flat[offset : offset + n].view_as(params[i]))
+                    offset += n
+        self._synced = True
+
+    # -- the plan ------------------------------------------------------------------------------
+    def plan(self, staged: Any, input_ids: Tensor) -> SpreadPlan:
+        """This step's :class:`SpreadPlan` (the same on every rank for the same batch): one host read
+        of each sample's placeholder counts; costs from the split's metadata (no read)."""
+        from ..balance import _vision_value, sample_costs
+
+        if staged.batch_size != input_ids.shape[0]:
+            raise ValueError(
+                f"encoder spread: input_ids has {input_ids.shape[0]} samples, the staged media {staged.batch_size}; "
+                f"expected the batch that was split"
+            )
+        config, adapter = self.config, self.adapter
+        masks = adapter.placeholder_masks(input_ids, config)
+        per_sample = read_host(masks, {}).placeholders  # the one host read
+        rows = tuple({m: sum(per_sample[m][a:b]) for m in masks} for a, b in staged.samples)
+        cost = functools.partial(adapter.image_costs, config=config)
+        costs = sample_costs(staged, staged.tensors, cost, _vision_value(config, "patch_size")) / 1e6
+        owners = tuple(int(r) for r in self.assign([float(c) for c in costs], self.size))
+        if len(owners) != len(rows) or any(not 0 <= r < self.size for r in owners):
+            raise ValueError(f"encoder spread: assign returned {list(owners)}; expected {len(rows)} ranks in 0..{self.size - 1}")
+        names = tuple(
+            tuple((name, m) for m in masks if r.get(m) for name in adapter.encoder_output_names(config, m)) for r in rows
+        )
+        return SpreadPlan(owners, tuple(float(c) for c in costs), rows, names)
+
+    # -- before the step -----------------------------------------------------------------------
+    def _post_receives(self, plan: SpreadPlan) -> dict[int, _Incoming]:
+        """Stage 0: a buffer and a receive for every output another rank encodes."""
+        import torch.distributed as dist
+
+        incoming = {}
+        for k, names in enumerate(plan.names):
+            if not names:
+                continue
+            if plan.owners[k] == 0:  # encoded here: _encode fills the buffers
+                incoming[k] = _Incoming(k, {})
+                continue
+            buffers = {name: torch.empty(plan.rows[k][m], self.hidden, dtype=self.wire_dtype, device=self.device)
+                       for name, m in names}
+            item = _Incoming(k, buffers)
+            item.works = [dist.irecv(t, group_src=plan.owners[k], group=self.group, tag=_FEATURE_TAG)
+                          for t in buffers.values()]
+            incoming[k] = item
+        return incoming
+
+    def _encode(self, plan: SpreadPlan, staged: Any, input_ids: Tensor,
+                incoming: dict[int, _Incoming]) -> tuple[dict[int, dict[str, Tensor]], list[Any]]:
+        """Encode this rank's microbatches; send the outputs to stage 0 (or keep them there).
+
+        Returns the outputs with their graphs (for the backward after the step) and the send works."""
+        import torch.distributed as dist
+
+        outputs: dict[int, dict[str, Tensor]] = {}
+        sends: list[Any] = []
+        mine = plan.encoded_by(self.rank)
+        for k in mine:
+            t0 = time.perf_counter()
+            a, b = staged.samples[k]
+            chunk = staged.chunk(k)
+            _, host = self.adapter.check_counts(input_ids[a:b], chunk, self.config)
+            if chunk is None:  # placeholders without media: check_counts raised already; a guard
+                raise ValueError(f"encoder spread: microbatch {k} has placeholders {plan.rows[k]} but no media")
+            out = self.adapter.encoder_outputs(self.vision, chunk, host)
+            kept = {}
+            for name, m in plan.names[k]:
+                tensor = out.get(name)
+                want = [plan.rows[k][m], self.hidden]
+                if tensor is None or list(tensor.shape) != want:
+                    seen = "missing" if tensor is None else f"shape {list(tensor.shape)}"
+                    raise ValueError(
+                        f"{type(self.adapter).__name__}.encoder_outputs, microbatch {k}: {name!r} is {seen}; "
+                        f"expected {want} (one row per {m} placeholder, the text hidden size)"
+                    )
+                kept[name] = tensor
+            outputs[k] = kept
+            wire = {name: t.detach().to(self.wire_dtype).contiguous() for name, t in kept.items()}
+            if self.rank == 0:
+                incoming[k].buffers = wire
+            else:
+                sends += [dist.isend(t, group_dst=0, group=self.group, tag=_FEATURE_TAG) for t in wire.values()]
+                self._keep += list(wire.values())
+            self._record("E", k, t0, time.perf_counter())
+        self.last_encoded = mine
+        return outputs, sends
+
+    def _post_gradient_receives(self, plan: SpreadPlan, outputs: dict[int, dict[str, Tensor]]) -> dict[int, tuple[list[Any], dict[str, Tensor]]]:
+        import torch.distributed as dist
+
+        receives = {}
+        for k, kept in outputs.items():
+            grads = {name: torch.empty(t.shape, dtype=self.wire_dtype, device=self.device) for name, t in kept.items()}
+            works = [dist.irecv(g, group_src=0, group=self.group, tag=_GRAD_TAG) for g in grads.values()]
+            receives[k] = (works, grads)
+        return receives
+
+    def _send_gradients(self, item: _Incoming, owner: int) -> None:
+        """Stage 0: send microbatch ``item.k``'s output gradients (zeros where none came) to ``owner``."""
+        import torch.distributed as dist
+
+        assert item.leaves is not None or item.buffers
+        leaves = item.leaves if item.leaves is not None else item.buffers
+        grads = [(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).contiguous() for leaf in leaves.values()]
+        self._grad_sends += [dist.isend(g, group_dst=owner, group=self.group, tag=_GRAD_TAG) for g in grads]
+        self._keep += grads
+        item.sent = True
+
+    # -- the step ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, staged: Any, input_ids: Tensor) -> Iterator[SpreadPlan]:
+        """Spread the encoder over one ``schedule.step()``; enter it on every pipeline rank.
+
+        On entry: refresh the copies, plan, encode this rank's share, send it to stage 0, and (on the
+        rank holding stage 0) stage the media there (:func:`ppmedia.stage_media`: every forward takes
+        its own chunk once; the shape-inference forward costs none). On a normal exit: gradients back,
+        the share's backward, the vision gradients summed onto stage 0.
+
+        Args:
+            staged: the step's :class:`~ppmedia.StagedMedia` (every rank splits the same batch).
+            input_ids: ``[B, S]`` the batch's token ids (the rows the schedule splits).
+
+        Yields:
+            The step's :class:`SpreadPlan`.
+        """
+        from ..stage import stage_media
+
+        self._keep, self._grad_sends, self._pending = [], [], []
+        self._follow_trainable()
+        self._needs_grad = torch.is_grad_enabled() and any(p.requires_grad for _, p in self.params)
+        t0 = time.perf_counter()
+        self.refresh(everything=not self._synced)
+        self._record("S", -1, t0, time.perf_counter())
+        plan = self.last_plan = self.plan(staged, input_ids)
+        incoming = self._post_receives(plan) if self.rank == 0 else {}
+        outputs, sends = self._encode(plan, staged, input_ids, incoming)
+        receives = self._post_gradient_receives(plan, outputs) if self.rank != 0 and self._needs_grad else {}
+        features = None
+        if self.rank == 0:
+            features = _StepFeatures(self, plan, incoming)
+            module = self.first_stage if isinstance(self.first_stage, nn.Module) else self.first_stage.submod
+            module.__dict__[FEATURES_ATTRIBUTE] = features
+            try:
+                with stage_media(self.first_stage, staged):
+                    yield plan
+            finally:
+                module.__dict__.pop(FEATURES_ATTRIBUTE, None)
+        else:
+            yield plan
+        self._finish(plan, features, outputs, sends, receives)
+
+    def _finish(self, plan: SpreadPlan, features: _StepFeatures | None, outputs: dict[int, dict[str, Tensor]],
+                sends: list[Any], receives: dict[int, tuple[list[Any], dict[str, Tensor]]]) -> None:
+        for work in sends:
+            work.wait()
+        if features is not None:
+            missing = [k for k in features.incoming if k not in features.takes]
+            if missing:
+                raise ValueError(
+                    f"encoder spread: the first stage never took the encoded outputs of microbatches {missing} "
+                    f"(its forwards took {features.takes}); expected every microbatch once"
+                )
+        for work in self._pending:  # stage 0's background broadcast
+            work.wait()
+        if self._needs_grad:
+            if features is not None:
+                for item in features.incoming.values():
+                    if plan.owners[item.k] != 0 and not item.sent:
+                        self._send_gradients(item, plan.owners[item.k])
+                # the copies' sum travels while this rank runs its own share's backward
+                reduction = self._start_reduction()
+                for k, kept in outputs.items():
+                    leaves = features.incoming[k].leaves or {}
+                    self._backward(k, kept, {n: leaf.grad for n, leaf in leaves.items()})
+                self._finish_reduction(reduction)
+                self._reduce_over_replicas()
+            else:
+                for k, (works, grads) in receives.items():
+                    for work in works:
+                        work.wait()
+                    self._backward(k, outputs[k], grads)
+                self._finish_reduction(self._start_reduction())
+            for work in self._grad_sends:
+                work.wait()
+        self._keep, self._grad_sends, self._pending = [], [], []
+
+    def _backward(self, k: int, outputs: Mapping[str, Tensor], grads: Mapping[str, Tensor | None]) -> None:
+        """The tower's backward for microbatch ``k``'s outputs, from their gradients on stage 0."""
+        pairs = [(t, grads[n]) for n, t in outputs.items() if t.requires_grad and grads.get(n) is not None]
+        if not pairs:
+            return
+        t0 = time.perf_counter()
+        torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])  # type: ignore[union-attr]
+        self._record("V", k, t0, time.perf_counter())
+
+    def _start_reduction(self) -> Any:
+        """Start summing the copies' vision gradients onto stage 0 (a ``reduce`` per dtype, in the
+        background). Stage 0's rank contributes zeros: it adds the sum to its own gradients in
+        :meth:`_finish_reduction`, after its own share's backward, which the transfer overlaps."""
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return None
+        t0 = time.perf_counter()
+        params = [p for _, p in self.params if p.requires_grad]
+        own = self.rank == 0
+        grads = [torch.zeros_like(p) if own or p.grad is None else p.grad for p in params]
+        flags = torch.tensor([not own and p.grad is not None for p in params], dtype=torch.int32, device=self.device)
+        works = [dist.reduce(flags, group_dst=0, group=self.group, async_op=True)]
+        flats = sorted(self._flat(grads).items(), key=lambda item: str(item[0]))
+        works += [dist.reduce(flat, group_dst=0, group=self.group, async_op=True) for _, (flat, _) in flats]
+        self._record("R", -1, t0, time.perf_counter())
+        return params, flags, flats, works
+
+    def _finish_reduction(self, reduction: Any) -> None:
+        """Wait for the sum; on stage 0 add it to the vision gradients (a parameter whose gradient is
+        ``None`` on every rank stays ``None``); drop the copies' gradients."""
+        if reduction is None:
+            return
+        t0 = time.perf_counter()
+        params, flags, flats, works = reduction
+        for work in works:
+            work.wait()
+        if self.rank == 0:
+            theirs = flags.tolist()  # one small host read, on stage 0
+            for _, (flat, idx) in flats:
+                offset = 0
+                for i in idx:
+                    p, n = params[i], params[i].numel()
+                    if theirs[i]:
+                        total = flat[offset : offset + n].view_as(p)
+                        p.grad = total if p.grad is None else p.grad.add_(total)
+                    offset += n
+        else:
+            for p in params:
+                p.grad = None
+        self._record("R", -1, t0, time.perf_counter())
+
+    def _reduce_over_replicas(self) -> None:
+        """FSDP2 (:meth:`shard_over`): sum stage 0's vision gradients over the data-parallel replicas
+        (which ran the same code, so they reach this in the same order); a parameter without a gradient
+        on every replica keeps ``None``."""
+        import torch.distributed as dist
+
+        if not self.replica_groups:
+            return
+        t0 = time.perf_counter()
+        params = [p for _, p in self.params if p.requires_grad]
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        flats = sorted(self._flat(grads).items(), key=lambda item: str(item[0]))
+        for group in self.replica_groups:
+            dist.all_reduce(flags, group=group)
+            for _, (flat, _) in flats:
+                dist.all_reduce(flat, group=group)
+        some = flags.tolist()  # one small host read
+        for _, (flat, idx) in flats:
+            offset = 0
+            for i in idx:
+                p, n = params[i], params[i].numel()
+                p.grad = flat[offset : offset + n].view_as(p).clone() if some[i] else None
+                offset += n
+        self._record("R", -1, t0, time.perf_counter())
+
+    def _reduce_gradients(self) -> None:
+        """Sum the copies' vision gradients onto stage 0 now (both halves of the reduction at once)."""
+        self._finish_reduction(self._start_reduction())
+
+
+def encoder_spread_of(stages: Sequence[Any]) -> EncoderSpread:
+    """The :class:`EncoderSpread` that ``make_pipeline_stages(..., encoder="spread")`` hung on this
+    rank's stages (``PipelineStage`` objects or their modules).
+
+    Raises:
+        ValueError: the stages were built without the spread.
+    """
+    for stage in stages:
+        module = stage if isinstance(stage, nn.Module) else getattr(stage, "submod", None)
+        spread = getattr(module, "__dict__", {}).get(SPREAD_ATTRIBUTE)
+        if isinstance(spread, EncoderSpread):
+            return spread
+    raise ValueError("encoder_spread_of: these stages have no encoder spread; build them with "
+                     "make_pipeline_stages(..., encoder=\"spread\")")

@@ -1,0 +1,419 @@
+"""Encoder-spread benchmark: real 2-process pipelines on a vision-heavy tiny model, the vision tower
+on stage 0 (uniform and other static splits) against spread over both ranks, A/B alternated.
+
+Model: a tiny Qwen2.5-VL whose vision tower (depth 4, hidden 128, full attention in 2 of 4 layers)
+costs per microbatch about as much as one stage's share of the text model (4 decoder layers, hidden
+256, forward and backward; measured on quiet runs: 1.14-1.15 times, printed with every run): B=16 samples with one 8x12-patch image each, ``S = 80``, 8 microbatches
+of 2, 1F1B on 2 ranks (gloo on 127.0.0.1, one thread per process). Arms, alternated step by step with their order rotated
+every repetition: ``stage0`` (layers 2 + 2, the uniform split), ``stage0/1+3`` and ``stage0/0+4`` (vision
+on stage 0 with fewer layers there), ``spread`` (2 + 2, ``encoder="spread"``).
+
+Calibration for the planner (independent of the arms it predicts): before the repetitions both
+workers time, at the same time, the vision tower's forward and backward per MFLOP of the adapter's
+cost model, one decoder layer's forward and backward on a microbatch, and the spread's weight
+broadcast plus gradient reduction. After them, the ``stage0`` arm's own per-action medians give the
+first and last stages' extra work (embedding, merge, head and loss) and the send latency (fitted so
+the model reproduces that arm's step time). :mod:`ppmedia.stepmodel` then predicts every arm.
+
+Quietness as in ``balance_bench``: more than 0.25 cores used by other processes (``/proc/stat``
+minus the workers' own CPU time) before or during the runs prints ``n/a`` instead of the ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+import balance_bench as bb
+
+N_MICROBATCHES = 8
+BATCH = 16
+GRID = (1, 8, 12)  # patches of each sample's image: 96, i.e. 24 tokens
+SEQ_LEN = 80
+TEXT_LAYERS = 4
+SCHEDULE = "1f1b"
+#: arm -> (encoder, layers per stage)
+ARMS: dict[str, tuple[str, tuple[int, int]]] = {
+    "stage0": ("stage0", (2, 2)),
+    "stage0/1+3": ("stage0", (1, 3)),
+    "stage0/0+4": ("stage0", (0, 4)),
+    "spread": ("spread", (2, 2)),
+}
+BASELINE = "stage0"
+
+
+def build_config() -> Any:
+    """balance_bench's model with 4 decoder layers (the vision tower as there)."""
+    saved = bb.LM_LAYERS
+    bb.LM_LAYERS = (TEXT_LAYERS // 2, TEXT_LAYERS - TEXT_LAYERS // 2)
+    try:
+        return bb.build_config()
+    finally:
+        bb.LM_LAYERS = saved
+
+
+def build_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """``BATCH`` samples, each with one image of ``GRID`` patches, then random text to ``SEQ_LEN``."""
+    from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = GRID[0] * GRID[1] * GRID[2] // 4
+    ids = torch.full((BATCH, SEQ_LEN), tiny.PAD_TOKEN_ID, dtype=torch.long)
+    for s in range(BATCH):
+        row = [tiny.BOS_TOKEN_ID, tiny.VISION_START_TOKEN_ID] + [tiny.IMAGE_TOKEN_ID] * tokens + [tiny.VISION_END_TOKEN_ID]
+        row += torch.randint(10, 128, (SEQ_LEN - 1 - len(row),), generator=gen).tolist() + [tiny.EOS_TOKEN_ID]
+        ids[s] = torch.tensor(row)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(BATCH * GRID[0] * GRID[1] * GRID[2], tiny.PATCH_DIM, generator=gen),
+        "image_grid_thw": torch.tensor([GRID] * BATCH, dtype=torch.long),
+    }
+
+
+def _probe(model: Any, adapter: Any, staged: Any, ids: torch.Tensor, spread: Any) -> Any:
+    """A function that times each operation once on this rank (while the other rank does the same),
+    appending to the lists it returns with ``summary()``: called once per repetition, between the
+    arms, so the calibration sees the same machine as they do."""
+    import torch.distributed as dist
+
+    from ppmedia.pipeline import build_stage_modules, vision_replica
+
+    config = model.config
+    vision = vision_replica(model)
+    # a middle stage of one layer and one of two: their difference is a layer, without the stage's
+    # fixed work (masks, rotary embedding), which the first and last stages' extras then include
+    one = build_stage_modules(model, 4, stages=[1], layers_per_stage=[1, 1, 1, 1])[0]
+    two = build_stage_modules(model, 3, stages=[1], layers_per_stage=[1, 2, 1])[0]
+    b = ids.shape[0] // N_MICROBATCHES
+    hidden = torch.randn(b, SEQ_LEN, config.text_config.hidden_size, requires_grad=True)
+    mask = torch.ones(b, SEQ_LEN, dtype=torch.long)
+    positions = torch.arange(SEQ_LEN).expand(b, 3, SEQ_LEN).contiguous()
+    times: dict[str, list[float]] = {k: [] for k in ("vision_forward", "vision_backward", "one_forward",
+                                                     "one_backward", "two_forward", "two_backward", "sync")}
+    chunks = [(k, staged.chunk(k)) for k in range(N_MICROBATCHES) if staged.chunk(k) is not None]
+
+    def once() -> None:
+        dist.barrier()
+        for k, chunk in chunks:
+            a, z = staged.samples[k]
+            _, host = adapter.check_counts(ids[a:z], chunk, config)
+            t0 = time.perf_counter()
+            out = adapter.encoder_outputs(vision, chunk, host)["image"]
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            t2 = time.perf_counter()
+            times["vision_forward"].append(t1 - t0)
+            times["vision_backward"].append(t2 - t1)
+        for name, stage in (("one", one), ("two", two)):
+            t0 = time.perf_counter()
+            out = stage(hidden, mask, positions)[0]
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            t2 = time.perf_counter()
+            times[f"{name}_forward"].append(t1 - t0)
+            times[f"{name}_backward"].append(t2 - t1)
+        for p in model.parameters():
+            p.grad = None
+        dist.barrier()
+        t0 = time.perf_counter()
+        spread.refresh(everything=False)  # stage 0's rank: in the background; the copies wait for it
+        for work in spread._pending:
+            work.wait()
+        spread._pending.clear()
+        spread._reduce_gradients()
+        times["sync"].append(time.perf_counter() - t0)
+
+    def summary() -> dict[str, float]:
+        found = {k: statistics.median(v) for k, v in times.items()}
+        for part in ("forward", "backward"):
+            found[f"layer_{part}"] = max(found[f"two_{part}"] - found[f"one_{part}"], 1e-6)
+            found[f"stage_{part}"] = max(found[f"one_{part}"] - found[f"layer_{part}"], 0.0)
+        return found
+
+    once.summary = summary  # type: ignore[attr-defined]
+    return once
+
+
+def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> None:
+    import torch.distributed as dist
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    import ppmedia
+    from ppmedia.pipeline import StepTracer, build_schedule, encoder_spread_of, make_labels, make_pipeline_stages
+    from ppmedia.testing.parity import exit_worker
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        config = build_config()
+        model = Qwen2_5_VLForConditionalGeneration(config).float()
+        adapter = ppmedia.get_adapter(config)
+        batch = build_batch()
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        labels = make_labels(ids, config, adapter, attention_mask=mask)
+        staged = ppmedia.split_media(dict(batch), N_MICROBATCHES, **adapter.media_counts(batch, config))
+        num_valid = int((labels != -100).sum())
+        built = {}
+        for arm, (encoder, layers) in ARMS.items():
+            stages = make_pipeline_stages(model, 2, [rank], "cpu", layers_per_stage=list(layers), encoder=encoder,
+                                          static_microbatch=(ids.shape[0] // N_MICROBATCHES, SEQ_LEN))
+            spread = encoder_spread_of(stages) if encoder == "spread" else None
+            built[arm] = (stages, build_schedule(SCHEDULE, stages, N_MICROBATCHES), spread, StepTracer(stages, spread))
+        probe = _probe(model, adapter, staged, ids, built["spread"][2])
+
+        def step(arm: str) -> tuple[float, list[Any]]:
+            stages, schedule, spread, tracer = built[arm]
+            losses: list[torch.Tensor] = []
+            tracer.start()  # a barrier, then the clock
+            t0 = time.perf_counter()
+            if spread is not None:
+                staging: Any = spread.step(staged, ids)
+            else:
+                staging = ppmedia.stage_media(stages[0], staged) if stages[0].is_first else _null()
+            with staging:
+                schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
+            wall = time.perf_counter() - t0
+            for p in model.parameters():
+                p.grad = None
+            return wall, tracer.bars(rank)
+
+        for _ in range(job["warmup"]):
+            for arm in ARMS:
+                step(arm)
+            probe()
+        dist.barrier()
+        busy0, own0, t_start = bb._cpu_busy(), bb._own_cpu(), time.perf_counter()
+        records: dict[str, list[Any]] = {arm: [] for arm in ARMS}
+        names = list(ARMS)
+        for rep in range(job["pairs"]):
+            shift = rep % len(names)
+            for arm in names[shift:] + names[:shift]:
+                records[arm].append(step(arm))
+            probe()
+        window = time.perf_counter() - t_start
+        own = torch.tensor([bb._own_cpu() - own0])
+        dist.all_reduce(own)
+        busy = bb._cpu_busy() - busy0
+        gathered: list[Any] = [None, None]
+        dist.all_gather_object(gathered, {"records": records, "probe": probe.summary()})
+        if rank == 0:
+            result = {
+                "arms": {arm: {"walls": [max(gathered[r]["records"][arm][i][0] for r in range(2)) for i in range(job["pairs"])],
+                               "bars": [[b for r in range(2) for b in gathered[r]["records"][arm][i][1]]
+                                        for i in range(job["pairs"])]}
+                         for arm in ARMS},
+                "probe": {k: statistics.mean(gathered[r]["probe"][k] for r in range(2)) for k in gathered[0]["probe"]},
+                "loads": list(built["spread"][2].last_plan.costs),
+                "window": {"seconds": window, "foreign_cores": max(0.0, busy - float(own)) / window},
+            }
+            with open(os.path.join(out_dir, "stage0.json"), "w") as fh:
+                json.dump(result, fh, default=_bar_json)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    exit_worker(0)
+
+
+def _null() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _bar_json(bar: Any) -> Any:
+    return [bar.rank, bar.kind, bar.start, bar.end, bar.stage, bar.microbatch]
+
+
+def run(pairs: int = 12, warmup: int = 2) -> dict[str, Any]:
+    """Spawn the two workers; the raw results plus the machine's state before."""
+    import torch.multiprocessing as mp
+    from ppmedia.testing.parity import _free_port
+
+    load_before = os.getloadavg()[0]
+    busy0, t0 = bb._cpu_busy(), time.perf_counter()
+    time.sleep(1.0)  # this process idles: whatever runs now is someone else's
+    foreign_before = (bb._cpu_busy() - busy0) / (time.perf_counter() - t0)
+    job = {"pairs": pairs, "warmup": warmup}
+    with tempfile.TemporaryDirectory(prefix="ppmedia-stage0-") as out_dir:
+        mp.spawn(_worker, args=(f"tcp://127.0.0.1:{_free_port()}", job, out_dir), nprocs=2, join=True)
+        with open(os.path.join(out_dir, "stage0.json")) as fh:
+            results = json.load(fh)
+    results.update(loadavg_before=load_before, loadavg_after=os.getloadavg()[0], foreign_cores_before=foreign_before,
+                   pairs=pairs)
+    return results
+
+
+def _bars(raw: list[list[Any]]) -> list[Any]:
+    from ppmedia.timeline import Bar
+
+    return [Bar(int(r), str(k), float(a), float(b), int(s), int(m)) for r, k, a, b, s, m in raw]
+
+
+def _op_medians(steps: list[list[Any]], kind: str, stage: int) -> float:
+    """Median over steps of the mean duration of ``kind`` on ``stage`` (per microbatch)."""
+    per_step = []
+    for raw in steps:
+        spans = [b.end - b.start for b in _bars(raw) if b.kind == kind and b.stage == stage]
+        if spans:
+            per_step.append(sum(spans) / len(spans))
+    return statistics.median(per_step) if per_step else 0.0
+
+
+def calibrate(results: dict[str, Any]) -> Any:
+    """:class:`ppmedia.stepmodel.OpCosts` (seconds) from the probe and the baseline arm's per-action
+    medians, the latency fitted to the baseline's median step."""
+    from ppmedia.stepmodel import OpCosts, predict_step
+
+    probe, loads = results["probe"], results["loads"]
+    mean_load = statistics.mean(l for l in loads if l > 0)
+    vf, vb = probe["vision_forward"] / mean_load, probe["vision_backward"] / mean_load
+    lf, lb = probe["layer_forward"], probe["layer_backward"]
+    sf, sb = probe["stage_forward"], probe["stage_backward"]
+    base = results["arms"][BASELINE]["bars"]
+    l0, l1 = ARMS[BASELINE][1]
+    f0, f1 = _op_medians(base, "F", 0), _op_medians(base, "F", 1)
+    b0, b1 = _op_medians(base, "B", 0), _op_medians(base, "B", 1)
+    costs = OpCosts(layer_forward=lf, layer_backward=lb, vision_forward=vf, vision_backward=vb, stage_forward=sf,
+                    stage_backward=sb, first_forward=max(0.0, f0 - l0 * lf - sf - vf * mean_load),
+                    first_backward=max(0.0, b0 - l0 * lb - sb - vb * mean_load), last_forward=max(0.0, f1 - l1 * lf - sf),
+                    last_backward=max(0.0, b1 - l1 * lb - sb), sync=probe["sync"], unit="s")
+    target = statistics.median(results["arms"][BASELINE]["walls"])
+
+    def step(latency: float) -> float:
+        costs.latency = latency
+        return predict_step(SCHEDULE, costs, loads, n_ranks=2, layers_per_stage=ARMS[BASELINE][1]).step_time
+
+    low, high = 0.0, target
+    if step(0.0) < target:
+        for _ in range(40):  # the step grows with the latency
+            mid = (low + high) / 2
+            low, high = (mid, high) if step(mid) < target else (low, mid)
+    costs.latency = low
+    return costs
+
+
+def analyse(results: dict[str, Any], max_foreign: float = 0.25) -> dict[str, Any]:
+    """Measured ratios (median of per-repetition ratios to the baseline), predictions, quietness."""
+    from ppmedia.stepmodel import compare_placements, predict_step
+
+    costs = calibrate(results)
+    loads = results["loads"]
+    base_walls = results["arms"][BASELINE]["walls"]
+    arms: dict[str, Any] = {}
+    for arm, (encoder, layers) in ARMS.items():
+        walls = results["arms"][arm]["walls"]
+        predicted = predict_step(SCHEDULE, costs, loads, n_ranks=2, layers_per_stage=layers, encoder=encoder)
+        arms[arm] = {"median_s": statistics.median(walls), "ratio": statistics.median(w / b for w, b in zip(walls, base_walls)),
+                     "predicted_s": predicted.step_time, "bubble": predicted.bubble}
+    base_pred = arms[BASELINE]["predicted_s"]
+    for arm in arms.values():
+        arm["predicted_ratio"] = arm["predicted_s"] / base_pred
+    statics = [a for a in ARMS if a != BASELINE and ARMS[a][0] == "stage0"]
+    best_static = min(statics, key=lambda a: arms[a]["median_s"])
+    options, best = compare_placements(SCHEDULE, costs, loads, n_ranks=2, num_layers=TEXT_LAYERS)
+    reasons = []
+    if results["foreign_cores_before"] > max_foreign:
+        reasons.append(f"other processes used {results['foreign_cores_before']:.2f} cores just before the start")
+    if results["window"]["foreign_cores"] > max_foreign:
+        reasons.append(f"other processes used {results['window']['foreign_cores']:.2f} cores during the runs")
+    mean_load = statistics.mean(l for l in loads if l > 0)
+    stage_work = (TEXT_LAYERS // 2) * (costs.layer_forward + costs.layer_bwd) + costs.stage_forward + costs.stage_backward
+    vision_work = mean_load * (costs.vision_forward + costs.vision_bwd)
+    return {"arms": arms, "best_static": best_static, "costs": costs.to_dict(), "unquiet": reasons,
+            "vision_over_stage": vision_work / stage_work,
+            "planner": [{"label": o.label, "layers": o.layers_per_stage, "predicted_s": o.step_time,
+                         "ratio": o.step_time / base_pred} for o in options],
+            "recommended": best.label, "spread_error": arms["spread"]["predicted_ratio"] - arms["spread"]["ratio"]}
+
+
+def timelines(results: dict[str, Any], analysis: dict[str, Any]) -> list[list[Any]]:
+    """Rows (stage 0 uniform, the best static split, spread) of (predicted, measured median step)."""
+    from ppmedia.stepmodel import OpCosts, predict_step
+    from ppmedia.timeline import Timeline
+
+    costs = OpCosts.from_dict(analysis["costs"])
+    rows = []
+    for arm in (BASELINE, analysis["best_static"], "spread"):
+        encoder, layers = ARMS[arm]
+        predicted = predict_step(SCHEDULE, costs, results["loads"], n_ranks=2, layers_per_stage=layers, encoder=encoder,
+                                 title=f"predicted: {arm} (layers {list(layers)})").timeline
+        walls = results["arms"][arm]["walls"]
+        median = sorted(range(len(walls)), key=lambda i: walls[i])[len(walls) // 2]
+        measured = Timeline(f"measured: {arm}, median step of {len(walls)}", 2, _bars(results["arms"][arm]["bars"][median]))
+        rows.append([predicted, measured])
+    return rows
+
+
+def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = False) -> str:
+    """The tables and the final ``stage0: ...`` line."""
+    from ppmedia.tables import format_table
+
+    arms = analysis["arms"]
+    lines = [f"9. encoder spread: 2-process {SCHEDULE} pipelines, vision-heavy tiny Qwen2.5-VL (B={BATCH}, n={N_MICROBATCHES}, "
+             f"{TEXT_LAYERS} decoder layers, vision per microbatch about one stage's decoder work: measured below); "
+             f"{results['pairs']} alternated repetitions per arm"]
+    rows = [(arm, ARMS[arm][0], "+".join(map(str, ARMS[arm][1])), f"{a['median_s'] * 1e3:.1f}", f"{a['ratio']:.3f}",
+             f"{a['predicted_s'] * 1e3:.1f}", f"{a['predicted_ratio']:.3f}", f"{a['predicted_ratio'] - a['ratio']:+.3f}")
+            for arm, a in arms.items()]
+    lines.append(format_table(("arm", "vision", "layers", "median ms", "measured / stage0", "predicted ms",
+                               "predicted / stage0", "pred - meas"), rows))
+    c = analysis["costs"]
+    lines.append(f"calibration (ms): layer fwd {c['layer_forward'] * 1e3:.2f} bwd {c['layer_backward'] * 1e3:.2f}, stage "
+                 f"+{c['stage_forward'] * 1e3:.2f}/+{c['stage_backward'] * 1e3:.2f}; vision "
+                 f"fwd {c['vision_forward'] * 1e6:.2f} bwd {c['vision_backward'] * 1e6:.2f} us/MFLOP; first +{c['first_forward'] * 1e3:.2f}"
+                 f"/+{c['first_backward'] * 1e3:.2f}, last +{c['last_forward'] * 1e3:.2f}/+{c['last_backward'] * 1e3:.2f}; "
+                 f"spread sync {c['sync'] * 1e3:.2f}; fitted latency {c['latency'] * 1e3:.2f}")
+    lines.append(f"vision per microbatch (forward + backward) / one stage's decoder work: {analysis['vision_over_stage']:.2f}")
+    lines.append("planner (" + "; ".join(f"{p['label']} {p['layers']}: {p['ratio']:.3f}" for p in analysis["planner"])
+                 + f") recommends {analysis['recommended']}")
+    lines.append(f"other processes' CPU: {results['foreign_cores_before']:.2f} cores in the second before, "
+                 f"{results['window']['foreign_cores']:.2f} during the runs; 1-min load average {results['loadavg_before']:.2f} "
+                 f"before, {results['loadavg_after']:.2f} after")
+    best = analysis["best_static"]
+    spread = arms["spread"]
+    if analysis["unquiet"] and not force:
+        lines.append(f"best static split ({best}): n/a; planner error: n/a")
+        lines.append("stage0: spread/stage-0 step time = n/a (machine unquiet: " + "; ".join(analysis["unquiet"])
+                     + "; rerun on a quiet machine, or --force)")
+    else:
+        flag = f" [unquiet: {'; '.join(analysis['unquiet'])}]" if analysis["unquiet"] else ""
+        lines.append(f"best static split ({best}): {arms[best]['ratio']:.3f} of stage 0's step (predicted "
+                     f"{arms[best]['predicted_ratio']:.3f}); planner error on the spread: {analysis['spread_error']:+.3f}")
+        lines.append(f"stage0: spread/stage-0 step time = {spread['ratio']:.2f} (median of {results['pairs']} pairs){flag}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python tests/bench/stage0_bench.py [--pairs N] [--force] [--out FILE] [--timeline FILE.svg]``."""
+    import argparse
+
+    from ppmedia.timeline import write_svg
+
+    parser = argparse.ArgumentParser(description="ppmedia encoder-spread benchmark")
+    parser.add_argument("--pairs", type=int, default=12)
+    parser.add_argument("--force", action="store_true", help="print the ratio even on an unquiet machine")
+    parser.add_argument("--out", help="write the raw results and analysis as JSON")
+    parser.add_argument("--timeline", help="draw predicted and measured timelines of the arms here (SVG)")
+    args = parser.parse_args(argv)
+    results = run(args.pairs)
+    analysis = analyse(results)
+    print(report(results, analysis, args.force))
+    if args.timeline:
+        write_svg(args.timeline, timelines(results, analysis), "one 1F1B step, predicted (left) and measured (right)")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"raw": results, "analysis": analysis}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
