@@ -123,6 +123,7 @@ _NAMES_SET = set(_NAMES)  # a plain set: dict_keys & set looks up the set's few 
 _TRAILING = _ATTRS[7:]
 assert _TRAILING[0] == STAGED_ATTRIBUTES["second_per_grid_ts"]
 _read_contract = operator.itemgetter(*_ATTRS[:7])  # a tuple of the seven contract lists
+_read_all = operator.itemgetter(*_ATTRS)  # every list: ppmedia's own staging sets them all
 _MISSING = object()
 _Tensor = torch.Tensor
 _MODULE_GETATTR: Any = torch.nn.Module.__getattr__
@@ -194,6 +195,19 @@ def _read_partial(module: torch.nn.Module, state: dict[str, Any]) -> tuple[Any, 
     return tuple(getattr(module, name, None) for name in _ATTRS)
 
 
+def _read_some(module: torch.nn.Module, state: dict[str, Any]) -> tuple[Any, ...]:
+    """The staged lists when not all are in ``state``: another producer's staging (NeMo Automodel)."""
+    try:  # the seven contract lists, one C call: NeMo Automodel's staging after its first step
+        lists: tuple[Any, ...] = _read_contract(state)
+    except KeyError:  # NeMo Automodel's first step sets only the lists of the batch's modalities
+        return _read_partial(module, state)
+    get = state.get  # ppmedia's additions, which no other producer sets
+    return lists + tuple(
+        _read_missing(module, state, name) if (value := get(name, _MISSING)) is _MISSING else value
+        for name in _TRAILING
+    )
+
+
 def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
     """Take the next microbatch's staged media from ``module`` and advance its cursor once.
 
@@ -226,16 +240,10 @@ def next_vlm_media_chunk(module: torch.nn.Module) -> VlmMediaChunk | None:
         k = _read_missing(module, state, CURSOR_ATTRIBUTE)
     if k is None:
         return None
-    try:  # the seven contract lists, one C call: ppmedia's staging, NeMo Automodel's after its first step
-        lists: tuple[Any, ...] = _read_contract(state)
-    except KeyError:  # NeMo Automodel's first step sets only the lists of the batch's modalities
-        lists = _read_partial(module, state)
-    else:  # ppmedia's additions, which no other producer sets
-        get = state.get
-        lists += tuple(
-            _read_missing(module, state, name) if (value := get(name, _MISSING)) is _MISSING else value
-            for name in _TRAILING
-        )
+    try:  # every list, one C call: ppmedia's own staging sets them all
+        lists: tuple[Any, ...] = _read_all(state)
+    except KeyError:
+        lists = _read_some(module, state)
     # values[i] is field i of the chunk; its length is also the index of the list being read.
     values: list[Any] = []
     append = values.append

@@ -314,10 +314,6 @@ def _run_balance(args: argparse.Namespace, targets: list[dict[str, Any]] | None)
                             "measured": None if analysis["unquiet"] else round(c["ratio"], 3),
                             "met": None if analysis["unquiet"] else c["ratio"] <= limit})
     result = {"raw": raw, "analysis": analysis}
-    costs = args.out.parent / "bench-stage0-costs.json"  # per-operation costs for ppmedia plan --calibration
-    costs.parent.mkdir(parents=True, exist_ok=True)
-    costs.write_text(json.dumps(analysis["costs"], indent=1) + "\n")
-    print(f"wrote {costs} (ppmedia plan --calibration {costs.name})")
     if targets is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"balance": result}, indent=1) + "\n")
