@@ -28,4 +28,4 @@ fixtures: $(STAMP)
 	$(BIN)/python fixtures/generate.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis bench-results.json
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis bench-results.json bench-stage0-costs.json
