@@ -205,7 +205,9 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         return outputs
 
     def encoder_output_names(self, config: Any, modality: str) -> tuple[str, ...]:
-        """``modality``, then ``modality.deepstack_{i}`` for each deepstack level."""
+        """``modality``, then (images and videos) ``modality.deepstack_{i}`` for each deepstack level."""
+        if modality not in ("image", "video"):
+            return (modality,)
         return (modality, *(f"{modality}.deepstack_{i}" for i in range(_deepstack_levels(config))))
 
     # -- positions -------------------------------------------------------------------------------
@@ -265,7 +267,8 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
             wire["visual_pos_mask"] = (masks["image"] | masks["video"]).to(torch.int64)
             for level in range(levels):
                 # zeros off the visual positions: the model adds level i only at its visual positions
-                per_modality = {m: outputs[f"{m}.deepstack_{level}"] for m in masks if m in outputs}
+                # only the vision modalities have deepstack sets (Qwen3-Omni's audio has none)
+                per_modality = {m: outputs[key] for m in masks if (key := f"{m}.deepstack_{level}") in outputs}
                 wire[f"deepstack_{level}"] = self.scatter(torch.zeros_like(inputs_embeds), masks, per_modality)
         return hidden, wire
 

@@ -26,9 +26,11 @@ FAMILIES = ("gemma4", "qwen2_5_omni", "qwen3_omni", "inkling")
 SCENARIOS = ("gpipe/inferred", "1f1b/static", "interleaved/static")
 WRONG_BATCH = Scenario("1f1b", "static", "wrong_batch")
 PRETRAINED = Scenario("1f1b", "static", pretrained=True)
+#: the encoder spread (issue 19): both ranks encode a share of the microbatches' media, clips included
+SPREAD = Scenario("1f1b", "static", encoder="spread")
 #: decoder layers per stage of each family's tiny model under the 2-stage and the 4-stage schedules
 LAYERS = {"gemma4": ([2, 2], [1, 1, 1, 1])}
-_run = parity_once(FAMILIES, [*SCENARIOS, WRONG_BATCH, PRETRAINED], tolerance=TOL)
+_run = parity_once(FAMILIES, [*SCENARIOS, WRONG_BATCH, PRETRAINED, SPREAD], tolerance=TOL)
 
 
 def _layers(family: str, scenario: str) -> list[int]:
@@ -51,6 +53,15 @@ def test_a_pipeline_loaded_from_a_checkpoint_matches_the_model(family):
     """Each rank reads only its stages from the checkpoint (Gemma 4: the PLE tables on stage 0 only)."""
     result = _run().family(family).scenario(PRETRAINED.name)
     assert result.name == "1f1b/static/pretrained"
+    assert_pipeline_matches(result, family, result.name, TOL, _layers(family, result.name))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_encoder_spread_matches_the_model(family):
+    """Qwen3-Omni: deepstack sets for the vision modalities only, none for its audio."""
+    result = _run().family(family).scenario(SPREAD.name)
+    assert result.name == "1f1b/static/spread"
     assert_pipeline_matches(result, family, result.name, TOL, _layers(family, result.name))
 
 
