@@ -59,11 +59,6 @@ def _layout(args: argparse.Namespace) -> tuple[int, int, str]:
 GROUP = 8
 
 
-def _family_ok(report: "parity.ParityReport", family: str) -> bool:
-    f = report.family(family)
-    return all(s.passed(report.tolerance) for s in f.scenarios if s.fault is None)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns 0 when every family matched its reference within 1e-5."""
     families = list(tiny.FAMILIES) if args.family == "all" else [args.family]
@@ -86,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             group, scenarios, steps=args.steps, n_microbatches=args.microbatches, world_size=pp * dp
         )
         _say(report.format())
-        bad = [family for family in group if not _family_ok(report, family)]
+        bad = [family for family in group if not report.family_ok(family)]
         failed += bad
         _say(f"{span} {'parity ok' if not bad else 'PARITY FAILED for ' + ', '.join(bad)} in {time.perf_counter() - t0:.1f} s\n")
     total = time.perf_counter() - started

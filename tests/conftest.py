@@ -126,10 +126,11 @@ def pixtral_processor_batch(layout, sizes_per_sample, seed=3):
 # -- multi-process family modules (tests/test_*_mp.py): one spawn per module, every test reads its report --
 
 
-def parity_once(families, scenarios, *, tolerance, steps=2, n_microbatches=4):
+def parity_once(families, scenarios, *, tolerance, steps=2, n_microbatches=4, **more):
     """A function returning ``run_parity(families, scenarios, ...)``'s report, run on its first call only:
     one spawn for the whole test module. A :class:`~ppmedia.testing.parity.ParityError` is kept too and
-    raised again by every later call, so each test of the module fails with it (not only the first)."""
+    raised again by every later call, so each test of the module fails with it (not only the first).
+    ``more`` goes to ``run_parity`` as is (``family_scenarios=``)."""
     from ppmedia.testing.parity import ParityError, run_parity
 
     report: list[object] = []
@@ -137,7 +138,8 @@ def parity_once(families, scenarios, *, tolerance, steps=2, n_microbatches=4):
     def run():
         if not report:
             try:
-                report.append(run_parity(families, scenarios, steps=steps, n_microbatches=n_microbatches, tolerance=tolerance))
+                report.append(run_parity(families, scenarios, steps=steps, n_microbatches=n_microbatches, tolerance=tolerance,
+                                         **more))
             except ParityError as exc:  # one spawn for the module, failure included
                 report.append(exc)
         if isinstance(report[0], Exception):

@@ -18,6 +18,7 @@ import torch
 
 import ppmedia
 import ppmedia.testing.tiny_models as tiny
+from conftest import parity_once
 from ppmedia.testing.parity import ALL_SCENARIOS, ParityError, Scenario, microbatch_table, run_parity
 from ppmedia.pipeline import (
     IGNORE_INDEX,
@@ -57,7 +58,6 @@ FAMILIES = ("qwen2_5_vl", "llava_next", "step3", "kimi_vl", "qwen3_vl", "gemma3"
 #: stage split is checked here in process too
 SPLIT_FAMILIES = FAMILIES + ("gemma4", "qwen2_5_omni", "qwen3_omni", "inkling")
 
-_reports: dict[str, object] = {}
 
 
 @pytest.fixture
@@ -71,21 +71,9 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def _report(family: str):
-    """The parity report holding ``family``: ONE spawned pair runs every family's scenarios (starting a
-    pair costs seconds; cached per module, a failure too, so every test of the module fails with it)."""
-    if not _reports:
-        try:
-            _reports["all"] = run_parity(
-                FAMILIES, [*ALL_SCENARIOS, WRONG_BATCH, PRETRAINED], steps=STEPS, n_microbatches=N_MICROBATCHES,
-                tolerance=TOL, family_scenarios=EXTRA_SCENARIOS,
-            )
-        except ParityError as exc:
-            _reports["all"] = exc
-    report = _reports["all"]
-    if isinstance(report, Exception):
-        raise report
-    return report
+#: ONE spawned pair runs every family's scenarios (starting a pair costs seconds)
+_report = parity_once(FAMILIES, [*ALL_SCENARIOS, WRONG_BATCH, PRETRAINED], steps=STEPS, n_microbatches=N_MICROBATCHES,
+                      tolerance=TOL, family_scenarios=EXTRA_SCENARIOS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,7 +84,7 @@ def _report(family: str):
 @pytest.mark.parametrize("scenario", SCENARIO_NAMES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pipeline_matches_full_batch_model(family, scenario):
-    result = _report(family).family(family).scenario(scenario)
+    result = _report().family(family).scenario(scenario)
     schedule, shapes = scenario.split("/")
     assert result.n_stages == (4 if schedule == "interleaved" else 2)
     assert result.missing_params == [], "every parameter of the model must be on some stage"
@@ -125,7 +113,7 @@ def test_qwen3_vl_deepstack_scenarios(scenario):
     """2 + 0: every deepstack layer on stage 0; text_only_first: the schedule infers its shapes from a
     microbatch without media (whose deepstack features carry no gradient); frozen_vision: the vision
     tower trains not at all, and nothing reaches it."""
-    result = _report("qwen3_vl").family("qwen3_vl").scenario(scenario)
+    result = _report().family("qwen3_vl").scenario(scenario)
     assert result.layers_per_stage == ([2, 0] if "layers=" in scenario else default_layer_split(2, result.n_stages))
     assert result.missing_params == []
     for st in result.steps:
@@ -146,7 +134,7 @@ def test_qwen3_vl_deepstack_scenarios(scenario):
 def test_a_pipeline_loaded_from_a_checkpoint_matches_the_model(family):
     """Each rank reads only its stage from the checkpoint (Kimi: the q_lora_rank model transformers can
     read back, tiny_models.kimi_vl.build_checkpoint_model); the pipeline matches the model within 1e-5."""
-    result = _report(family).family(family).scenario(PRETRAINED.name)
+    result = _report().family(family).scenario(PRETRAINED.name)
     assert result.name == "1f1b/static/pretrained" and result.missing_params == []
     for st in result.steps:
         assert st.loss_diff <= TOL and st.grad_diff_vision <= TOL and st.grad_diff_lm <= TOL, (family, st)
@@ -159,7 +147,7 @@ def test_a_pipeline_loaded_from_a_checkpoint_matches_the_model(family):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
 def test_microbatch_table_has_text_only_middle_microbatch(family):
-    report = _report(family).family(family)
+    report = _report().family(family)
     assert report.microbatches == microbatch_table(family, N_MICROBATCHES)
     assert [m.samples for m in report.microbatches] == [2, 2, 2, 2]
     assert [m.text_only for m in report.microbatches] == [False, False, True, False]
@@ -171,7 +159,7 @@ def test_microbatch_table_has_text_only_middle_microbatch(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_media_of_another_batch_fail_the_comparison(family):
     """Same layout, other pixels: nothing raises, but the harness sees the losses and grads differ."""
-    report = _report(family)
+    report = _report()
     result = report.family(family).scenario(WRONG_BATCH.name)
     assert not result.passed(TOL)
     for st in result.steps:

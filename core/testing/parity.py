@@ -470,7 +470,11 @@ class ParityReport:
     @property
     def ok(self) -> bool:
         """Every scenario without a deliberate fault passed."""
-        return all(s.passed(self.tolerance) for f in self.families for s in f.scenarios if s.fault is None)
+        return all(self.family_ok(f.family) for f in self.families)
+
+    def family_ok(self, name: str) -> bool:
+        """Every scenario of family ``name`` without a deliberate fault passed."""
+        return all(s.passed(self.tolerance) for s in self.family(name).scenarios if s.fault is None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
