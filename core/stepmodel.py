@@ -16,9 +16,11 @@ send latency). Each operation starts when its rank is free and its inputs have a
 * ``encoder="spread"`` (:mod:`ppmedia.pipeline.encoder`): the ranks without stage 0 first receive the
   vision weights (``S``, half of :attr:`OpCosts.sync`); every rank encodes its microbatches (``E``,
   owners from :func:`ppmedia.pipeline.assign_encoders`, the runtime's own rule); stage 0's ``F`` of
-  ``m`` waits for ``m``'s features; after its schedule a rank runs the vision backward of its
-  microbatches (``V``, each once stage 0's backward of it is done); the other ranks' gradients travel
-  to stage 0 (``R``, the other half) while stage 0's rank runs its own.
+  ``m`` waits for ``m``'s features; a rank runs the vision backward of its microbatches (each once
+  stage 0's backward of it is done) on its background lane (``L``: in the time its schedule idles,
+  preempted by the schedule's work, then after the schedule), or with ``background=False`` after
+  its schedule (``V``); the other ranks' gradients travel to stage 0 (``R``, the other half) once
+  their share's backwards are done, while stage 0's rank finishes its own.
 
 :func:`best_layer_split` searches ``layers_per_stage`` for the fastest step, and
 :func:`compare_placements` gives the four placements ``ppmedia plan`` prints (vision on stage 0 with
@@ -230,6 +232,9 @@ class _Op:
     cost: float
     needs: list[tuple[Any, float]]  # (event key, latency added)
     makes: list[tuple[Any, float]]  # (event key, delay after the end: a send's latency)
+    #: a join (kind ``J``): the rank's background-lane jobs ``(microbatch, cost)``, in order, each ready
+    #: at its ``needs`` entry; they fill the rank's idle time before the join, then run to their end
+    lane: list[tuple[int, float]] = field(default_factory=list)
 
 
 def _schedule_ops(schedule: str, costs: OpCosts, loads: Sequence[float], n_ranks: int,
@@ -266,14 +271,16 @@ def _schedule_ops(schedule: str, costs: OpCosts, loads: Sequence[float], n_ranks
 
 
 def _spread_ops(costs: OpCosts, loads: Sequence[float], owners: Sequence[int], n_ranks: int,
-                body: list[list[_Op]]) -> list[list[_Op]]:
+                body: list[list[_Op]], background: bool = True) -> list[list[_Op]]:
     """Wrap each rank's schedule with the spread's broadcast, encodes, vision backwards and reduce.
 
     As :class:`~ppmedia.pipeline.EncoderSpread` runs them: stage 0's rank broadcasts in the background
     and encodes at once, the other ranks wait for the weights (``S``, half of ``sync``); after its
     schedule stage 0's rank enters the reduction (contributing nothing) and runs its vision
     backwards while the other ranks' gradients travel (``R`` on those ranks, the other half, once
-    their own backwards are done and stage 0 has entered); stage 0 ends when the sum has arrived."""
+    their own backwards are done and stage 0 has entered); stage 0 ends when the sum has arrived.
+    ``background``: the vision backwards run on each rank's lane (a join ``J``), else after its
+    schedule (``V``)."""
     half = costs.sync / 2
     out = []
     for r in range(n_ranks):
@@ -284,14 +291,42 @@ def _spread_ops(costs: OpCosts, loads: Sequence[float], owners: Sequence[int], n
         ops += body[r]
         if r == 0:
             ops.append(_Op(r, "R", -1, -1, 0.0, [], [(("entered", 0), 0.0)]))
-        ops += [_Op(r, "V", -1, m, loads[m] * costs.vision_bwd, [(("D", 0, m), 0.0 if r == 0 else costs.latency)], [])
-                for m in mine]
+        ready = [(("D", 0, m), 0.0 if r == 0 else costs.latency) for m in mine]
+        if background:
+            ops.append(_Op(r, "J", -1, -1, 0.0, ready, [], [(m, loads[m] * costs.vision_bwd) for m in mine]))
+        else:
+            ops += [_Op(r, "V", -1, m, loads[m] * costs.vision_bwd, [need], []) for m, need in zip(mine, ready)]
         if r == 0:
             ops.append(_Op(r, "R", -1, -1, 0.0, [(("reduced", q), 0.0) for q in range(1, n_ranks)], []))
         else:
             ops.append(_Op(r, "R", -1, -1, half, [(("entered", 0), 0.0)], [(("reduced", r), 0.0)]))
         out.append(ops)
     return out
+
+
+def _fill_lane(op: _Op, done: dict[Any, float], busy: list[tuple[float, float]], free: float) -> list[Bar]:
+    """The join ``op``'s lane jobs in order, each from when it is ready, in the rank's idle time:
+    between its ``busy`` intervals before ``free`` (preempted by them), then without a break."""
+    gaps, cursor = [], 0.0
+    for a, b in sorted(busy):
+        if a > cursor:
+            gaps.append((cursor, a))
+        cursor = max(cursor, b)
+    gaps.append((max(cursor, free), math.inf))
+    bars, t = [], 0.0
+    for (m, cost), (key, extra) in zip(op.lane, op.needs):
+        t, left = max(t, done[key] + extra), cost
+        for a, b in gaps:
+            if left <= 0:
+                break
+            if b <= t:
+                continue
+            start = max(a, t)
+            end = min(b, start + left)
+            bars.append(Bar(op.rank, "L", start, end, -1, m))
+            left -= end - start
+            t = end
+    return bars
 
 
 def _replay(ranks: list[list[_Op]], title: str, unit: str) -> Timeline:
@@ -308,6 +343,15 @@ def _replay(ranks: list[list[_Op]], title: str, unit: str) -> Timeline:
                 op = ops[pos[r]]
                 if any(key not in done for key, _ in op.needs):
                     break
+                if op.kind == "J":  # the lane's jobs fill this rank's idle time so far, then go on
+                    busy = [(b.start, b.end) for b in bars if b.rank == r and b.kind != "L"]
+                    lane = _fill_lane(op, done, busy, free[r])
+                    bars += lane
+                    free[r] = max([free[r]] + [b.end for b in lane])
+                    pos[r] += 1
+                    left -= 1
+                    progressed = True
+                    continue
                 start = max([free[r]] + [done[key] + extra for key, extra in op.needs])
                 free[r] = start + op.cost
                 for key, delay in op.makes:
@@ -331,6 +375,7 @@ def predict_step(
     layers_per_stage: Sequence[int],
     encoder: str = "stage0",
     owners: Sequence[int] | None = None,
+    background: bool = True,
     title: str = "",
 ) -> StepPrediction:
     """Predict one step of ``schedule`` on ``n_ranks`` pipeline ranks.
@@ -342,6 +387,8 @@ def predict_step(
         encoder: ``stage0`` or ``spread``.
         owners: spread: the encoding rank per microbatch (default: the runtime's
             :func:`~ppmedia.pipeline.assign_encoders` on ``loads``).
+        background: spread: the vision backwards on each rank's background lane (the runtime's
+            default on CPU), else after its schedule.
     """
     from .pipeline import schedule_layout
     from .pipeline.encoder import ENCODER_MODES, assign_encoders
@@ -356,7 +403,7 @@ def predict_step(
     chosen = None
     if encoder == "spread":
         chosen = [int(o) for o in (owners if owners is not None else assign_encoders(loads, n_ranks))]
-        body = _spread_ops(costs, loads, chosen, n_ranks, body)
+        body = _spread_ops(costs, loads, chosen, n_ranks, body, background)
     name = title or f"{schedule}, vision {'spread' if encoder == 'spread' else 'on stage 0'}, layers {layers}"
     timeline = _replay(body, name, costs.unit)
     return StepPrediction(schedule, encoder, layers, timeline.step_time, timeline.bubble, timeline, chosen)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -49,6 +50,7 @@ from torch import Tensor, nn
 
 from ..adapters.base import HostValues, VlmAdapter, read_host
 from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk
+from .lane import Lane
 from .stages import FEATURES_ATTRIBUTE, StageModule, _text_dims
 from .surgery import _child_name, _get_path, _stage_children, find_language_model, find_output_head
 
@@ -280,6 +282,8 @@ class _Incoming:
     works: list[Any] = field(default_factory=list)
     leaves: dict[str, Tensor] | None = None
     sent: bool = False
+    #: set once the first stage's backward has filled every leaf's gradient (or the step ends)
+    ready: threading.Event = field(default_factory=threading.Event)
 
 
 class _StepFeatures:
@@ -307,20 +311,25 @@ class _StepFeatures:
                 work.wait()
             spread._record("wait", k, t0, time.perf_counter())
             item.leaves = {name: t.requires_grad_(spread._needs_grad) for name, t in item.buffers.items()}
-            if spread._needs_grad and self.plan.owners[k] != spread.rank:
+            if spread._needs_grad:
                 self._watch(item)
         return _precomputed(spread.adapter, k, item.leaves, self.plan.rows[k])
 
     def _watch(self, item: _Incoming) -> None:
-        """Send microbatch ``item.k``'s gradients back as soon as all of them are accumulated."""
+        """As soon as all of microbatch ``item.k``'s gradients are accumulated: send them back to its
+        encoder, or (encoded here) hand them to this rank's backward lane."""
         assert item.leaves is not None
         pending = set(item.leaves)
+        owner = self.plan.owners[item.k]
 
         def hook(name: str) -> Callable[[Tensor], None]:
             def filled(_: Tensor) -> None:
                 pending.discard(name)
-                if not pending and not item.sent:
-                    self.spread._send_gradients(item, self.plan.owners[item.k])
+                if pending:
+                    return
+                if owner != self.spread.rank and not item.sent:
+                    self.spread._send_gradients(item, owner)
+                item.ready.set()
 
             return filled
 
@@ -357,6 +366,11 @@ class EncoderSpread:
         first_stage: the rank's first ``PipelineStage`` (or its module) when it holds stage 0, else ``None``.
         group: the pipeline process group (default: the world); stage 0 is on its rank 0.
         assign: ``costs [n], ranks -> owners [n]`` (default :func:`assign_encoders`).
+        background: run this rank's vision backwards on a background lane
+            (:class:`~ppmedia.pipeline.lane.Lane`: a thread of the lowest CPU priority), each as soon as
+            its gradients are there, in the time the schedule waits for its neighbours; ``False`` runs
+            them after the schedule. Default (``None``): on for CPU devices, where it was measured;
+            off elsewhere (on CUDA the backwards would queue on the forward's stream, not measured).
     """
 
     def __init__(
@@ -367,6 +381,7 @@ class EncoderSpread:
         first_stage: Any = None,
         group: Any = None,
         assign: Callable[[Sequence[float], int], Sequence[int]] | None = None,
+        background: bool | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -383,6 +398,7 @@ class EncoderSpread:
         self.assign = assign or assign_encoders
         self.params = _vision_parameters(vision)
         self.device = next((p.device for _, p in self.params), torch.device("cpu"))
+        self.background = self.device.type == "cpu" if background is None else bool(background)
         self.wire_dtype = next((p.dtype for _, p in self.params if p.is_floating_point()), torch.float32)
         self.hidden = _text_dims(self.config)[0]
         self.trace: list[tuple[str, int, float, float]] | None = None  # (kind, microbatch, t0, t1) when set
@@ -626,22 +642,47 @@ class EncoderSpread:
         incoming = self._post_receives(plan) if self.rank == 0 else {}
         outputs, sends = self._encode(plan, staged, input_ids, incoming)
         receives = self._post_gradient_receives(plan, outputs) if self.rank != 0 and self._needs_grad else {}
+        lane = self._backward_lane(outputs, incoming, receives)
         features = None
-        if self.rank == 0:
-            features = _StepFeatures(self, plan, incoming)
-            module = self.first_stage if isinstance(self.first_stage, nn.Module) else self.first_stage.submod
-            module.__dict__[FEATURES_ATTRIBUTE] = features
-            try:
-                with stage_media(self.first_stage, staged):
-                    yield plan
-            finally:
-                module.__dict__.pop(FEATURES_ATTRIBUTE, None)
-        else:
-            yield plan
-        self._finish(plan, features, outputs, sends, receives)
+        try:
+            if self.rank == 0:
+                features = _StepFeatures(self, plan, incoming)
+                module = self.first_stage if isinstance(self.first_stage, nn.Module) else self.first_stage.submod
+                module.__dict__[FEATURES_ATTRIBUTE] = features
+                try:
+                    with stage_media(self.first_stage, staged):
+                        yield plan
+                finally:
+                    module.__dict__.pop(FEATURES_ATTRIBUTE, None)
+            else:
+                yield plan
+        except BaseException:
+            lane.cancel()  # the step failed: no backward (rank 0's lane waits on events; free it)
+            for item in incoming.values():
+                item.ready.set()
+            raise
+        self._finish(plan, features, outputs, sends, lane)
+
+    def _backward_lane(self, outputs: dict[int, dict[str, Tensor]], incoming: dict[int, _Incoming],
+                       receives: dict[int, tuple[list[Any], dict[str, Tensor]]]) -> Lane:
+        """This rank's vision backwards, in microbatch order, each once its gradients are here: on
+        stage 0's rank when its own backward has filled them, elsewhere when they have arrived."""
+        jobs = []
+        if self._needs_grad:
+            for k, kept in outputs.items():
+                if self.rank == 0:
+                    item = incoming[k]
+                    jobs.append((item.ready.wait, functools.partial(self._backward_from_leaves, k, kept, item)))
+                else:
+                    works, grads = receives[k]
+                    jobs.append((functools.partial(_wait_all, works), functools.partial(self._backward, k, kept, grads)))
+        return Lane(jobs, name=f"ppmedia-vision-backward-{self.rank}", background=self.background)
+
+    def _backward_from_leaves(self, k: int, outputs: Mapping[str, Tensor], item: _Incoming) -> None:
+        self._backward(k, outputs, {n: leaf.grad for n, leaf in (item.leaves or {}).items()})
 
     def _finish(self, plan: SpreadPlan, features: _StepFeatures | None, outputs: dict[int, dict[str, Tensor]],
-                sends: list[Any], receives: dict[int, tuple[list[Any], dict[str, Tensor]]]) -> None:
+                sends: list[Any], lane: Lane) -> None:
         for work in sends:
             work.wait()
         if features is not None:
@@ -658,31 +699,28 @@ class EncoderSpread:
                 for item in features.incoming.values():
                     if plan.owners[item.k] != 0 and not item.sent:
                         self._send_gradients(item, plan.owners[item.k])
-                # the copies' sum travels while this rank runs its own share's backward
+                    item.ready.set()  # whatever gradients there are (a leaf may have none)
+                # the copies' sum travels while this rank's lane finishes its own share's backward
                 reduction = self._start_reduction()
-                for k, kept in outputs.items():
-                    leaves = features.incoming[k].leaves or {}
-                    self._backward(k, kept, {n: leaf.grad for n, leaf in leaves.items()})
+                lane.join()
                 self._finish_reduction(reduction)
                 self._reduce_over_replicas()
             else:
-                for k, (works, grads) in receives.items():
-                    for work in works:
-                        work.wait()
-                    self._backward(k, outputs[k], grads)
+                lane.join()
                 self._finish_reduction(self._start_reduction())
             for work in self._grad_sends:
                 work.wait()
         self._keep, self._grad_sends, self._pending = [], [], []
 
     def _backward(self, k: int, outputs: Mapping[str, Tensor], grads: Mapping[str, Tensor | None]) -> None:
-        """The tower's backward for microbatch ``k``'s outputs, from their gradients on stage 0."""
+        """The tower's backward for microbatch ``k``'s outputs, from their gradients on stage 0
+        (traced as ``L`` on the background lane, ``V`` otherwise)."""
         pairs = [(t, grads[n]) for n, t in outputs.items() if t.requires_grad and grads.get(n) is not None]
         if not pairs:
             return
         t0 = time.perf_counter()
         torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])  # type: ignore[union-attr]
-        self._record("V", k, t0, time.perf_counter())
+        self._record("L" if self.background else "V", k, t0, time.perf_counter())
 
     def _start_reduction(self) -> Any:
         """Start summing the copies' vision gradients onto stage 0 (a ``reduce`` per dtype, in the
@@ -756,6 +794,11 @@ class EncoderSpread:
     def _reduce_gradients(self) -> None:
         """Sum the copies' vision gradients onto stage 0 now (both halves of the reduction at once)."""
         self._finish_reduction(self._start_reduction())
+
+
+def _wait_all(works: Sequence[Any]) -> None:
+    for work in works:
+        work.wait()
 
 
 def encoder_spread_of(stages: Sequence[Any]) -> EncoderSpread:

@@ -45,6 +45,7 @@ ARMS: dict[str, tuple[str, tuple[int, int]]] = {
     "stage0/1+3": ("stage0", (1, 3)),
     "stage0/0+4": ("stage0", (0, 4)),
     "spread": ("spread", (2, 2)),
+    "spread/il": ("spread", (2, 2)),
 }
 BASELINE = "stage0"
 
@@ -167,6 +168,10 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
             stages = make_pipeline_stages(model, 2, [rank], "cpu", layers_per_stage=list(layers), encoder=encoder,
                                           static_microbatch=(ids.shape[0] // N_MICROBATCHES, SEQ_LEN))
             spread = encoder_spread_of(stages) if encoder == "spread" else None
+            if arm == "spread/il":
+                spread.assign = lambda costs, n: [k % n for k in range(len(costs))]
+            if spread is not None and os.environ.get("S0_ASSIGN") == "reverse":
+                spread.assign = lambda costs, n: [n - 1 - (k * n) // len(costs) for k in range(len(costs))]
             built[arm] = (stages, build_schedule(SCHEDULE, stages, N_MICROBATCHES), spread, StepTracer(stages, spread))
         probe = _probe(model, adapter, staged, ids, built["spread"][2])
 
