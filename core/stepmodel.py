@@ -17,7 +17,7 @@ send latency). Each operation starts when its rank is free and its inputs have a
   vision weights (``S``, half of :attr:`OpCosts.sync`); every rank encodes its microbatches (``E``,
   owners from :func:`ppmedia.pipeline.assign_encoders`, the runtime's own rule); stage 0's ``F`` of
   ``m`` waits for ``m``'s features; a rank runs the vision backward of its microbatches (each once
-  stage 0's backward of it is done) on its background lane (``L``: in the time its schedule idles,
+  stage 0's backward of it is done) on its background lane (``LV``: in the time its schedule idles,
   preempted by the schedule's work, then after the schedule), or with ``background=False`` after
   its schedule (``V``); the other ranks' gradients travel to stage 0 (``R``, the other half) once
   their share's backwards are done, while stage 0's rank finishes its own.
@@ -37,7 +37,9 @@ import types
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from .timeline import Bar, Timeline
+from .replay import Op as _Op
+from .replay import lane_done, replay
+from .timeline import Timeline
 
 __all__ = [
     "AutoSplit",
@@ -223,20 +225,6 @@ class StepPrediction:
     label: str = ""
 
 
-@dataclass
-class _Op:
-    rank: int
-    kind: str
-    stage: int
-    mb: int
-    cost: float
-    needs: list[tuple[Any, float]]  # (event key, latency added)
-    makes: list[tuple[Any, float]]  # (event key, delay after the end: a send's latency)
-    #: a join (kind ``J``): the rank's background-lane jobs ``(microbatch, cost)``, in order, each ready
-    #: at its ``needs`` entry; they fill the rank's idle time before the join, then run to their end
-    lane: list[tuple[int, float]] = field(default_factory=list)
-
-
 def _schedule_ops(schedule: str, costs: OpCosts, loads: Sequence[float], n_ranks: int,
                   layers: Sequence[int], encoder: str) -> list[list[_Op]]:
     """Each rank's schedule actions as operations with costs and dependencies."""
@@ -271,99 +259,47 @@ def _schedule_ops(schedule: str, costs: OpCosts, loads: Sequence[float], n_ranks
 
 
 def _spread_ops(costs: OpCosts, loads: Sequence[float], owners: Sequence[int], n_ranks: int,
-                body: list[list[_Op]], background: bool = True) -> list[list[_Op]]:
-    """Wrap each rank's schedule with the spread's broadcast, encodes, vision backwards and reduce.
+                body: list[list[_Op]], background: bool = True,
+                ahead: float = 1.0) -> tuple[list[list[_Op]], list[list[_Op]]]:
+    """Wrap each rank's schedule with the spread's broadcast, encodes, vision backwards and reduce;
+    returns each rank's operations and its background lane's jobs.
 
     As :class:`~ppmedia.pipeline.EncoderSpread` runs them: stage 0's rank broadcasts in the background
-    and encodes at once, the other ranks wait for the weights (``S``, half of ``sync``); after its
-    schedule stage 0's rank enters the reduction (contributing nothing) and runs its vision
-    backwards while the other ranks' gradients travel (``R`` on those ranks, the other half, once
-    their own backwards are done and stage 0 has entered); stage 0 ends when the sum has arrived.
-    ``background``: the vision backwards run on each rank's lane (a join ``J``), else after its
-    schedule (``V``)."""
+    and encodes at once, the other ranks wait for the weights (``S``, half of ``sync``). Each rank
+    encodes the first :func:`~ppmedia.pipeline.encoder.encoded_ahead` of its microbatches before its
+    schedule (``E``) and, with ``background``, the rest on its lane (``LE``), followed by its vision
+    backwards (``LV``, each once stage 0's backward of it is done); without, every encode comes
+    first and the backwards follow the schedule (``V``). After its schedule stage 0's rank enters the
+    reduction (contributing nothing) and finishes its own share while the other ranks' gradients
+    travel (``R`` on those ranks, the other half, once their own backwards are done and stage 0 has
+    entered); stage 0 ends when the sum has arrived."""
+    from .pipeline.encoder import encoded_ahead
+
     half = costs.sync / 2
-    out = []
+    ranks, lanes = [], []
     for r in range(n_ranks):
         mine = [m for m, owner in enumerate(owners) if owner == r and loads[m] > 0]
+        first = encoded_ahead(len(mine), ahead if background else 1.0)
         sent = 0.0 if r == 0 else costs.latency  # features cross to stage 0's rank
-        ops = [_Op(r, "S", -1, -1, 0.0 if r == 0 else half, [], [])]
-        ops += [_Op(r, "E", -1, m, loads[m] * costs.vision_forward, [], [(("X", m), sent)]) for m in mine]
-        ops += body[r]
+        encode = [_Op(r, "E", -1, m, loads[m] * costs.vision_forward, [], [(("X", m), sent)]) for m in mine]
+        ready = [(("D", 0, m), 0.0 if r == 0 else costs.latency) for m in mine]
+        ops = [_Op(r, "S", -1, -1, 0.0 if r == 0 else half)] + encode[:first] + body[r]
+        lane: list[_Op] = []
         if r == 0:
             ops.append(_Op(r, "R", -1, -1, 0.0, [], [(("entered", 0), 0.0)]))
-        ready = [(("D", 0, m), 0.0 if r == 0 else costs.latency) for m in mine]
         if background:
-            ops.append(_Op(r, "J", -1, -1, 0.0, ready, [], [(m, loads[m] * costs.vision_bwd) for m in mine]))
+            lane = [_Op(r, "LE", -1, e.mb, e.cost, [], e.makes) for e in encode[first:]]
+            lane += [_Op(r, "LV", -1, m, loads[m] * costs.vision_bwd, [need]) for m, need in zip(mine, ready)]
+            ops.append(_Op(r, "J", -1, -1, 0.0, [(lane_done(r), 0.0)]))
         else:
-            ops += [_Op(r, "V", -1, m, loads[m] * costs.vision_bwd, [need], []) for m, need in zip(mine, ready)]
+            ops += [_Op(r, "V", -1, m, loads[m] * costs.vision_bwd, [need]) for m, need in zip(mine, ready)]
         if r == 0:
-            ops.append(_Op(r, "R", -1, -1, 0.0, [(("reduced", q), 0.0) for q in range(1, n_ranks)], []))
+            ops.append(_Op(r, "R", -1, -1, 0.0, [(("reduced", q), 0.0) for q in range(1, n_ranks)]))
         else:
             ops.append(_Op(r, "R", -1, -1, half, [(("entered", 0), 0.0)], [(("reduced", r), 0.0)]))
-        out.append(ops)
-    return out
-
-
-def _fill_lane(op: _Op, done: dict[Any, float], busy: list[tuple[float, float]], free: float) -> list[Bar]:
-    """The join ``op``'s lane jobs in order, each from when it is ready, in the rank's idle time:
-    between its ``busy`` intervals before ``free`` (preempted by them), then without a break."""
-    gaps, cursor = [], 0.0
-    for a, b in sorted(busy):
-        if a > cursor:
-            gaps.append((cursor, a))
-        cursor = max(cursor, b)
-    gaps.append((max(cursor, free), math.inf))
-    bars, t = [], 0.0
-    for (m, cost), (key, extra) in zip(op.lane, op.needs):
-        t, left = max(t, done[key] + extra), cost
-        for a, b in gaps:
-            if left <= 0:
-                break
-            if b <= t:
-                continue
-            start = max(a, t)
-            end = min(b, start + left)
-            bars.append(Bar(op.rank, "L", start, end, -1, m))
-            left -= end - start
-            t = end
-    return bars
-
-
-def _replay(ranks: list[list[_Op]], title: str, unit: str) -> Timeline:
-    """Run the operations in order per rank, each when its rank is free and its inputs are there."""
-    done: dict[Any, float] = {}
-    free = [0.0] * len(ranks)
-    pos = [0] * len(ranks)
-    bars: list[Bar] = []
-    left = sum(len(ops) for ops in ranks)
-    while left:
-        progressed = False
-        for r, ops in enumerate(ranks):
-            while pos[r] < len(ops):
-                op = ops[pos[r]]
-                if any(key not in done for key, _ in op.needs):
-                    break
-                if op.kind == "J":  # the lane's jobs fill this rank's idle time so far, then go on
-                    busy = [(b.start, b.end) for b in bars if b.rank == r and b.kind != "L"]
-                    lane = _fill_lane(op, done, busy, free[r])
-                    bars += lane
-                    free[r] = max([free[r]] + [b.end for b in lane])
-                    pos[r] += 1
-                    left -= 1
-                    progressed = True
-                    continue
-                start = max([free[r]] + [done[key] + extra for key, extra in op.needs])
-                free[r] = start + op.cost
-                for key, delay in op.makes:
-                    done[key] = free[r] + delay
-                if op.cost > 0 or op.kind not in ("S", "R"):  # an instant collective is no bar
-                    bars.append(Bar(r, op.kind, start, free[r], op.stage, op.mb))
-                pos[r] += 1
-                left -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"{title}: the modelled schedule deadlocked (a broken action order)")
-    return Timeline(title, len(ranks), bars, unit)
+        ranks.append(ops)
+        lanes.append(lane)
+    return ranks, lanes
 
 
 def predict_step(
@@ -376,6 +312,7 @@ def predict_step(
     encoder: str = "stage0",
     owners: Sequence[int] | None = None,
     background: bool = True,
+    ahead: float | None = None,
     title: str = "",
 ) -> StepPrediction:
     """Predict one step of ``schedule`` on ``n_ranks`` pipeline ranks.
@@ -385,13 +322,15 @@ def predict_step(
         loads: ``[n]`` each microbatch's vision load (the unit ``costs.vision_forward`` is per).
         layers_per_stage: decoder layers per stage (``schedule_layout(schedule).n_stages(n_ranks)``).
         encoder: ``stage0`` or ``spread``.
-        owners: spread: the encoding rank per microbatch (default: the runtime's
-            :func:`~ppmedia.pipeline.assign_encoders` on ``loads``).
-        background: spread: the vision backwards on each rank's background lane (the runtime's
-            default on CPU), else after its schedule.
+        owners: spread: the encoding rank per microbatch (default: the runtime's rule,
+            :func:`~ppmedia.pipeline.encoder.default_assign`, on ``loads``).
+        background: spread: the later encodes and the vision backwards on each rank's background
+            lane (the runtime's default on CPU), else before and after its schedule.
+        ahead: spread with ``background``: the share of each rank's microbatches it encodes before
+            its schedule (default the runtime's, :data:`~ppmedia.pipeline.encoder.AHEAD`).
     """
     from .pipeline import schedule_layout
-    from .pipeline.encoder import ENCODER_MODES, assign_encoders
+    from .pipeline.encoder import AHEAD, ENCODER_MODES, default_assign
 
     if encoder not in ENCODER_MODES:
         raise ValueError(f"encoder: got {encoder!r}; expected one of {', '.join(ENCODER_MODES)}")
@@ -400,12 +339,12 @@ def predict_step(
     if len(layers) != n_stages or any(x < 0 for x in layers):
         raise ValueError(f"layers_per_stage: got {layers}; expected {n_stages} counts >= 0 ({schedule} on {n_ranks} ranks)")
     body = _schedule_ops(schedule, costs, loads, n_ranks, layers, encoder)
-    chosen = None
+    chosen, lanes = None, None
     if encoder == "spread":
-        chosen = [int(o) for o in (owners if owners is not None else assign_encoders(loads, n_ranks))]
-        body = _spread_ops(costs, loads, chosen, n_ranks, body, background)
+        chosen = [int(o) for o in (owners if owners is not None else default_assign(background)(loads, n_ranks))]
+        body, lanes = _spread_ops(costs, loads, chosen, n_ranks, body, background, AHEAD if ahead is None else ahead)
     name = title or f"{schedule}, vision {'spread' if encoder == 'spread' else 'on stage 0'}, layers {layers}"
-    timeline = _replay(body, name, costs.unit)
+    timeline = replay(body, name, costs.unit, lanes)
     return StepPrediction(schedule, encoder, layers, timeline.step_time, timeline.bubble, timeline, chosen)
 
 

@@ -5,10 +5,10 @@ order that rank ran it: the schedule's forwards (``F``), backwards (``B``; split
 run an input-gradient part ``I`` and a weight-gradient part ``W``), and the vision work around them
 (``E``: the vision tower's forward of a microbatch, ``V``: its backward; ``S`` / ``R``: the encoder
 spread's parameter broadcast and gradient reduction; ``wait``: the first stage waiting for a
-microbatch's features inside its forward; ``L``: a vision backward on the spread's background lane,
-which runs in the rank's idle time). Time a rank spends in none of the schedule's or the spread's
-own work is a bubble; overlays (``wait``, ``L``) are drawn as strips along the foot of the rank's
-row and do not count as work (a measured ``L`` spans from its start to its end, preemptions
+microbatch's features inside its forward; ``LE`` / ``LV``: a vision forward / backward on the spread's
+background lane, which runs in the rank's idle time). Time a rank spends in none of the schedule's or the spread's
+own work is a bubble; overlays (``wait``, ``LE``, ``LV``) are drawn as strips along the foot of the rank's
+row and do not count as work (a measured lane bar spans from its start to its end, preemptions
 included; a predicted one is drawn in the pieces the model gives it).
 
 Predicted timelines come from :func:`ppmedia.stepmodel.predict_step`, measured ones from
@@ -39,9 +39,10 @@ BAR_KINDS: dict[str, tuple[str, str]] = {
     "S": ("vision weights broadcast", "#9c9c9c"),
     "R": ("vision gradients reduce", "#79706e"),
     "wait": ("waiting for features", "#e15759"),
-    "L": ("vision backward, background lane", "#8cd17d"),
+    "LE": ("vision forward, background lane", "#d4a6c8"),
+    "LV": ("vision backward, background lane", "#8cd17d"),
 }
-_OVERLAYS = frozenset({"wait", "L"})  # drawn as strips over the row, not counted as separate work
+_OVERLAYS = frozenset({"wait", "LE", "LV"})  # drawn as strips over the row, not counted as separate work
 
 
 @dataclass(frozen=True)

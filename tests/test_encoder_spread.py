@@ -21,7 +21,7 @@ import ppmedia
 import ppmedia.testing.tiny_models as tiny
 from ppmedia import pipeline
 from ppmedia.pipeline import assign_encoders, build_stage_modules, vision_replica
-from ppmedia.pipeline.encoder import _precomputed
+from ppmedia.pipeline.encoder import AHEAD, _precomputed, encoded_ahead, interleave_encoders
 from ppmedia.pipeline.stages import FEATURES_ATTRIBUTE
 from ppmedia.stepmodel import AutoSplit, OpCosts, best_layer_split, compare_placements, predict_step, schedule_actions
 from ppmedia.timeline import Bar, Timeline, render_svg
@@ -225,9 +225,61 @@ def test_predicted_operations_respect_their_dependencies(schedule):
                 assert b.start >= grad[(b.stage + 1, b.microbatch)] - 1e-9
             if b.kind == "V":  # after stage 0's whole backward of its microbatch
                 assert b.start >= max(end.get(("B", 0, b.microbatch), 0), end.get(("W", 0, b.microbatch), 0)) - 1e-9
-        if encoder == "spread":
-            encoded = sorted(b.microbatch for b in t.bars if b.kind == "E")
-            assert encoded == [0, 2, 3] and sorted(b.microbatch for b in t.bars if b.kind == "V") == [0, 2, 3]
+        if encoder == "spread":  # the background lane: later encodes (LE) and every vision backward (LV)
+            encoded = sorted(b.microbatch for b in t.bars if b.kind in ("E", "LE"))
+            assert sorted(set(encoded)) == [0, 2, 3] and {b.microbatch for b in t.bars if b.kind == "LV"} == {0, 2, 3}
+            assert "V" not in {b.kind for b in t.bars}
+            _assert_lane_fills_idle_time(t, end)
+
+
+def _assert_lane_fills_idle_time(t, end):
+    """A lane's pieces never overlap its rank's own work, its jobs run in order, a backward starts after
+    stage 0's backward of its microbatch, and stage 0's forward of a lane-encoded microbatch after it."""
+    for rank in range(t.ranks):
+        work = [b for b in t.lane(rank)]
+        pieces = sorted((b for b in t.bars if b.rank == rank and b.kind in ("LE", "LV")), key=lambda b: b.start)
+        for p in pieces:
+            assert all(p.end <= w.start + 1e-9 or p.start >= w.end - 1e-9 for w in work), (p, rank)
+        assert all(x.end <= y.start + 1e-9 for x, y in zip(pieces, pieces[1:]))
+        kinds = [p.kind for p in pieces]
+        assert kinds == sorted(kinds)  # every LE before every LV
+    for p in t.bars:
+        if p.kind == "LV":
+            assert p.start >= max(end.get(("B", 0, p.microbatch), 0), end.get(("W", 0, p.microbatch), 0)) - 1e-9
+        if p.kind == "LE":
+            assert end[("F", 0, p.microbatch)] - 1e-9 >= p.end
+
+
+def test_without_the_lane_every_encode_comes_first_and_every_backward_after_the_schedule():
+    costs = OpCosts(layer_forward=1.0, vision_forward=0.5, last_forward=0.3, latency=0.2, sync=0.4)
+    loads = [2.0, 0.0, 3.0, 1.0]
+    t = predict_step("1f1b", costs, loads, n_ranks=2, layers_per_stage=[1, 1], encoder="spread", background=False).timeline
+    end = {(b.kind, b.stage, b.microbatch): b.end for b in t.bars if b.stage >= 0}
+    assert sorted(b.microbatch for b in t.bars if b.kind == "E") == [0, 2, 3]
+    assert sorted(b.microbatch for b in t.bars if b.kind == "V") == [0, 2, 3]
+    assert not {b.kind for b in t.bars} & {"LE", "LV"}
+    for b in t.bars:
+        if b.kind == "V":
+            assert b.start >= end[("B", 0, b.microbatch)] - 1e-9
+    lane = predict_step("1f1b", costs, loads, n_ranks=2, layers_per_stage=[1, 1], encoder="spread").step_time
+    assert lane < t.step_time  # the lane fills the schedule's idle time
+
+
+def test_the_replay_runs_a_lane_only_while_its_rank_idles():
+    from ppmedia.replay import Op, lane_done, replay
+
+    # rank 0: A (0-2), then B once rank 1's C (0-5) is done, then the join; its lane's job (cost 4)
+    # is ready when A ends
+    ranks = [[Op(0, "F", 0, 0, 2.0, [], [(("a",), 0.0)]), Op(0, "F", 0, 1, 2.0, [(("c",), 0.0)]),
+              Op(0, "J", -1, -1, 0.0, [(lane_done(0), 0.0)])],
+             [Op(1, "F", 1, 0, 5.0, [], [(("c",), 0.0)])]]
+    lanes = [[Op(0, "LV", -1, 7, 4.0, [(("a",), 0.0)])], []]
+    t = replay(ranks, "t", "s", lanes)
+    pieces = [(b.start, b.end) for b in t.bars if b.kind == "LV"]
+    assert pieces == [(2.0, 5.0), (7.0, 8.0)]  # in the gap 2-5 (preempted by B 5-7), then the rest
+    assert t.step_time == pytest.approx(8.0)
+    with pytest.raises(RuntimeError, match="deadlocked"):
+        replay([[Op(0, "F", 0, 0, 1.0, [(("never",), 0.0)])]], "stuck", "s")
 
 
 def test_the_spread_beats_stage_0_when_vision_is_heavy_and_not_when_it_is_small():
@@ -311,12 +363,15 @@ def test_predicted_svg_is_well_formed_and_its_bars_follow_the_schedules_order(sc
         for rank in range(2):
             compute = [bar for bar in lanes[rank] if bar[0] >= 0]
             assert compute == schedule_actions(schedule, 2, 4)[rank]
-        if encoder == "spread":  # encodes before the schedule, vision backwards after it
-            mine = [m for m, o in enumerate(assign_encoders([1, 0, 2, 1], 2)) if o == 0 and m != 1]
+        if encoder == "spread":  # the first encodes before the schedule; the lane's work is drawn as overlays
+            mine = [m for m, o in enumerate(interleave_encoders([1, 0, 2, 1], 2)) if o == 0 and m != 1]
             kinds = [k for _, k, _ in lanes[0]]
-            assert kinds[: kinds.index("F")] == ["E"] * len(mine) and kinds[-len(mine):] == ["V"] * len(mine)
+            assert kinds[: kinds.index("F")] == ["E"] * encoded_ahead(len(mine), AHEAD) and "V" not in kinds
             others = [k for _, k, _ in lanes[1]]  # the copy waits for the weights first, reduces last
-            assert others[0] == "S" and others[-1] == "R" and "V" in others
+            assert others[0] == "S" and others[-1] == "R"
+            root = ET.fromstring(svg)
+            overlays = {r.get("data-kind") for r in root.iter(f"{SVG}rect") if r.get("class") == "overlay"}
+            assert "LV" in overlays
 
 
 def test_timeline_bubbles_and_units():
@@ -394,7 +449,10 @@ def test_train_script_with_the_spread_matches_the_model_and_traces_the_schedules
     lanes = _lanes(svg.read_text())  # the measured bars: each rank's actions in torch's own order
     for rank in range(2):
         assert [b for b in lanes[rank] if b[0] >= 0] == schedule_actions("ZBVZeroBubble", 2, 4)[rank]
-        assert any(kind == "E" for _, kind, _ in lanes[rank]) and any(kind == "V" for _, kind, _ in lanes[rank])
+        assert any(kind == "E" for _, kind, _ in lanes[rank])  # its first encode before the schedule
+    overlays = [(int(r.get("data-rank")), r.get("data-kind")) for r in ET.fromstring(svg.read_text()).iter(f"{SVG}rect")
+                if r.get("class") == "overlay"]
+    assert {(0, "LV"), (1, "LV")} <= set(overlays)  # each rank's vision backwards ran on its background lane
 
 
 # ----------------------------------------------------------------------------------------------

@@ -62,7 +62,8 @@ PP_SCENARIOS = (
 )
 #: the encoder spread (every pipeline rank encodes a share of the media) under GPipe, 1F1B and a
 #: zero-bubble schedule, in the same spawn; and its planted bug (copies of the tower never refreshed)
-SPREAD_SCENARIOS = ("gpipe/inferred/spread", "1f1b/static/spread", "ZBVZeroBubble/static/spread")
+#: (the background lane by default; ``/nolane``: every encode before the schedule, every backward after)
+SPREAD_SCENARIOS = ("gpipe/inferred/spread", "1f1b/static/spread", "ZBVZeroBubble/static/spread", "1f1b/static/spread/nolane")
 STALE = "1f1b/static/stale_copies/spread"
 _reports: dict[int, object] = {}
 

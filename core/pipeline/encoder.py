@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,11 +56,14 @@ from .stages import FEATURES_ATTRIBUTE, StageModule, _text_dims
 from .surgery import _child_name, _get_path, _stage_children, find_language_model, find_output_head
 
 __all__ = [
+    "AHEAD",
     "ENCODER_MODES",
     "EncoderSpread",
     "SpreadPlan",
     "assign_encoders",
+    "encoded_ahead",
     "encoder_spread_of",
+    "interleave_encoders",
     "vision_replica",
 ]
 
@@ -69,6 +73,17 @@ ENCODER_MODES: tuple[str, ...] = ("stage0", "spread")
 SPREAD_ATTRIBUTE = "encoder_spread"
 #: point-to-point tags of the spread's own traffic (features forward, gradients back).
 _FEATURE_TAG, _GRAD_TAG = 7301, 7302
+#: with the background lane: the share of its microbatches a rank encodes before the schedule (the
+#: first ones, which stage 0 needs first); the lane encodes the rest in the schedule's idle time.
+AHEAD = 0.5
+
+
+def encoded_ahead(n: int, ahead: float) -> int:
+    """How many of a rank's ``n`` microbatches (the first, in order) it encodes before the schedule:
+    ``ceil(ahead * n)``, at least one when it has any."""
+    if not 0 <= ahead <= 1:
+        raise ValueError(f"ahead: got {ahead}; expected a share 0..1")
+    return min(n, max(1 if n else 0, math.ceil(ahead * n)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,14 +145,7 @@ def assign_encoders(costs: Sequence[float], n_ranks: int, *, weights: Sequence[f
     Returns:
         ``[n]`` group ranks.
     """
-    if n_ranks < 1:
-        raise ValueError(f"n_ranks: got {n_ranks}; expected >= 1")
-    values = [float(c) for c in costs]
-    if any(c < 0 or c != c for c in values):
-        raise ValueError(f"costs: got {values}; expected costs >= 0")
-    if weights is not None:
-        if len(weights) != n_ranks or any(w <= 0 for w in weights):
-            raise ValueError(f"weights: got {list(weights)}; expected {n_ranks} positive shares")
+    values = _checked_costs(costs, n_ranks, weights)
     owners = [0] * len(values)
     if n_ranks == 1 or not any(values):
         return owners
@@ -157,6 +165,53 @@ def assign_encoders(costs: Sequence[float], n_ranks: int, *, weights: Sequence[f
         for k in range(bounds[rank], bounds[rank + 1]):
             owners[k] = rank
     return owners
+
+
+def interleave_encoders(costs: Sequence[float], n_ranks: int, *, weights: Sequence[float] | None = None) -> list[int]:
+    """The pipeline rank that encodes each microbatch: in microbatch order (the order stage 0 needs
+    them), each to the rank with the least vision cost so far (relative to its ``weights`` share;
+    ties: the lower rank). Equal costs go round-robin (0, 1, ..., 0, 1, ...), so every rank's first
+    microbatches are the step's first ones: what the background lane wants, where each rank encodes
+    its first microbatches before the schedule and the rest while it runs. Microbatches without media
+    (cost 0) go to the rank whose turn it is and cost nothing.
+
+    Args:
+        costs: ``[n]`` vision cost per microbatch (any unit, ``>= 0``).
+        n_ranks: pipeline ranks.
+        weights: optional ``[n_ranks]`` relative speed (share) of each rank; default equal.
+
+    Returns:
+        ``[n]`` group ranks.
+    """
+    values = _checked_costs(costs, n_ranks, weights)
+    shares = [1.0] * n_ranks if weights is None else [float(w) for w in weights]
+    load = [0.0] * n_ranks
+    owners = []
+    for c in values:
+        if c == 0:
+            owners.append(owners[-1] if owners else 0)
+            continue
+        rank = min(range(n_ranks), key=lambda r: (load[r] / shares[r], r))
+        owners.append(rank)
+        load[rank] += c
+    return owners
+
+
+def _checked_costs(costs: Sequence[float], n_ranks: int, weights: Sequence[float] | None) -> list[float]:
+    if n_ranks < 1:
+        raise ValueError(f"n_ranks: got {n_ranks}; expected >= 1")
+    values = [float(c) for c in costs]
+    if any(c < 0 or c != c for c in values):
+        raise ValueError(f"costs: got {values}; expected costs >= 0")
+    if weights is not None and (len(weights) != n_ranks or any(w <= 0 for w in weights)):
+        raise ValueError(f"weights: got {list(weights)}; expected {n_ranks} positive shares")
+    return values
+
+
+def default_assign(background: bool) -> Callable[[Sequence[float], int], list[int]]:
+    """The spread's assignment rule: :func:`interleave_encoders` with the background lane, else
+    :func:`assign_encoders` (contiguous blocks, all encoded before the schedule)."""
+    return interleave_encoders if background else assign_encoders
 
 
 @dataclass(frozen=True)
@@ -284,6 +339,17 @@ class _Incoming:
     sent: bool = False
     #: set once the first stage's backward has filled every leaf's gradient (or the step ends)
     ready: threading.Event = field(default_factory=threading.Event)
+    #: encoded here (stage 0's rank): set once the buffers hold the outputs
+    encoded: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Step:
+    """What one step's encodes fill (on the caller's thread or the lane's)."""
+
+    incoming: dict[int, _Incoming]
+    outputs: dict[int, dict[str, Tensor]]
+    sends: list[Any]
 
 
 class _StepFeatures:
@@ -309,6 +375,10 @@ class _StepFeatures:
             t0 = time.perf_counter()
             for work in item.works:
                 work.wait()
+            if self.plan.owners[k] == spread.rank:  # encoded here, perhaps on the lane
+                item.encoded.wait()
+                if not item.buffers:
+                    raise RuntimeError(f"encoder spread: encoding microbatch {k} failed on the lane") from spread._lane_error()
             spread._record("wait", k, t0, time.perf_counter())
             item.leaves = {name: t.requires_grad_(spread._needs_grad) for name, t in item.buffers.items()}
             if spread._needs_grad:
@@ -365,12 +435,16 @@ class EncoderSpread:
         adapter: the family adapter.
         first_stage: the rank's first ``PipelineStage`` (or its module) when it holds stage 0, else ``None``.
         group: the pipeline process group (default: the world); stage 0 is on its rank 0.
-        assign: ``costs [n], ranks -> owners [n]`` (default :func:`assign_encoders`).
-        background: run this rank's vision backwards on a background lane
-            (:class:`~ppmedia.pipeline.lane.Lane`: a thread of the lowest CPU priority), each as soon as
-            its gradients are there, in the time the schedule waits for its neighbours; ``False`` runs
-            them after the schedule. Default (``None``): on for CPU devices, where it was measured;
-            off elsewhere (on CUDA the backwards would queue on the forward's stream, not measured).
+        assign: ``costs [n], ranks -> owners [n]`` (default :func:`default_assign`: interleaved
+            with the background lane, contiguous blocks without).
+        background: a background lane (:class:`~ppmedia.pipeline.lane.Lane`: a thread of the lowest
+            CPU priority) encodes this rank's later microbatches and runs its vision backwards (each
+            as soon as its gradients are there) in the time the schedule waits for its neighbours;
+            ``False`` encodes everything before the schedule and runs the backwards after it.
+            Default (``None``): on for CPU devices, where it was measured; off elsewhere (on CUDA
+            the lane's kernels would queue on the same stream as the schedule's; not measured).
+        ahead: with the lane, the share of this rank's microbatches (its first) encoded before the
+            schedule (default :data:`AHEAD`); the lane encodes the rest.
     """
 
     def __init__(
@@ -382,6 +456,7 @@ class EncoderSpread:
         group: Any = None,
         assign: Callable[[Sequence[float], int], Sequence[int]] | None = None,
         background: bool | None = None,
+        ahead: float = AHEAD,
     ) -> None:
         import torch.distributed as dist
 
@@ -395,10 +470,12 @@ class EncoderSpread:
                 f"EncoderSpread: pipeline rank {self.rank} {'holds' if first_stage is not None else 'lacks'} "
                 f"the first stage; expected it on pipeline rank 0 (where every torch schedule places it)"
             )
-        self.assign = assign or assign_encoders
+        encoded_ahead(0, ahead)  # checks the share
+        self.ahead = float(ahead)
         self.params = _vision_parameters(vision)
         self.device = next((p.device for _, p in self.params), torch.device("cpu"))
         self.background = self.device.type == "cpu" if background is None else bool(background)
+        self.assign = assign or default_assign(self.background)
         self.wire_dtype = next((p.dtype for _, p in self.params if p.is_floating_point()), torch.float32)
         self.hidden = _text_dims(self.config)[0]
         self.trace: list[tuple[str, int, float, float]] | None = None  # (kind, microbatch, t0, t1) when set
@@ -409,6 +486,7 @@ class EncoderSpread:
         self._keep: list[Tensor] = []  # tensors in flight (a send's buffer must outlive it)
         self._grad_sends: list[Any] = []
         self._pending: list[Any] = []  # stage 0's background broadcasts
+        self._current_lane: Lane | None = None
         #: with FSDP2 stages (:meth:`shard_over`): the data-parallel groups stage 0's vision gradients
         #: are summed over (the vision side stays whole, outside FSDP2's groups)
         self.replica_groups: tuple[Any, ...] = ()
@@ -552,52 +630,54 @@ class EncoderSpread:
             incoming[k] = item
         return incoming
 
-    def _encode(self, plan: SpreadPlan, staged: Any, input_ids: Tensor,
-                incoming: dict[int, _Incoming]) -> tuple[dict[int, dict[str, Tensor]], list[Any]]:
-        """Encode this rank's microbatches; send the outputs to stage 0 (or keep them there).
-
-        Returns the outputs with their graphs (for the backward after the step) and the send works."""
-        import torch.distributed as dist
-
-        outputs: dict[int, dict[str, Tensor]] = {}
-        sends: list[Any] = []
-        mine = plan.encoded_by(self.rank)
-        for k in mine:
-            t0 = time.perf_counter()
+    def _checked(self, plan: SpreadPlan, staged: Any, input_ids: Tensor) -> list[tuple[int, VlmMediaChunk, HostValues]]:
+        """This rank's microbatches with their chunks and host values, every one checked
+        (``check_counts``, as stage 0 would) before anything is encoded or sent."""
+        found = []
+        for k in plan.encoded_by(self.rank):
             a, b = staged.samples[k]
             chunk = staged.chunk(k)
             _, host = self.adapter.check_counts(input_ids[a:b], chunk, self.config)
             if chunk is None:  # placeholders without media: check_counts raised already; a guard
                 raise ValueError(f"encoder spread: microbatch {k} has placeholders {plan.rows[k]} but no media")
-            out = self.adapter.encoder_outputs(self.vision, chunk, host)
-            kept = {}
-            for name, m in plan.names[k]:
-                tensor = out.get(name)
-                want = [plan.rows[k][m], self.hidden]
-                if tensor is None or list(tensor.shape) != want:
-                    seen = "missing" if tensor is None else f"shape {list(tensor.shape)}"
-                    raise ValueError(
-                        f"{type(self.adapter).__name__}.encoder_outputs, microbatch {k}: {name!r} is {seen}; "
-                        f"expected {want} (one row per {m} placeholder, the text hidden size)"
-                    )
-                kept[name] = tensor
-            outputs[k] = kept
-            wire = {name: t.detach().to(self.wire_dtype).contiguous() for name, t in kept.items()}
-            if self.rank == 0:
-                incoming[k].buffers = wire
-            else:
-                sends += [dist.isend(t, group_dst=0, group=self.group, tag=_FEATURE_TAG) for t in wire.values()]
-                self._keep += list(wire.values())
-            self._record("E", k, t0, time.perf_counter())
-        self.last_encoded = mine
-        return outputs, sends
+            found.append((k, chunk, host))
+        return found
 
-    def _post_gradient_receives(self, plan: SpreadPlan, outputs: dict[int, dict[str, Tensor]]) -> dict[int, tuple[list[Any], dict[str, Tensor]]]:
+    def _encode_one(self, plan: SpreadPlan, k: int, chunk: VlmMediaChunk, host: HostValues, step: "_Step",
+                    kind: str = "E") -> None:
+        """Encode microbatch ``k``; send its outputs to stage 0 (or, on stage 0's rank, hand them over)."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        out = self.adapter.encoder_outputs(self.vision, chunk, host)
+        kept = {}
+        for name, m in plan.names[k]:
+            tensor = out.get(name)
+            want = [plan.rows[k][m], self.hidden]
+            if tensor is None or list(tensor.shape) != want:
+                seen = "missing" if tensor is None else f"shape {list(tensor.shape)}"
+                raise ValueError(
+                    f"{type(self.adapter).__name__}.encoder_outputs, microbatch {k}: {name!r} is {seen}; "
+                    f"expected {want} (one row per {m} placeholder, the text hidden size)"
+                )
+            kept[name] = tensor
+        step.outputs[k] = kept
+        wire = {name: t.detach().to(self.wire_dtype).contiguous() for name, t in kept.items()}
+        if self.rank == 0:
+            step.incoming[k].buffers = wire
+            step.incoming[k].encoded.set()
+        else:
+            step.sends += [dist.isend(t, group_dst=0, group=self.group, tag=_FEATURE_TAG) for t in wire.values()]
+            self._keep += list(wire.values())
+        self._record(kind, k, t0, time.perf_counter())
+
+    def _post_gradient_receives(self, plan: SpreadPlan, mine: Sequence[int]) -> dict[int, tuple[list[Any], dict[str, Tensor]]]:
         import torch.distributed as dist
 
         receives = {}
-        for k, kept in outputs.items():
-            grads = {name: torch.empty(t.shape, dtype=self.wire_dtype, device=self.device) for name, t in kept.items()}
+        for k in mine:
+            grads = {name: torch.empty(plan.rows[k][m], self.hidden, dtype=self.wire_dtype, device=self.device)
+                     for name, m in plan.names[k]}
             works = [dist.irecv(g, group_src=0, group=self.group, tag=_GRAD_TAG) for g in grads.values()]
             receives[k] = (works, grads)
         return receives
@@ -639,10 +719,17 @@ class EncoderSpread:
         self.refresh(everything=not self._synced)
         self._record("S", -1, t0, time.perf_counter())
         plan = self.last_plan = self.plan(staged, input_ids)
+        work = self._checked(plan, staged, input_ids)
         incoming = self._post_receives(plan) if self.rank == 0 else {}
-        outputs, sends = self._encode(plan, staged, input_ids, incoming)
-        receives = self._post_gradient_receives(plan, outputs) if self.rank != 0 and self._needs_grad else {}
-        lane = self._backward_lane(outputs, incoming, receives)
+        mine = [k for k, _, _ in work]
+        receives = self._post_gradient_receives(plan, mine) if self.rank != 0 and self._needs_grad else {}
+        step = _Step(incoming, {}, [])
+        ahead = encoded_ahead(len(work), self.ahead if self.background else 1.0)
+        for k, chunk, host in work[:ahead]:
+            self._encode_one(plan, k, chunk, host, step)
+        self.last_encoded = mine
+        lane = self._current_lane = self._lane(plan, work[ahead:], step, receives)
+        incoming, outputs, sends = step.incoming, step.outputs, step.sends
         features = None
         try:
             if self.rank == 0:
@@ -663,28 +750,42 @@ class EncoderSpread:
             raise
         self._finish(plan, features, outputs, sends, lane)
 
-    def _backward_lane(self, outputs: dict[int, dict[str, Tensor]], incoming: dict[int, _Incoming],
-                       receives: dict[int, tuple[list[Any], dict[str, Tensor]]]) -> Lane:
-        """This rank's vision backwards, in microbatch order, each once its gradients are here: on
-        stage 0's rank when its own backward has filled them, elsewhere when they have arrived."""
-        jobs = []
+    def _lane_error(self) -> BaseException | None:
+        return self._current_lane.error if self._current_lane is not None else None
+
+    def _lane(self, plan: SpreadPlan, later: Sequence[tuple[int, VlmMediaChunk, HostValues]], step: "_Step",
+              receives: dict[int, tuple[list[Any], dict[str, Tensor]]]) -> Lane:
+        """This rank's background lane: the encodes not done ahead of the schedule, then the vision
+        backwards, in microbatch order, each once its gradients are here (on stage 0's rank when its
+        own backward has filled them, elsewhere when they have arrived)."""
+        jobs: list[Any] = [(_nothing, functools.partial(self._encode_one, plan, k, chunk, host, step, "LE"))
+                           for k, chunk, host in later]
         if self._needs_grad:
-            for k, kept in outputs.items():
+            for k in [k for k, names in enumerate(plan.names) if names and plan.owners[k] == self.rank]:
                 if self.rank == 0:
-                    item = incoming[k]
-                    jobs.append((item.ready.wait, functools.partial(self._backward_from_leaves, k, kept, item)))
+                    item = step.incoming[k]
+                    jobs.append((item.ready.wait, functools.partial(self._backward_from_leaves, k, step, item)))
                 else:
                     works, grads = receives[k]
-                    jobs.append((functools.partial(_wait_all, works), functools.partial(self._backward, k, kept, grads)))
-        return Lane(jobs, name=f"ppmedia-vision-backward-{self.rank}", background=self.background)
+                    jobs.append((functools.partial(_wait_all, works), functools.partial(self._backward_from, k, step, grads)))
 
-    def _backward_from_leaves(self, k: int, outputs: Mapping[str, Tensor], item: _Incoming) -> None:
-        self._backward(k, outputs, {n: leaf.grad for n, leaf in (item.leaves or {}).items()})
+        def failed(_: BaseException) -> None:  # stage 0's forwards must not wait for what never comes
+            for item in step.incoming.values():
+                item.encoded.set()
+
+        return Lane(jobs, name=f"ppmedia-vision-lane-{self.rank}", background=self.background, on_error=failed)
+
+    def _backward_from_leaves(self, k: int, step: "_Step", item: _Incoming) -> None:
+        self._backward(k, step.outputs[k], {n: leaf.grad for n, leaf in (item.leaves or {}).items()})
+
+    def _backward_from(self, k: int, step: "_Step", grads: Mapping[str, Tensor]) -> None:
+        self._backward(k, step.outputs[k], grads)
 
     def _finish(self, plan: SpreadPlan, features: _StepFeatures | None, outputs: dict[int, dict[str, Tensor]],
                 sends: list[Any], lane: Lane) -> None:
-        for work in sends:
-            work.wait()
+        if not self._needs_grad:
+            lane.join()  # its encodes
+            _wait_all(sends)
         if features is not None:
             missing = [k for k in features.incoming if k not in features.takes]
             if missing:
@@ -707,6 +808,7 @@ class EncoderSpread:
                 self._reduce_over_replicas()
             else:
                 lane.join()
+                _wait_all(sends)  # the features' sends (stage 0 has its gradients: they arrived)
                 self._finish_reduction(self._start_reduction())
             for work in self._grad_sends:
                 work.wait()
@@ -714,13 +816,13 @@ class EncoderSpread:
 
     def _backward(self, k: int, outputs: Mapping[str, Tensor], grads: Mapping[str, Tensor | None]) -> None:
         """The tower's backward for microbatch ``k``'s outputs, from their gradients on stage 0
-        (traced as ``L`` on the background lane, ``V`` otherwise)."""
+        (traced as ``LV`` on the background lane, ``V`` otherwise)."""
         pairs = [(t, grads[n]) for n, t in outputs.items() if t.requires_grad and grads.get(n) is not None]
         if not pairs:
             return
         t0 = time.perf_counter()
         torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])  # type: ignore[union-attr]
-        self._record("L" if self.background else "V", k, t0, time.perf_counter())
+        self._record("LV" if self.background else "V", k, t0, time.perf_counter())
 
     def _start_reduction(self) -> Any:
         """Start summing the copies' vision gradients onto stage 0 (a ``reduce`` per dtype, in the
@@ -794,6 +896,10 @@ class EncoderSpread:
     def _reduce_gradients(self) -> None:
         """Sum the copies' vision gradients onto stage 0 now (both halves of the reduction at once)."""
         self._finish_reduction(self._start_reduction())
+
+
+def _nothing() -> None:
+    return None
 
 
 def _wait_all(works: Sequence[Any]) -> None:

@@ -49,10 +49,14 @@ class Lane:
         name: the thread's name (seen in debuggers and ``py-spy``).
         background: ``False`` runs nothing on a thread: :meth:`join` runs every job in the caller,
             as the code did without a lane (for comparison and for devices the lane is not made for).
+        on_error: called on the lane's thread with a job's error, before the lane stops (to wake
+            whoever waits for what the remaining jobs would have made).
     """
 
-    def __init__(self, jobs: Sequence[Job], *, name: str = "ppmedia-lane", background: bool = True) -> None:
+    def __init__(self, jobs: Sequence[Job], *, name: str = "ppmedia-lane", background: bool = True,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self.jobs = list(jobs)
+        self.on_error = on_error
         self.priority = "caller"
         self.error: BaseException | None = None
         self._cancelled = threading.Event()
@@ -75,6 +79,8 @@ class Lane:
                 run()
         except BaseException as error:  # handed to join()
             self.error = error
+            if self.on_error is not None:
+                self.on_error(error)
 
     def join(self) -> None:
         """Wait for every job (or run them here without a thread); re-raise a job's error."""

@@ -144,6 +144,9 @@ class Scenario:
             adapter's ``image_costs``); the reference still runs the original order.
         encoder: ``stage0`` (the first stage runs the vision tower) or ``spread`` (every pipeline rank
             encodes a share: ``make_pipeline_stages(..., encoder="spread")``, token ``/spread``).
+        lane: with the spread, its background lane (the default on CPU: later encodes and the vision
+            backwards in the schedule's idle time); ``False`` (token ``/nolane``): every encode
+            before the schedule, every vision backward after it, contiguous shares.
         pretrained: build the stages from a checkpoint of the tiny model
             (:func:`~ppmedia.pipeline.stages_from_pretrained`, each rank only its stages) instead of
             cutting the model in memory; the tiny module's ``build_checkpoint_model`` (if it has one)
@@ -168,6 +171,7 @@ class Scenario:
     variant: str | None = None
     balance: bool = False
     encoder: str = "stage0"
+    lane: bool = True
     pretrained: bool = False
     fsdp: bool = False
     microbatches: int | None = None
@@ -191,6 +195,8 @@ class Scenario:
             object.__setattr__(self, "layers", tuple(int(n) for n in self.layers))
         if self.encoder not in ("stage0", "spread"):
             raise ValueError(f"scenario encoder: got {self.encoder!r}; expected stage0 or spread")
+        if not self.lane and self.encoder != "spread":
+            raise ValueError("scenario lane=False (/nolane) is an option of the encoder spread: add /spread")
         if self.variant is not None and self.variant not in VARIANTS:
             raise ValueError(f"scenario variant: got {self.variant!r}; expected None or one of {', '.join(VARIANTS)}")
 
@@ -212,7 +218,7 @@ def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
     if sc.variant is not None:
         parts.append(sc.variant)
     return "/".join(parts + ["balanced"] * sc.balance + ["pretrained"] * sc.pretrained
-                    + ["spread"] * (getattr(sc, "encoder", "stage0") == "spread"))
+                    + ["spread"] * (getattr(sc, "encoder", "stage0") == "spread") + ["nolane"] * (not getattr(sc, "lane", True)))
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -224,7 +230,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -262,10 +268,12 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["microbatches"] = int(token[2:])
             elif token == "spread":
                 kwargs["encoder"] = "spread"
+            elif token == "nolane":
+                kwargs["lane"] = False
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread]"
+                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -383,6 +391,7 @@ class ScenarioResult:
     variant: str | None = None
     balance: bool = False
     encoder: str = "stage0"
+    lane: bool = True
     pretrained: bool = False
     fsdp: bool = False
     microbatches: int | None = None
@@ -909,6 +918,10 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
         from ..pipeline import encoder_spread_of
 
         spread = encoder_spread_of(built.stages)
+        if not scenario.lane:  # every encode before the schedule, every backward after it
+            from ..pipeline.encoder import assign_encoders
+
+            spread.background, spread.assign = False, assign_encoders
         if scenario.fault == "stale_copies":  # the copies keep the weights of the first step
             spread.refresh = lambda everything=True: None  # type: ignore[method-assign]
         staging = spread.step(staged, ids)
@@ -1235,6 +1248,7 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         variant=sc.get("variant"),
         balance=sc.get("balance", False),
         encoder=sc.get("encoder", "stage0"),
+        lane=sc.get("lane", True),
         pretrained=sc.get("pretrained", False),
         fsdp=sc.get("fsdp", False),
         microbatches=sc.get("microbatches"),
@@ -1533,7 +1547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
     parser.add_argument(
         "--scenario", action="append",
-        help="schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        help="schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
         "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
     )
     parser.add_argument("--steps", type=int, default=2)

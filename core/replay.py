@@ -1,0 +1,175 @@
+"""Replay modelled operations in time: each rank runs its own operations in order, and a background lane
+that only runs while they idle (the step model of :mod:`ppmedia.stepmodel`).
+
+An operation starts when its rank is free and every event it needs has happened (plus the latency the
+need adds); when it ends it makes its events (after a delay: a send's latency). A rank's lane runs its
+jobs in order, each once its needs have happened, in the time the rank's own operations leave idle: an
+operation that becomes ready preempts the lane's job, which goes on when the rank idles again (so the
+lane is drawn in pieces). This is how :class:`ppmedia.pipeline.lane.Lane` behaves on a rank with a
+core (or device) of its own: its thread has the lowest priority.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .timeline import Bar, Timeline
+
+__all__ = ["Op", "replay"]
+
+_EPS = 1e-12
+
+
+@dataclass
+class Op:
+    """One modelled operation.
+
+    Attributes:
+        rank, kind, stage, mb: where and what (``stage``/``mb`` ``-1`` for per-step work).
+        cost: how long it runs, in the model's unit.
+        needs: ``(event, latency)``: it starts no earlier than each event's time plus the latency.
+        makes: ``(event, delay)``: the events it makes, at its end plus the delay.
+    """
+
+    rank: int
+    kind: str
+    stage: int
+    mb: int
+    cost: float
+    needs: list[tuple[Any, float]] = field(default_factory=list)
+    makes: list[tuple[Any, float]] = field(default_factory=list)
+
+
+def lane_done(rank: int) -> tuple[str, int]:
+    """The event a rank's lane makes when its last job is done (at once when it has none)."""
+    return ("lane", rank)
+
+
+class _Rank:
+    def __init__(self, ops: list[Op], lane: list[Op]) -> None:
+        self.ops, self.lane = ops, lane
+        self.pos = self.lpos = 0
+        self.running: tuple[Op, float, float] | None = None
+        self.left: float | None = None  # the lane job's remaining cost
+        self.piece: float | None = None  # when the lane's current piece started
+
+
+def _ready_at(op: Op, done: dict[Any, float]) -> float | None:
+    if any(key not in done for key, _ in op.needs):
+        return None
+    return max((done[key] + extra for key, extra in op.needs), default=0.0)
+
+
+def _finish(op: Op, end: float, done: dict[Any, float]) -> None:
+    for key, delay in op.makes:
+        done[key] = end + delay
+
+
+class _Replay:
+    def __init__(self, ranks: list[list[Op]], lanes: list[list[Op]]) -> None:
+        self.ranks = [_Rank(ops, lane) for ops, lane in zip(ranks, lanes)]
+        self.done: dict[Any, float] = {lane_done(r): 0.0 for r, lane in enumerate(lanes) if not lane}
+        self.bars: list[Bar] = []
+        self.now = 0.0
+
+    def _start_ready(self) -> None:
+        """Start every operation that can start now (instant ones finish at once)."""
+        started = True
+        while started:
+            started = False
+            for r, rank in enumerate(self.ranks):
+                while rank.running is None and rank.pos < len(rank.ops):
+                    op = rank.ops[rank.pos]
+                    t = _ready_at(op, self.done)
+                    if t is None or t > self.now + _EPS:
+                        break
+                    self._close_piece(r)  # preempts the lane
+                    rank.running = (op, self.now, self.now + op.cost)
+                    started = True
+                    if op.cost <= 0:
+                        self._end_op(r)
+
+    def _end_op(self, r: int) -> None:
+        rank = self.ranks[r]
+        assert rank.running is not None
+        op, start, end = rank.running
+        _finish(op, end, self.done)
+        if op.cost > 0 or op.kind not in ("S", "R", "J"):  # an instant collective or join is no bar
+            self.bars.append(Bar(r, op.kind, start, end, op.stage, op.mb))
+        rank.running, rank.pos = None, rank.pos + 1
+
+    def _close_piece(self, r: int) -> None:
+        rank = self.ranks[r]
+        if rank.piece is not None:
+            if self.now > rank.piece + _EPS:
+                job = rank.lane[rank.lpos]
+                self.bars.append(Bar(r, job.kind, rank.piece, self.now, job.stage, job.mb))
+            rank.piece = None
+
+    def _run_lanes(self) -> None:
+        for rank in self.ranks:
+            if rank.running is None and rank.piece is None and rank.lpos < len(rank.lane):
+                t = _ready_at(rank.lane[rank.lpos], self.done)
+                if t is not None and t <= self.now + _EPS:
+                    rank.left = rank.lane[rank.lpos].cost if rank.left is None else rank.left
+                    rank.piece = self.now
+
+    def _next_time(self) -> float | None:
+        times = []
+        for rank in self.ranks:
+            if rank.running is not None:
+                times.append(rank.running[2])
+            elif rank.pos < len(rank.ops):
+                t = _ready_at(rank.ops[rank.pos], self.done)
+                if t is not None:
+                    times.append(max(t, self.now))
+            if rank.piece is not None:
+                assert rank.left is not None
+                times.append(self.now + rank.left)
+            elif rank.running is None and rank.lpos < len(rank.lane):  # a busy rank's lane waits for it
+                t = _ready_at(rank.lane[rank.lpos], self.done)
+                if t is not None and t > self.now:
+                    times.append(t)
+        return min(times) if times else None
+
+    def _advance(self, until: float) -> None:
+        for r, rank in enumerate(self.ranks):
+            if rank.piece is not None:
+                assert rank.left is not None
+                rank.left -= until - self.now
+        self.now = until
+        for r, rank in enumerate(self.ranks):
+            if rank.running is not None and rank.running[2] <= self.now + _EPS:
+                self._end_op(r)
+            if rank.piece is not None and rank.left is not None and rank.left <= _EPS:
+                job = rank.lane[rank.lpos]
+                self._close_piece(r)
+                _finish(job, self.now, self.done)
+                rank.lpos, rank.left = rank.lpos + 1, None
+                if rank.lpos == len(rank.lane):
+                    self.done[lane_done(r)] = self.now
+
+    def run(self, title: str) -> list[Bar]:
+        while True:
+            self._start_ready()
+            self._run_lanes()
+            if all(r.pos == len(r.ops) and r.lpos == len(r.lane) for r in self.ranks):
+                return self.bars
+            until = self._next_time()
+            if until is None:
+                raise RuntimeError(f"{title}: the modelled schedule deadlocked (a broken action order)")
+            self._advance(until)
+
+
+def replay(ranks: list[list[Op]], title: str, unit: str, lanes: list[list[Op]] | None = None) -> Timeline:
+    """Replay ``ranks`` (each rank's operations in order) and their ``lanes`` (each rank's background
+    jobs in order; default none) into a :class:`~ppmedia.timeline.Timeline`.
+
+    Raises:
+        RuntimeError: the operations wait for each other in a cycle (an event nothing makes).
+    """
+    lanes = lanes if lanes is not None else [[] for _ in ranks]
+    if len(lanes) != len(ranks):
+        raise ValueError(f"lanes: {len(lanes)} for {len(ranks)} ranks; expected one per rank")
+    return Timeline(title, len(ranks), _Replay(ranks, lanes).run(title), unit)
