@@ -6,7 +6,10 @@ need adds); when it ends it makes its events (after a delay: a send's latency). 
 jobs in order, each once its needs have happened, in the time the rank's own operations leave idle: an
 operation that becomes ready preempts the lane's job, which goes on when the rank idles again (so the
 lane is drawn in pieces). This is how :class:`ppmedia.pipeline.lane.Lane` behaves on a rank with a
-core (or device) of its own: its thread has the lowest priority.
+core (or device) of its own: its thread has the lowest priority. An operation may take a lane job back
+(``takes_back``): if the lane has not started that job when the operation is ready, the operation runs
+it first itself (drawn as an ``EI`` overlay) and the lane skips it, as the encoder spread's first stage
+does with an encode its lane has not reached.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ __all__ = ["Op", "replay"]
 _EPS = 1e-12
 
 
-@dataclass
+@dataclass(eq=False)
 class Op:
     """One modelled operation.
 
@@ -30,6 +33,9 @@ class Op:
         cost: how long it runs, in the model's unit.
         needs: ``(event, latency)``: it starts no earlier than each event's time plus the latency.
         makes: ``(event, delay)``: the events it makes, at its end plus the delay.
+        takes_back: a job of the rank's lane this operation runs itself, first, if the lane has not
+            started it when the operation is ready (the operation's needs on that job's events then
+            do not count).
     """
 
     rank: int
@@ -39,6 +45,8 @@ class Op:
     cost: float
     needs: list[tuple[Any, float]] = field(default_factory=list)
     makes: list[tuple[Any, float]] = field(default_factory=list)
+    takes_back: "Op | None" = None
+    taken: bool = False  # a lane job some operation took back
 
 
 def lane_done(rank: int) -> tuple[str, int]:
@@ -81,14 +89,41 @@ class _Replay:
             for r, rank in enumerate(self.ranks):
                 while rank.running is None and rank.pos < len(rank.ops):
                     op = rank.ops[rank.pos]
-                    t = _ready_at(op, self.done)
+                    job = op.takes_back if op.takes_back is not None and self._unstarted(rank, op.takes_back) else None
+                    t = _ready_at(self._without(op, job), self.done)
                     if t is None or t > self.now + _EPS:
                         break
                     self._close_piece(r)  # preempts the lane
-                    rank.running = (op, self.now, self.now + op.cost)
+                    cost = op.cost
+                    if job is not None:  # runs the job itself, first
+                        job.taken, cost = True, cost + job.cost
+                        _finish(job, self.now + job.cost, self.done)
+                        self.bars.append(Bar(r, "EI", self.now, self.now + job.cost, op.stage, job.mb))
+                    rank.running = (op, self.now, self.now + cost)
                     started = True
                     if op.cost <= 0:
                         self._end_op(r)
+
+    @staticmethod
+    def _unstarted(rank: _Rank, job: Op) -> bool:
+        index = next((i for i, j in enumerate(rank.lane) if j is job), None)
+        if job.taken or index is None:
+            return False
+        return index > rank.lpos or (index == rank.lpos and rank.left is None)
+
+    @staticmethod
+    def _without(op: Op, job: Op | None) -> Op:
+        if job is None:
+            return op
+        made = {key for key, _ in job.makes}
+        return Op(op.rank, op.kind, op.stage, op.mb, op.cost, [n for n in op.needs if n[0] not in made])
+
+    def _skip_taken(self, r: int) -> None:
+        rank = self.ranks[r]
+        while rank.lpos < len(rank.lane) and rank.lane[rank.lpos].taken and rank.left is None:
+            rank.lpos += 1
+            if rank.lpos == len(rank.lane):
+                self.done[lane_done(r)] = self.now
 
     def _end_op(self, r: int) -> None:
         rank = self.ranks[r]
@@ -108,7 +143,8 @@ class _Replay:
             rank.piece = None
 
     def _run_lanes(self) -> None:
-        for rank in self.ranks:
+        for r, rank in enumerate(self.ranks):
+            self._skip_taken(r)
             if rank.running is None and rank.piece is None and rank.lpos < len(rank.lane):
                 t = _ready_at(rank.lane[rank.lpos], self.done)
                 if t is not None and t <= self.now + _EPS:
@@ -121,7 +157,9 @@ class _Replay:
             if rank.running is not None:
                 times.append(rank.running[2])
             elif rank.pos < len(rank.ops):
-                t = _ready_at(rank.ops[rank.pos], self.done)
+                op = rank.ops[rank.pos]
+                job = op.takes_back if op.takes_back is not None and self._unstarted(rank, op.takes_back) else None
+                t = _ready_at(self._without(op, job), self.done)
                 if t is not None:
                     times.append(max(t, self.now))
             if rank.piece is not None:

@@ -268,7 +268,8 @@ def _spread_ops(costs: OpCosts, loads: Sequence[float], owners: Sequence[int], n
     and encodes at once, the other ranks wait for the weights (``S``, half of ``sync``). Each rank
     encodes the first :func:`~ppmedia.pipeline.encoder.encoded_ahead` of its microbatches before its
     schedule (``E``) and, with ``background``, the rest on its lane (``LE``), followed by its vision
-    backwards (``LV``, each once stage 0's backward of it is done); without, every encode comes
+    backwards (``LV``, each once stage 0's backward of it is done; stage 0's forward runs an encode of
+    its own lane's itself when the lane has not started it, ``EI``); without, every encode comes
     first and the backwards follow the schedule (``V``). After its schedule stage 0's rank enters the
     reduction (contributing nothing) and finishes its own share while the other ranks' gradients
     travel (``R`` on those ranks, the other half, once their own backwards are done and stage 0 has
@@ -289,6 +290,10 @@ def _spread_ops(costs: OpCosts, loads: Sequence[float], owners: Sequence[int], n
             ops.append(_Op(r, "R", -1, -1, 0.0, [], [(("entered", 0), 0.0)]))
         if background:
             lane = [_Op(r, "LE", -1, e.mb, e.cost, [], e.makes) for e in encode[first:]]
+            if r == 0:  # stage 0's forward takes back an encode its lane has not started
+                forwards = {op.mb: op for op in ops if op.kind == "F" and op.stage == 0}
+                for job in lane:
+                    forwards[job.mb].takes_back = job
             lane += [_Op(r, "LV", -1, m, loads[m] * costs.vision_bwd, [need]) for m, need in zip(mine, ready)]
             ops.append(_Op(r, "J", -1, -1, 0.0, [(lane_done(r), 0.0)]))
         else:

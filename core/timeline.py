@@ -40,9 +40,10 @@ BAR_KINDS: dict[str, tuple[str, str]] = {
     "R": ("vision gradients reduce", "#79706e"),
     "wait": ("waiting for features", "#e15759"),
     "LE": ("vision forward, background lane", "#d4a6c8"),
+    "EI": ("vision forward inside the forward (taken back from the lane)", "#b07aa1"),
     "LV": ("vision backward, background lane", "#8cd17d"),
 }
-_OVERLAYS = frozenset({"wait", "LE", "LV"})  # drawn as strips over the row, not counted as separate work
+_OVERLAYS = frozenset({"wait", "LE", "LV", "EI"})  # drawn as strips over the row, not counted as separate work
 
 
 @dataclass(frozen=True)

@@ -345,19 +345,31 @@ class _Incoming:
 
 @dataclass
 class _Step:
-    """What one step's encodes fill (on the caller's thread or the lane's)."""
+    """What one step's encodes fill (on the caller's thread or the lane's), and the encodes left to
+    the lane, which stage 0's forward takes back when the lane has not started one it needs."""
 
     incoming: dict[int, _Incoming]
     outputs: dict[int, dict[str, Tensor]]
     sends: list[Any]
+    later: dict[int, tuple[VlmMediaChunk, HostValues]] = field(default_factory=dict)
+    claimed: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self, k: int) -> bool:
+        """Take microbatch ``k``'s encode (once: the lane or the caller, whoever asks first)."""
+        with self.lock:
+            if k in self.claimed:
+                return False
+            self.claimed.add(k)
+            return True
 
 
 class _StepFeatures:
     """Hung on the first stage's module for one step: ``adapter_for(k, chunk)`` gives the adapter
     that hands the stage microbatch ``k``'s precomputed outputs (waiting for them only now)."""
 
-    def __init__(self, spread: "EncoderSpread", plan: SpreadPlan, incoming: dict[int, _Incoming]) -> None:
-        self.spread, self.plan, self.incoming = spread, plan, incoming
+    def __init__(self, spread: "EncoderSpread", plan: SpreadPlan, step: _Step) -> None:
+        self.spread, self.plan, self.step, self.incoming = spread, plan, step, step.incoming
         self.takes: list[int] = []
 
     def adapter_for(self, k: int | None, chunk: VlmMediaChunk | None) -> VlmAdapter:
@@ -375,7 +387,10 @@ class _StepFeatures:
             t0 = time.perf_counter()
             for work in item.works:
                 work.wait()
-            if self.plan.owners[k] == spread.rank:  # encoded here, perhaps on the lane
+            if self.plan.owners[k] == spread.rank:  # encoded here: ahead, on the lane, or now
+                if k in self.step.later and self.step.claim(k):  # the lane has not started it: take it back
+                    chunk_k, host = self.step.later[k]
+                    spread._encode_one(self.plan, k, chunk_k, host, self.step, "EI")
                 item.encoded.wait()
                 if not item.buffers:
                     raise RuntimeError(f"encoder spread: encoding microbatch {k} failed on the lane") from spread._lane_error()
@@ -733,7 +748,7 @@ class EncoderSpread:
         features = None
         try:
             if self.rank == 0:
-                features = _StepFeatures(self, plan, incoming)
+                features = _StepFeatures(self, plan, step)
                 module = self.first_stage if isinstance(self.first_stage, nn.Module) else self.first_stage.submod
                 module.__dict__[FEATURES_ATTRIBUTE] = features
                 try:
@@ -758,8 +773,8 @@ class EncoderSpread:
         """This rank's background lane: the encodes not done ahead of the schedule, then the vision
         backwards, in microbatch order, each once its gradients are here (on stage 0's rank when its
         own backward has filled them, elsewhere when they have arrived)."""
-        jobs: list[Any] = [(_nothing, functools.partial(self._encode_one, plan, k, chunk, host, step, "LE"))
-                           for k, chunk, host in later]
+        step.later.update((k, (chunk, host)) for k, chunk, host in later)
+        jobs: list[Any] = [(_nothing, functools.partial(self._lane_encode, plan, k, step)) for k, _, _ in later]
         if self._needs_grad:
             for k in [k for k, names in enumerate(plan.names) if names and plan.owners[k] == self.rank]:
                 if self.rank == 0:
@@ -774,6 +789,11 @@ class EncoderSpread:
                 item.encoded.set()
 
         return Lane(jobs, name=f"ppmedia-vision-lane-{self.rank}", background=self.background, on_error=failed)
+
+    def _lane_encode(self, plan: SpreadPlan, k: int, step: "_Step") -> None:
+        if step.claim(k):  # else stage 0's forward took it back
+            chunk, host = step.later[k]
+            self._encode_one(plan, k, chunk, host, step, "LE")
 
     def _backward_from_leaves(self, k: int, step: "_Step", item: _Incoming) -> None:
         self._backward(k, step.outputs[k], {n: leaf.grad for n, leaf in (item.leaves or {}).items()})

@@ -45,8 +45,11 @@ ARMS: dict[str, tuple[str, tuple[int, int]]] = {
     "stage0/1+3": ("stage0", (1, 3)),
     "stage0/0+4": ("stage0", (0, 4)),
     "spread": ("spread", (2, 2)),
-    "spread/il": ("spread", (2, 2)),
+    "spread/nolane": ("spread", (2, 2)),
 }
+#: the spread's arms without its background lane (every encode before the schedule, every vision
+#: backward after it, contiguous shares): what the lane buys, measured side by side
+NO_LANE = ("spread/nolane",)
 BASELINE = "stage0"
 
 
@@ -148,7 +151,8 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     import ppmedia
-    from ppmedia.pipeline import StepTracer, build_schedule, encoder_spread_of, make_labels, make_pipeline_stages
+    from ppmedia.pipeline import (StepTracer, assign_encoders, build_schedule, encoder_spread_of, make_labels,
+                                  make_pipeline_stages)
     from ppmedia.testing.parity import exit_worker
 
     torch.set_num_threads(1)
@@ -168,10 +172,8 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
             stages = make_pipeline_stages(model, 2, [rank], "cpu", layers_per_stage=list(layers), encoder=encoder,
                                           static_microbatch=(ids.shape[0] // N_MICROBATCHES, SEQ_LEN))
             spread = encoder_spread_of(stages) if encoder == "spread" else None
-            if arm == "spread/il":
-                spread.assign = lambda costs, n: [k % n for k in range(len(costs))]
-            if spread is not None and os.environ.get("S0_ASSIGN") == "reverse":
-                spread.assign = lambda costs, n: [n - 1 - (k * n) // len(costs) for k in range(len(costs))]
+            if arm in NO_LANE:
+                spread.background, spread.assign = False, assign_encoders
             built[arm] = (stages, build_schedule(SCHEDULE, stages, N_MICROBATCHES), spread, StepTracer(stages, spread))
         probe = _probe(model, adapter, staged, ids, built["spread"][2])
 
@@ -316,7 +318,8 @@ def analyse(results: dict[str, Any], max_foreign: float = 0.25) -> dict[str, Any
     arms: dict[str, Any] = {}
     for arm, (encoder, layers) in ARMS.items():
         walls = results["arms"][arm]["walls"]
-        predicted = predict_step(SCHEDULE, costs, loads, n_ranks=2, layers_per_stage=layers, encoder=encoder)
+        predicted = predict_step(SCHEDULE, costs, loads, n_ranks=2, layers_per_stage=layers, encoder=encoder,
+                                 background=arm not in NO_LANE)
         arms[arm] = {"median_s": statistics.median(walls), "ratio": statistics.median(w / b for w, b in zip(walls, base_walls)),
                      "predicted_s": predicted.step_time, "bubble": predicted.bubble}
     base_pred = arms[BASELINE]["predicted_s"]
@@ -350,7 +353,7 @@ def timelines(results: dict[str, Any], analysis: dict[str, Any]) -> list[list[An
     for arm in (BASELINE, analysis["best_static"], "spread"):
         encoder, layers = ARMS[arm]
         predicted = predict_step(SCHEDULE, costs, results["loads"], n_ranks=2, layers_per_stage=layers, encoder=encoder,
-                                 title=f"predicted: {arm} (layers {list(layers)})").timeline
+                                 background=arm not in NO_LANE, title=f"predicted: {arm} (layers {list(layers)})").timeline
         walls = results["arms"][arm]["walls"]
         median = sorted(range(len(walls)), key=lambda i: walls[i])[len(walls) // 2]
         measured = Timeline(f"measured: {arm}, median step of {len(walls)}", 2, _bars(results["arms"][arm]["bars"][median]))
