@@ -14,7 +14,9 @@ Selection, per batch, from the keys present (values that are not ``None``):
    superset of the other's wins (``pixel_values`` + ``image_grid_thw`` beats ``pixel_values`` alone);
    neither: the batch is ambiguous, a ``ValueError`` naming both layouts and their keys;
 3. a present key that no selected layout reads is an error ("given without ..."), except an empty
-   value of a layout's optional key, which is dropped;
+   value of a layout's optional key, which is dropped (an empty ``second_per_grid_ts`` in a batch
+   without videos); a mask (``..._mask``) describes its features and is refused without them, empty
+   or not;
 4. per-sample counts (the batch's ``n_<modality>s_per_sample``, the ``<modality>s_per_sample=``
    argument) go to the selected layout of their modality; counts for a modality without media must
    all be zero.
@@ -119,7 +121,7 @@ class Orphan(NamedTuple):
     key: str
     owner: MediaLayout
     missing: tuple[str, ...]
-    optional: bool  # an optional key of ``owner``: an empty value is dropped, not an error
+    optional: bool  # an optional key of ``owner`` but no mask: an empty value is dropped, not an error
 
 
 class Selection(NamedTuple):
@@ -240,7 +242,7 @@ class LayoutSet:
             if key in present and key not in read and key not in self._count_keys:
                 owner = next(layout for layout in self.layouts if key in layout.keys)
                 missing = tuple(k for k in owner.requires if k not in present)
-                orphans.append(Orphan(key, owner, missing, key in owner.optional))
+                orphans.append(Orphan(key, owner, missing, key in owner.optional and not key.endswith("_mask")))
         plans = tuple((layout, layout.counts_key, layout.counts_argument) for layout in chosen)
         planned = {layout.modality for layout in chosen if layout.counted}
         unplanned = tuple((m, key, arg) for m, (key, arg) in self.counted.items() if m not in planned)
