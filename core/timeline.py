@@ -4,12 +4,12 @@ A :class:`Timeline` is a list of :class:`Bar` objects, each one operation on one
 order that rank ran it: the schedule's forwards (``F``), backwards (``B``; split-backward schedules
 run an input-gradient part ``I`` and a weight-gradient part ``W``), and the vision work around them
 (``E``: the vision tower's forward of a microbatch, ``V``: its backward; ``S`` / ``R``: the encoder
-spread's parameter broadcast and gradient reduction; ``wait``: the first stage waiting for a
-microbatch's features inside its forward; ``LE`` / ``LV``: a vision forward / backward on the spread's
-background lane, which runs in the rank's idle time). Time a rank spends in none of the schedule's or the spread's
-own work is a bubble; overlays (``wait``, ``LE``, ``LV``) are drawn as strips along the foot of the rank's
-row and do not count as work (a measured lane bar spans from its start to its end, preemptions
-included; a predicted one is drawn in the pieces the model gives it).
+spread's parameter broadcast and gradient reduction). Overlays are drawn as strips along the foot of
+the rank's row: ``wait`` (the first stage waiting for a microbatch's features inside its forward),
+``EI`` (a vision forward the first stage runs inside its forward, taken back from its lane), ``LE`` /
+``LV`` (a vision forward / backward on the spread's background lane, which runs in the rank's idle
+time: a measured one spans from its start to its end, preemptions included; a predicted one is drawn
+in the pieces the model gives it). Time in which a rank neither works nor its lane does is a bubble.
 
 Predicted timelines come from :func:`ppmedia.stepmodel.predict_step`, measured ones from
 :class:`ppmedia.pipeline.trace.StepTracer`. :func:`render_svg` draws a grid of them (e.g. predicted
@@ -97,12 +97,16 @@ class Timeline:
         """Rank ``rank``'s work bars (no overlays), in its order."""
         return [b for b in self.bars if b.rank == rank and b.kind not in _OVERLAYS]
 
+    def _busy(self, rank: int) -> list[Bar]:
+        """What keeps ``rank`` busy: its work bars and its background lane's (not ``wait``)."""
+        return [b for b in self.bars if b.rank == rank and b.kind != "wait"]
+
     def bubbles(self, rank: int) -> list[tuple[float, float]]:
-        """The idle intervals of ``rank`` within the step."""
+        """The idle intervals of ``rank`` within the step (neither its own work nor its lane's)."""
         t0 = min((b.start for b in self.bars), default=0.0)
         t1 = t0 + self.step_time
         gaps, cursor = [], t0
-        for bar in sorted(self.lane(rank), key=lambda b: b.start):
+        for bar in sorted(self._busy(rank), key=lambda b: b.start):
             if bar.start > cursor + 1e-12:
                 gaps.append((cursor, bar.start))
             cursor = max(cursor, bar.end)
@@ -112,12 +116,12 @@ class Timeline:
 
     @property
     def bubble(self) -> float:
-        """The idle share of all ranks over the step (work bars may not overlap within a rank)."""
+        """The idle share of all ranks over the step: the time :meth:`bubbles` finds."""
         step = self.step_time
         if step <= 0 or self.ranks <= 0:
             return 0.0
-        busy = sum(b.end - b.start for b in self.bars if b.kind not in _OVERLAYS)
-        return max(0.0, 1.0 - busy / (self.ranks * step))
+        idle = sum(b - a for rank in range(self.ranks) for a, b in self.bubbles(rank))
+        return min(1.0, max(0.0, idle / (self.ranks * step)))
 
     def shifted(self) -> "Timeline":
         """The same timeline with its first operation at 0."""

@@ -507,3 +507,64 @@ def test_the_docs_commands_work(capsys, monkeypatch, tmp_path):
     run = re.search(r"`python -m ppmedia.testing.parity ([^`]+)`", DOC.read_text()).group(1).split()
     assert run[0] in tiny.FAMILIES
     assert [s.encoder for s in parse_scenarios(run[2::2])] == ["spread", "spread"]
+
+
+# ----------------------------------------------------------------------------------------------
+# the background lane
+
+
+def test_interleave_encoders_goes_round_robin_and_balances_costs():
+    assert interleave_encoders([1, 1, 1, 1], 2) == [0, 1, 0, 1]
+    assert interleave_encoders([1.0] * 8, 4) == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert interleave_encoders([3, 1, 1, 1], 2) == [0, 1, 1, 1]  # the heavy one's rank waits its turn
+    assert interleave_encoders([1, 0, 1, 1], 2) == [0, 0, 1, 0]  # text-only microbatches cost nothing
+    assert interleave_encoders([0, 0], 2) == [0, 0] and interleave_encoders([5], 4) == [0]
+    assert interleave_encoders([1.0] * 8, 2, weights=[1, 3]) == [0, 1, 1, 1, 0, 1, 1, 1]
+    for costs in itertools.product([0, 1, 2, 5], repeat=5):  # greedy: no rank more than one job over the rest
+        owners = interleave_encoders(list(costs), 2)
+        loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in (0, 1)]
+        assert abs(loads[0] - loads[1]) <= max(costs)
+    with pytest.raises(ValueError, match="expected costs >= 0"):
+        interleave_encoders([1, -1], 2)
+    with pytest.raises(ValueError, match="expected 2 positive shares"):
+        interleave_encoders([1, 1], 2, weights=[1, 0])
+    assert [encoded_ahead(n, 0.5) for n in range(5)] == [0, 1, 1, 2, 2]
+    assert encoded_ahead(4, 0.0) == 1 and encoded_ahead(4, 1.0) == 4
+    with pytest.raises(ValueError, match="ahead: got 1.5; expected a share 0..1"):
+        encoded_ahead(4, 1.5)
+
+
+def test_a_lane_runs_its_jobs_in_order_at_the_lowest_priority_and_hands_back_errors():
+    import threading
+
+    from ppmedia.pipeline.lane import Lane
+
+    ran, gate = [], threading.Event()
+    lane = Lane([(gate.wait, lambda: ran.append(("a", threading.current_thread().name))),
+                 (lambda: None, lambda: ran.append(("b", torch.get_num_threads())))], name="t-lane")
+    assert ran == []  # the first job waits for its input
+    gate.set()
+    lane.join()
+    assert ran == [("a", "t-lane"), ("b", torch.get_num_threads())]  # the caller's thread count, not every core
+    assert lane.priority in ("idle", "nice", "none")
+    seen = []
+    failing = Lane([(lambda: None, lambda: 1 / 0), (lambda: None, lambda: seen.append("never"))],
+                   on_error=lambda e: seen.append(type(e).__name__))
+    with pytest.raises(ZeroDivisionError):
+        failing.join()
+    assert seen == ["ZeroDivisionError"]  # on_error ran; the later job did not
+    here = []
+    Lane([(lambda: None, lambda: here.append(threading.current_thread().name))], background=False).join()
+    assert here == [threading.current_thread().name]  # background=False: the caller runs the jobs
+    gate2 = threading.Event()
+    cancelled = Lane([(gate2.wait, lambda: here.append("late"))])
+    cancelled.cancel()
+    gate2.set()
+    cancelled._thread.join(5)
+    assert "late" not in here
+
+
+def test_the_spread_refuses_a_bad_ahead_share():
+    with pytest.raises(ValueError, match="ahead: got -0.1"):
+        pipeline.encoder.EncoderSpread.__init__(object.__new__(pipeline.encoder.EncoderSpread), torch.nn.Linear(1, 1),
+                                               None, ahead=-0.1)

@@ -66,6 +66,7 @@ The package, one module per concern (every public name is importable from ``ppme
 ``tied``            tied parameters across stages
 ``parallel``        data parallelism: :func:`shard_batch`, gradient reduction, global-norm clipping
 ``encoder``         the encoder spread: every pipeline rank encodes a share of the media (:class:`EncoderSpread`)
+``lane``            the spread's background lane: jobs on a thread of the lowest priority, in the schedule's idle time
 ``trace``           measured per-action timelines of a real step (:class:`StepTracer`)
 ``pretrained``      :func:`stages_from_pretrained`: a rank's stages from a Hugging Face checkpoint
                     (built on meta, only the stage's tensors read, from only their shard files)
@@ -86,7 +87,8 @@ from .checkpoint import (
     save_checkpoint,
     stage_optimizers,
 )
-from .encoder import ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, vision_replica
+from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, interleave_encoders,
+                      vision_replica)
 from .evaluate import eval_step
 from .export import save_pretrained_stages
 from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
@@ -134,6 +136,7 @@ __all__ = [
     "count_valid_tokens",
     "default_layer_split",
     "encoder_spread_of",
+    "interleave_encoders",
     "eval_step",
     "find_language_model",
     "is_sharded",

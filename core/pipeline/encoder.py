@@ -11,19 +11,24 @@ all the vision work. :class:`EncoderSpread` (``make_pipeline_stages(..., encoder
    step, the trainable ones after that: the optimizer step in between changed only those);
 2. **plan** (:class:`SpreadPlan`, the same on every rank): each microbatch's vision cost (the
    adapter's :meth:`~ppmedia.adapters.base.VlmAdapter.image_costs` model) and placeholder rows (one
-   host read per batch), and its encoding rank (:func:`assign_encoders`);
-3. **encode**: each rank runs the adapter's :meth:`~ppmedia.adapters.base.VlmAdapter.encoder_outputs`
-   on its microbatches' chunks (views of the staged batch, checked with ``check_counts`` as stage 0
-   would) and sends the outputs to stage 0 (a process group of its own, so that nothing it sends can
-   be matched with the schedule's traffic); stage 0 posts the receives before it encodes its own share;
+   host read per batch), and its encoding rank (:func:`interleave_encoders`, or
+   :func:`assign_encoders` without the lane);
+3. **encode**: each rank checks its microbatches' chunks (``check_counts``, as stage 0 would), runs the
+   adapter's :meth:`~ppmedia.adapters.base.VlmAdapter.encoder_outputs` on the first of them (views of
+   the staged batch; :data:`AHEAD` of its share) and sends the outputs to stage 0 (a process group of
+   its own, so that nothing it sends can be matched with the schedule's traffic); stage 0 posts the
+   receives before it encodes its own share. The rank's background lane
+   (:class:`~ppmedia.pipeline.lane.Lane`, a thread of the lowest priority) encodes the rest while the
+   schedule runs; stage 0's forward takes back an encode of its own the lane has not started;
 4. **step**: the media are staged on stage 0 as always (``stage_media``: the cursor contract is
    unchanged, each forward takes its own chunk once); its forward takes microbatch ``k``'s outputs
    instead of running the tower (waiting for them only then) as leaf tensors that collect their
    gradient in the schedule's backward;
 5. **return**: as soon as microbatch ``k``'s backward on stage 0 has filled those gradients they are
-   sent back to its encoder (the rest at the end of the step), which finishes the tower's backward
-   for its share after its own ``schedule.step`` returns; then the tower's gradients are summed onto
-   stage 0 (one ``reduce`` per dtype) and the copies' gradients are dropped.
+   sent back to its encoder (the rest at the end of the step), whose lane runs the tower's backward
+   for it in the schedule's idle time (without the lane: after ``schedule.step`` returns); then the
+   tower's gradients are summed onto stage 0 (one ``reduce`` per dtype) and the copies' gradients are
+   dropped.
 
 Loss and gradients equal the stage-0 placement's (and the model's own full-batch run) within float
 rounding: the tower runs on exactly the same chunks, only on another rank. Every rank must hold the
@@ -186,7 +191,7 @@ def interleave_encoders(costs: Sequence[float], n_ranks: int, *, weights: Sequen
     values = _checked_costs(costs, n_ranks, weights)
     shares = [1.0] * n_ranks if weights is None else [float(w) for w in weights]
     load = [0.0] * n_ranks
-    owners = []
+    owners: list[int] = []
     for c in values:
         if c == 0:
             owners.append(owners[-1] if owners else 0)
@@ -475,6 +480,8 @@ class EncoderSpread:
     ) -> None:
         import torch.distributed as dist
 
+        encoded_ahead(0, ahead)  # checks the share before anything collective
+
         self.vision, self.adapter, self.config = vision, adapter, vision.config
         self.first_stage = first_stage
         ranks = _group_ranks(group)
@@ -485,7 +492,6 @@ class EncoderSpread:
                 f"EncoderSpread: pipeline rank {self.rank} {'holds' if first_stage is not None else 'lacks'} "
                 f"the first stage; expected it on pipeline rank 0 (where every torch schedule places it)"
             )
-        encoded_ahead(0, ahead)  # checks the share
         self.ahead = float(ahead)
         self.params = _vision_parameters(vision)
         self.device = next((p.device for _, p in self.params), torch.device("cpu"))

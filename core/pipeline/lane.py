@@ -30,7 +30,7 @@ def lower_thread_priority() -> str:
     """Give the calling thread the lowest CPU priority available; returns what it got:
     ``"idle"`` (Linux ``SCHED_IDLE``), ``"nice"`` (``nice 19``) or ``"none"`` (neither allowed)."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]  # 0: this thread
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
         return "idle"
     except (AttributeError, OSError):
         pass

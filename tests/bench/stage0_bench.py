@@ -6,7 +6,9 @@ costs per microbatch about as much as one stage's share of the text model (4 dec
 256, forward and backward; measured on quiet runs: 1.14-1.15 times, printed with every run): B=16 samples with one 8x12-patch image each, ``S = 80``, 8 microbatches
 of 2, 1F1B on 2 ranks (gloo on 127.0.0.1, one thread per process). Arms, alternated step by step with their order rotated
 every repetition: ``stage0`` (layers 2 + 2, the uniform split), ``stage0/1+3`` and ``stage0/0+4`` (vision
-on stage 0 with fewer layers there), ``spread`` (2 + 2, ``encoder="spread"``).
+on stage 0 with fewer layers there), ``spread`` (2 + 2, ``encoder="spread"`` with its background lane)
+and ``spread/nolane`` (the same without the lane: every encode before the schedule, every vision
+backward after it), so what the lane buys is measured side by side.
 
 Calibration for the planner (independent of the arms it predicts): before the repetitions both
 workers time, at the same time, the vision tower's forward and backward per MFLOP of the adapter's
