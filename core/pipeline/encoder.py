@@ -178,7 +178,7 @@ def interleave_encoders(costs: Sequence[float], n_ranks: int, *, weights: Sequen
     ties: the lower rank). Equal costs go round-robin (0, 1, ..., 0, 1, ...), so every rank's first
     microbatches are the step's first ones: what the background lane wants, where each rank encodes
     its first microbatches before the schedule and the rest while it runs. Microbatches without media
-    (cost 0) go to the rank whose turn it is and cost nothing.
+    (cost 0) go to the previous microbatch's rank (rank 0 first) and cost nothing.
 
     Args:
         costs: ``[n]`` vision cost per microbatch (any unit, ``>= 0``).
