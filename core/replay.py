@@ -88,9 +88,7 @@ class _Replay:
             started = False
             for r, rank in enumerate(self.ranks):
                 while rank.running is None and rank.pos < len(rank.ops):
-                    op = rank.ops[rank.pos]
-                    job = op.takes_back if op.takes_back is not None and self._unstarted(rank, op.takes_back) else None
-                    t = _ready_at(self._without(op, job), self.done)
+                    op, job, t = self._next_op(rank)
                     if t is None or t > self.now + _EPS:
                         break
                     self._close_piece(r)  # preempts the lane
@@ -101,8 +99,15 @@ class _Replay:
                         self.bars.append(Bar(r, "EI", self.now, self.now + job.cost, op.stage, job.mb))
                     rank.running = (op, self.now, self.now + cost)
                     started = True
-                    if op.cost <= 0:
+                    if cost <= 0:
                         self._end_op(r)
+
+    def _next_op(self, rank: _Rank) -> tuple[Op, Op | None, float | None]:
+        """The rank's next operation, the lane job it would take back, and when it can start
+        (``None``: an event it needs has not happened)."""
+        op = rank.ops[rank.pos]
+        job = op.takes_back if op.takes_back is not None and self._unstarted(rank, op.takes_back) else None
+        return op, job, _ready_at(self._without(op, job), self.done)
 
     @staticmethod
     def _unstarted(rank: _Rank, job: Op) -> bool:
@@ -157,9 +162,7 @@ class _Replay:
             if rank.running is not None:
                 times.append(rank.running[2])
             elif rank.pos < len(rank.ops):
-                op = rank.ops[rank.pos]
-                job = op.takes_back if op.takes_back is not None and self._unstarted(rank, op.takes_back) else None
-                t = _ready_at(self._without(op, job), self.done)
+                t = self._next_op(rank)[2]
                 if t is not None:
                     times.append(max(t, self.now))
             if rank.piece is not None:

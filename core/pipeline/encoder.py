@@ -390,8 +390,7 @@ class _StepFeatures:
             return _precomputed(spread.adapter, k, {}, {})
         if item.leaves is None:
             t0 = time.perf_counter()
-            for work in item.works:
-                work.wait()
+            _wait_all(item.works)
             if self.plan.owners[k] == spread.rank:  # encoded here: ahead, on the lane, or now
                 if k in self.step.later and self.step.claim(k):  # the lane has not started it: take it back
                     chunk_k, host = self.step.later[k]
@@ -495,8 +494,8 @@ class EncoderSpread:
         self.ahead = float(ahead)
         self.params = _vision_parameters(vision)
         self.device = next((p.device for _, p in self.params), torch.device("cpu"))
-        self.background = self.device.type == "cpu" if background is None else bool(background)
-        self.assign = assign or default_assign(self.background)
+        self._assign = assign
+        self.set_background(self.device.type == "cpu" if background is None else bool(background))
         self.wire_dtype = next((p.dtype for _, p in self.params if p.is_floating_point()), torch.float32)
         self.hidden = _text_dims(self.config)[0]
         self.trace: list[tuple[str, int, float, float]] | None = None  # (kind, microbatch, t0, t1) when set
@@ -512,6 +511,12 @@ class EncoderSpread:
         #: are summed over (the vision side stays whole, outside FSDP2's groups)
         self.replica_groups: tuple[Any, ...] = ()
         self._check_layout()
+
+    def set_background(self, on: bool) -> None:
+        """Turn the background lane on or off for the next steps; the assignment follows
+        (:func:`default_assign`) unless one was given."""
+        self.background = bool(on)
+        self.assign = self._assign or default_assign(self.background)
 
     # -- small pieces --------------------------------------------------------------------------
     def _record(self, kind: str, k: int, t0: float, t1: float) -> None:
@@ -819,8 +824,7 @@ class EncoderSpread:
                     f"encoder spread: the first stage never took the encoded outputs of microbatches {missing} "
                     f"(its forwards took {features.takes}); expected every microbatch once"
                 )
-        for work in self._pending:  # stage 0's background broadcast
-            work.wait()
+        _wait_all(self._pending)  # stage 0's background broadcast
         if self._needs_grad:
             if features is not None:
                 for item in features.incoming.values():
@@ -836,8 +840,7 @@ class EncoderSpread:
                 lane.join()
                 _wait_all(sends)  # the features' sends (stage 0 has its gradients: they arrived)
                 self._finish_reduction(self._start_reduction())
-            for work in self._grad_sends:
-                work.wait()
+            _wait_all(self._grad_sends)
         self._keep, self._grad_sends, self._pending = [], [], []
 
     def _backward(self, k: int, outputs: Mapping[str, Tensor], grads: Mapping[str, Tensor | None]) -> None:
@@ -876,8 +879,7 @@ class EncoderSpread:
             return
         t0 = time.perf_counter()
         params, flags, flats, works = reduction
-        for work in works:
-            work.wait()
+        _wait_all(works)
         if self.rank == 0:
             theirs = flags.tolist()  # one small host read, on stage 0
             for _, (flat, idx) in flats:

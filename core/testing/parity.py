@@ -919,9 +919,7 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
 
         spread = encoder_spread_of(built.stages)
         if not scenario.lane:  # every encode before the schedule, every backward after it
-            from ..pipeline.encoder import assign_encoders
-
-            spread.background, spread.assign = False, assign_encoders
+            spread.set_background(False)
         if scenario.fault == "stale_copies":  # the copies keep the weights of the first step
             spread.refresh = lambda everything=True: None  # type: ignore[method-assign]
         staging = spread.step(staged, ids)

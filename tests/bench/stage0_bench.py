@@ -153,8 +153,7 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     import ppmedia
-    from ppmedia.pipeline import (StepTracer, assign_encoders, build_schedule, encoder_spread_of, make_labels,
-                                  make_pipeline_stages)
+    from ppmedia.pipeline import StepTracer, build_schedule, encoder_spread_of, make_labels, make_pipeline_stages
     from ppmedia.testing.parity import exit_worker
 
     torch.set_num_threads(1)
@@ -175,7 +174,7 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
                                           static_microbatch=(ids.shape[0] // N_MICROBATCHES, SEQ_LEN))
             spread = encoder_spread_of(stages) if encoder == "spread" else None
             if arm in NO_LANE:
-                spread.background, spread.assign = False, assign_encoders
+                spread.set_background(False)
             built[arm] = (stages, build_schedule(SCHEDULE, stages, N_MICROBATCHES), spread, StepTracer(stages, spread))
         probe = _probe(model, adapter, staged, ids, built["spread"][2])
 
