@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ppmedia-installed
-# torch first: 2.13.0 is the CPU wheel this machine carries; another version would pull a CUDA build.
-TORCH := torch==2.13.0
+# The tested stack: torch 2.14.1 (the index's standard build; it runs on CPU too) with torchvision 0.29.1,
+# installed together so pip never pairs torchvision with another torch build.
+TORCH := torch==2.14.1 torchvision==0.29.1
 TRANSFORMERS := transformers==5.23.0
 
 .PHONY: demo test bench fixtures clean
