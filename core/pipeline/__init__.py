@@ -73,6 +73,7 @@ The package, one module per concern (every public name is importable from ``ppme
 ``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
 ``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
+``tensor_parallel``  tensor parallelism inside every stage over the ``tp`` mesh (:func:`apply_tensor_parallel`)
 ``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
 ==================  ===========================================================================
@@ -107,6 +108,8 @@ from .schedules import (
 )
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
 from .surgery import default_layer_split, find_language_model
+from .tensor_parallel import (TP_STYLES, apply_tensor_parallel, check_tensor_parallel, pipeline_mesh,
+                              reduce_tensor_parallel_gradients, tensor_parallel_plan)
 from .tied import TiedParameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
 
@@ -158,4 +161,10 @@ __all__ = [
     "sync_tied_gradients",
     "tied_parameters",
     "vision_replica",
+    "TP_STYLES",
+    "apply_tensor_parallel",
+    "check_tensor_parallel",
+    "pipeline_mesh",
+    "reduce_tensor_parallel_gradients",
+    "tensor_parallel_plan",
 ]
