@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from ..adapters.base import HostValues, VlmAdapter, config_value
 from ..chunk import VlmMediaChunk
+from .parallel import _sum_flat
 from .stages import FEATURES_ATTRIBUTE, StageModule, _text_dims
 
 __all__ = [
@@ -282,31 +283,7 @@ def reduce_tensor_parallel_gradients(modules: Sequence[nn.Module]) -> None:
                 by_dtype.setdefault(param.dtype, []).append(param)
     for group, by_dtype in by_group.values():
         for dtype in sorted(by_dtype, key=str):
-            _sum_local(by_dtype[dtype], group, dist)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _sum_local(params: Sequence[nn.Parameter], group: Any, dist: Any) -> None:
-    """All-reduce the local gradients of ``params`` (one flat buffer); a missing gradient as zeros."""
-    from torch.distributed.tensor import DTensor
-
-    locals_ = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in locals_])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for p, g in zip(params, locals_):
-        part = flat[offset: offset + g.numel()].view_as(g)
-        offset += g.numel()
-        if p.grad is None:
-            p.grad = (DTensor.from_local(part.clone(), p.device_mesh, p.placements, run_check=False)
-                      if isinstance(p, DTensor) else part.clone())
-        else:
-            g.copy_(part)
+            _sum_flat(by_dtype[dtype], group, dist)
 
 
 # -- the vision tower's work split over tp ----------------------------------------------------------
