@@ -49,7 +49,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import ppmedia
 from ppmedia import pipeline
@@ -64,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--family", default="qwen2_5_vl", choices=tiny_models.FAMILIES)
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks per stage (world = pp x dp x tp; pipeline.apply_tensor_parallel)")
     parser.add_argument("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
     parser.add_argument("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
     parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
@@ -89,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "--model loads only each rank's stages: drop one of them")
     if args.resume == "auto" and not args.save_dir:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
+    if args.tp > 1 and (args.encoder == "spread" or args.export):
+        parser.error("--tp splits stage 0's encoding over its tp ranks; --encoder spread and --export do not go with it")
     if args.bf16 and not args.fsdp:
         parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
     return args
@@ -133,6 +136,8 @@ def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namesp
         ctx["schedule"].step(share["ids"], share["mask"], target=share["labels"], losses=losses,
                              loss_kwargs={"num_valid_tokens": share["num_valid"]})
     modules = ctx["modules"]
+    if args.tp > 1:  # the tower's (and per-head norms') gradients, each tp rank holding a share
+        pipeline.reduce_tensor_parallel_gradients(modules)
     pipeline.sync_tied_gradients(modules, ctx["tied"], group=ctx["pp_group"])
     if not args.fsdp:  # FSDP2 reduce-scattered the sums over the replicas already
         pipeline.all_reduce_gradients(modules, group=ctx["dp_group"])
@@ -140,8 +145,9 @@ def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namesp
     for optimizer in ctx["optimizers"]:
         optimizer.step()
 
-    loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros(())
-    dist.all_reduce(loss)  # one last stage per replica holds its share of the global mean
+    # one last stage per replica holds its share of the global mean (its tp peers the same share)
+    loss = torch.stack(losses).sum().detach().float() if losses and ctx["tp_rank"] == 0 else torch.zeros(())
+    dist.all_reduce(loss)
     return float(loss), float(norm)
 
 
@@ -150,7 +156,7 @@ def evaluate(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namespac
     share, first = replica_share(ctx, batch, args), ctx["first"]
     loss = pipeline.eval_step(ctx["schedule"], first, share["staged"] if first is not None else None,
                               share["ids"], share["mask"], share["labels"], share["num_valid"])
-    return float(loss)
+    return float(loss) / args.tp  # summed over every last stage: each replica's tp peers hold one loss
 
 
 def stage_modules(args: argparse.Namespace, n_stages: int, indices: list[int]) -> list[Any]:
@@ -194,15 +200,17 @@ def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any) -> dict[
 
 def build(args: argparse.Namespace) -> dict[str, Any]:
     """Process groups, this rank's stages (sharded with --fsdp), the schedule and the optimizers."""
-    mesh = init_device_mesh("cpu", (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
+    mesh = pipeline.pipeline_mesh(args.pp, args.dp, args.tp)  # (dp, pp, tp): rank = (d * pp + p) * tp + t
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     ctx = build_stages(args, pp_rank, mesh["pp"].get_group())
     stages = ctx["stages"]
+    if args.tp > 1:
+        pipeline.apply_tensor_parallel(stages, mesh["tp"])
     if args.fsdp:
         pipeline.apply_fsdp(stages, mesh["dp"], mixed_precision=torch.bfloat16 if args.bf16 else None)
     modules = [stage.submod for stage in stages]
     ctx.update(
-        pp_rank=pp_rank, dp_rank=dp_rank, pp_group=mesh["pp"].get_group(), dp_group=mesh["dp"].get_group(),
+        pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=mesh["tp"].get_local_rank(), pp_group=mesh["pp"].get_group(), dp_group=mesh["dp"].get_group(),
         modules=modules, first=next((s for s in stages if s.is_first), None),
         schedule=pipeline.build_schedule(args.schedule, stages, args.microbatches),
         optimizers=pipeline.stage_optimizers(modules, lambda params: torch.optim.AdamW(params, lr=args.lr)),
@@ -268,7 +276,8 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
         _log(args, row)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
             pipeline.save_checkpoint(args.save_dir, step + 1, ctx["modules"], ctx["optimizers"],
-                                     extra={"family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp})
+                                     extra={"family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp,
+                                            "tp": args.tp})
     if ctx["tracer"] is not None:
         draw_trace(ctx, args)
     if args.export and (args.fsdp or ctx["dp_rank"] == 0):
@@ -296,8 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     where: dict[str, Any] = {"step": None}
     try:
-        if dist.get_world_size() != args.pp * args.dp:
-            raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp = {args.pp * args.dp}")
+        if dist.get_world_size() != args.pp * args.dp * args.tp:
+            raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp x --tp = {args.pp * args.dp * args.tp}")
         run(args, where)
     except BaseException as exc:  # a failed rank says so and exits non-zero, without waiting for its peers
         traceback.print_exc()
