@@ -47,11 +47,12 @@ VARLEN = ("gpipe/inferred/dp2/fsdp/varlen", "1f1b/static/dp2/fsdp/varlen", "1f1b
 #: tower's tp reduction skipped)
 TP = "1f1b/static/tp2"
 TP_FSDP = "1f1b/static/dp2/tp2/fsdp"
+TP_DP = "1f1b/static/dp2/tp2"  # replicated over dp: all_reduce_gradients sums the tp shards
 TP_UNREDUCED = "1f1b/static/unreduced_tower/tp2"
 TP_FAMILIES = ("qwen2_5_vl", "gemma3", "llava_next", "qwen3_vl")
 #: single families' scenarios in the same 4-process spawn
 DP_FAMILY_SCENARIOS = {
-    "qwen2_5_vl": (*FSDP_SCHEDULES, *VARLEN, "1f1b/static/dp2/fsdp/bf16", TP, TP_FSDP, TP_UNREDUCED),
+    "qwen2_5_vl": (*FSDP_SCHEDULES, *VARLEN, "1f1b/static/dp2/fsdp/bf16", TP, TP_FSDP, TP_DP, TP_UNREDUCED),
     "llava_next": ("1f1b/static/dp2/fsdp/bf16", TP),
     "qwen3_vl": ("1f1b/static/dp2/fsdp/text_only_replica", TP),  # default split: deepstack level 1 crosses
     "kimi_vl": ("1f1b/static/dp2/fsdp/clip", "ZBVZeroBubble/static/dp2/fsdp"),  # tied embedding
@@ -441,12 +442,13 @@ def test_fsdp2_mixed_precision_stays_within_the_measured_tolerance(family):
 # tensor parallelism inside the stages (4 processes, the same spawn)
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family, scenario", [*((f, TP) for f in TP_FAMILIES), ("qwen2_5_vl", TP_FSDP)])
+@pytest.mark.parametrize("family, scenario", [*((f, TP) for f in TP_FAMILIES), ("qwen2_5_vl", TP_FSDP),
+                                                   ("qwen2_5_vl", TP_DP)])
 def test_tensor_parallel_stages_match_the_full_batch_model(family, scenario):
-    """pp=2 x tp=2 (and pp=1 x dp=2 x tp=2 with FSDP2): loss and every gradient, gathered over tp (and
+    """pp=2 x tp=2 (and pp=1 x dp=2 x tp=2, with FSDP2 and replicated): loss and every gradient, gathered over tp (and
     dp) with ``full_tensor()``, within 1e-5 of one process."""
     result = _report(4).family(family).scenario(scenario)
-    assert result.tp == 2 and len(result.stage_indices) == (1 if result.fsdp else 2)
+    assert result.tp == 2 and len(result.stage_indices) == (1 if result.dp == 2 else 2)
     _assert_parity(result)
     for st in result.steps:
         assert st.layer_calls == st.expected_layer_calls > 0

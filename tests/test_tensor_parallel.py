@@ -7,8 +7,10 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from ppmedia.pipeline import (
+    all_reduce_gradients,
     apply_fsdp,
     apply_tensor_parallel,
     build_stage_modules,
@@ -79,6 +81,8 @@ def test_a_tp_mesh_shards_the_plan_and_leaves_the_rest_whole(world_of_one):
     apply_fsdp(sharded, mesh["dp"])
     with pytest.raises(ValueError, match="sharded with FSDP2 already; apply tensor parallelism first"):
         apply_tensor_parallel(sharded, mesh["tp"])
+    with pytest.raises(TypeError, match="sharded with FSDP2"):
+        all_reduce_gradients(sharded)
 
 
 def test_a_head_tied_to_the_embedding_stays_whole(world_of_one):
@@ -90,3 +94,57 @@ def test_a_head_tied_to_the_embedding_stays_whole(world_of_one):
     assert not isinstance(head, DTensor)
     q = dict(modules[1].named_parameters())["model.language_model.layers.1.self_attn.q_proj.weight"]
     assert isinstance(q, DTensor)
+
+
+# -- examples/train.py --tp (4 processes under torchrun) ----------------------------------------------
+
+def _reference_losses(steps):
+    """The model itself, one process, full batches, AdamW(1e-3) after clipping to norm 1 (as train.py's
+    defaults): the losses ``--pp 2`` reproduces within 1e-5 (tests/test_fsdp_dcp.py)."""
+    from ppmedia import pipeline
+
+    module = tiny_models.load("qwen2_5_vl")
+    model = module.build_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        batch = module.build_batch(step % 2)
+        targets = pipeline.make_labels(batch["input_ids"], model.config, attention_mask=batch["attention_mask"], shift=False)
+        loss = model(**{"use_cache": False, **module.reference_inputs(batch)}, labels=targets).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append((loss.item(), norm.item()))
+    return losses
+
+
+@pytest.mark.multiprocess
+def test_train_with_tp_gives_the_losses_of_the_model(tmp_path):
+    """``torchrun --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2``: every
+    step's global loss within 1e-5 of the model's own run (which ``--pp 2`` matches too), and the
+    global gradient norm (summed over the tp shards) within 1e-5 of it."""
+    import json
+    import os
+    import pathlib
+    import socket
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    log = tmp_path / "tp.jsonl"
+    cmd = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "4",
+           "--master-port", port, str(root / "examples" / "train.py"), "--family", "qwen2_5_vl", "--pp", "2",
+           "--tp", "2", "--steps", "3", "--loss-log", str(log)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row, (loss, norm) in zip(rows, _reference_losses(3)):
+        assert abs(row["loss"] - loss) <= 1e-5, (row, loss)
+        assert abs(row["grad_norm"] - norm) <= 1e-5 * norm, (row, norm)  # clipping over tp shards
