@@ -120,7 +120,7 @@ def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> Non
 
 def _local(tensor: Tensor) -> Tensor:
     """A tensor-parallel ``DTensor``'s local shard (a plain tensor as it is)."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined, no-any-return]
+    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 def _sum_flat(params: Sequence[nn.Parameter], group: Any, dist: Any) -> None:
