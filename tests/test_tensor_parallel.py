@@ -119,32 +119,42 @@ def _reference_losses(steps):
     return losses
 
 
-@pytest.mark.multiprocess
-def test_train_with_tp_gives_the_losses_of_the_model(tmp_path):
-    """``torchrun --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2``: every
-    step's global loss within 1e-5 of the model's own run (which ``--pp 2`` matches too), and the
-    global gradient norm (summed over the tp shards) within 1e-5 of it."""
-    import json
+def _train(root, tmp_path, nproc, *args):
     import os
     import pathlib
     import socket
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    log = tmp_path / "tp.jsonl"
-    cmd = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "4",
-           "--master-port", port, str(root / "examples" / "train.py"), "--family", "qwen2_5_vl", "--pp", "2",
-           "--tp", "2", "--steps", "3", "--loss-log", str(log)]
+    cmd = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(nproc),
+           "--master-port", port, str(root / "examples" / "train.py"), "--family", "qwen2_5_vl", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("PYTHONPATH", None)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    for row, (loss, norm) in zip(rows, _reference_losses(3)):
+
+
+@pytest.mark.multiprocess
+def test_train_with_tp_gives_the_losses_of_the_model_and_its_checkpoint_resumes_in_one_process(tmp_path):
+    """``torchrun --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2``: every
+    step's global loss within 1e-5 of the model's own run (which ``--pp 2`` matches too), and the
+    global gradient norm (summed over the tp shards) within 1e-5 of it. Its DCP checkpoint of step 1
+    (tp-sharded parameters and AdamW state) resumes in one process (``--pp 1``) with the same loss."""
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    _train(root, tmp_path, 4, "--pp", "2", "--tp", "2", "--steps", "2", "--loss-log", "tp.jsonl",
+           "--save-dir", "ckpt", "--save-every", "1")
+    _train(root, tmp_path, 1, "--pp", "1", "--steps", "2", "--resume", "ckpt/step1", "--loss-log", "one.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "tp.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for row, (loss, norm) in zip(rows, _reference_losses(2)):
         assert abs(row["loss"] - loss) <= 1e-5, (row, loss)
         assert abs(row["grad_norm"] - norm) <= 1e-5 * norm, (row, norm)  # clipping over tp shards
+    (resumed,) = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    assert resumed["step"] == 1 and abs(resumed["loss"] - rows[1]["loss"]) <= 1e-5, (resumed, rows[1])
+    assert abs(resumed["grad_norm"] - rows[1]["grad_norm"]) <= 1e-5 * rows[1]["grad_norm"]
