@@ -70,8 +70,9 @@ def test_a_tp_mesh_shards_the_plan_and_leaves_the_rest_whole(world_of_one):
     assert named[f"{layer}.self_attn.o_proj.weight"].placements == (Shard(1),)
     assert named[f"{layer}.mlp.down_proj.weight"].placements == (Shard(1),)
     assert named["lm_head.weight"].placements == (Shard(0),)  # untied: vocabulary split, logits gathered
+    assert named["model.language_model.embed_tokens.weight"].placements == (Shard(0),)  # and the table
     whole = [n for n, p in named.items() if not isinstance(p, DTensor)]
-    assert "model.language_model.embed_tokens.weight" in whole and f"{layer}.input_layernorm.weight" in whole
+    assert f"{layer}.input_layernorm.weight" in whole and "model.language_model.norm.weight" in whole
     assert any(n.startswith("model.visual.") for n in whole)
     with pytest.raises(ValueError, match="stage 0 is tensor-parallel already"):
         apply_tensor_parallel(modules, mesh["tp"])
@@ -85,13 +86,14 @@ def test_a_tp_mesh_shards_the_plan_and_leaves_the_rest_whole(world_of_one):
         all_reduce_gradients(sharded)
 
 
-def test_a_head_tied_to_the_embedding_stays_whole(world_of_one):
+def test_a_head_tied_to_the_embedding_stays_whole_and_so_does_the_embedding(world_of_one):
     from torch.distributed.tensor import DTensor
 
     modules = build_stage_modules(tiny_models.load("gemma3").build_model(0), 2)
     apply_tensor_parallel(modules, pipeline_mesh(1)["tp"])
     head = dict(modules[1].named_parameters())[f"{modules[1].head_name}.weight"]
-    assert not isinstance(head, DTensor)
+    embedding = dict(modules[0].named_parameters())["model.language_model.embed_tokens.weight"]
+    assert not isinstance(head, DTensor) and not isinstance(embedding, DTensor)
     q = dict(modules[1].named_parameters())["model.language_model.layers.1.self_attn.q_proj.weight"]
     assert isinstance(q, DTensor)
 

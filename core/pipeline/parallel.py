@@ -134,8 +134,11 @@ def _sum_flat(params: Sequence[nn.Parameter], group: Any, dist: Any) -> None:
     for p, g in zip(params, grads):
         part = flat[offset : offset + g.numel()].view_as(g)
         offset += g.numel()
-        if isinstance(p, DTensor):
-            p.grad = DTensor.from_local(part, p.device_mesh, p.placements, run_check=False)
+        # laid out like the gradient it replaces (a vocabulary-split embedding's may be a partial sum)
+        like = p.grad if p.grad is not None else p
+        if isinstance(like, DTensor):
+            p.grad = DTensor.from_local(part, like.device_mesh, like.placements, run_check=False,
+                                        shape=like.shape, stride=like.stride())
         else:
             p.grad = part
 

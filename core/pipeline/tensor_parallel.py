@@ -13,7 +13,9 @@ language-model layers over ``mesh["tp"]`` with ``parallelize_module``:
   per-head ``q_norm`` / ``k_norm``) leaves the module whole and sums its gradient over ``tp``;
 * the output head, when it is not tied to the embedding, is ``ColwiseParallel`` with its logits
   gathered (``Replicate``): every ``tp`` rank of the last stage computes the loss on whole logits;
-* everything else (embedding, norms, rotary embeddings, the vision tower and projector) stays whole
+  the embedding then is ``RowwiseParallel`` (its table split over the vocabulary, the looked-up rows
+  summed over ``tp``); a tied pair stays whole;
+* everything else (norms, rotary embeddings, the vision tower and projector) stays whole
   and replicated over ``tp``. What travels between stages stays plain tensors: the parallel modules
   take and give whole (replicated) activations.
 
@@ -210,8 +212,9 @@ def apply_tensor_parallel(
         stages: this rank's ``PipelineStage`` objects (or their :class:`~ppmedia.pipeline.StageModule`).
         mesh: the tensor-parallel ``DeviceMesh`` (1-D).
         plan: ``{module path in the language model: style}``; default :func:`tensor_parallel_plan`.
-        shard_head: shard an untied output head over the vocabulary (logits gathered); a head tied to
-            the embedding stays whole.
+        shard_head: shard an untied output head and the embedding over the vocabulary (logits
+            gathered, looked-up rows summed); a head tied to the embedding stays whole, and so does
+            the embedding.
 
     Returns:
         The stage modules (the same objects, their listed linears now hold ``DTensor`` parameters).
@@ -222,7 +225,7 @@ def apply_tensor_parallel(
         TypeError: ``stages`` are not ppmedia stages.
     """
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     modules = _stage_modules(stages)
     if not modules:
@@ -240,8 +243,12 @@ def apply_tensor_parallel(
                  if any(r.match(n) for r in reduced) for p, _ in sub.named_parameters()]
         if parallel:
             parallelize_module(lm, mesh, parallel)
-        if module.is_last and shard_head and not _head_is_tied(module):
+        untied = shard_head and not _head_is_tied(module)
+        if module.is_last and untied:
             parallelize_module(module, mesh, {module.head_name: ColwiseParallel(output_layouts=Replicate())})
+        if module.is_first and untied:
+            embed = next(n for n, m in lm.named_children() if m is lm.get_input_embeddings())
+            parallelize_module(lm, mesh, {embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
         if module.is_first:  # the replicated tower: each microbatch encoded by one tp rank
             names += [n for n, p in module.named_parameters() if not module.is_language_parameter(n)]
             module.__dict__[FEATURES_ATTRIBUTE] = _TensorParallelEncoding(module, mesh.get_group())
