@@ -271,7 +271,9 @@ def reduce_tensor_parallel_gradients(modules: Sequence[nn.Module]) -> None:
     Call it on every rank after each pipeline step (before :func:`~ppmedia.pipeline.sync_tied_gradients`,
     clipping and the optimizer step), with the modules :func:`apply_tensor_parallel` returned. A
     missing gradient counts as zeros. FSDP2 shards (``DTensor`` over ``dp``): their local shards are
-    summed (every ``tp`` peer holds the same shard). One flat ``all_reduce`` per dtype.
+    summed (every ``tp`` peer holds the same shard). One flat ``all_reduce`` per dtype; then a
+    gradient laid out otherwise than its parameter (the split embedding's partial sum) is
+    reduce-scattered to the parameter's shard.
     """
     import torch.distributed as dist
 
@@ -291,6 +293,21 @@ def reduce_tensor_parallel_gradients(modules: Sequence[nn.Module]) -> None:
     for group, by_dtype in by_group.values():
         for dtype in sorted(by_dtype, key=str):
             _sum_flat(by_dtype[dtype], group, dist)
+    _shard_like_parameters(modules)
+
+
+def _shard_like_parameters(modules: Sequence[nn.Module]) -> None:
+    """Lay each tensor-parallel gradient out like its parameter: the vocabulary-split embedding's
+    gradient comes out of backward as a whole-size partial sum over ``tp``; reduce-scattered to the
+    parameter's shard it holds 1/tp of the memory (FSDP2 shards are left to FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    for module in modules:
+        for param in module.parameters():
+            grad = param.grad
+            if (isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.device_mesh == param.device_mesh
+                    and grad.placements != param.placements):
+                param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 # -- the vision tower's work split over tp ----------------------------------------------------------
