@@ -484,7 +484,8 @@ class EncoderSpread:
         self.vision, self.adapter, self.config = vision, adapter, vision.config
         self.first_stage = first_stage
         ranks = _group_ranks(group)
-        self.group = dist.new_group(ranks, use_local_synchronization=True) if len(ranks) > 1 else group
+        # Any: torch 2.14 types new_group's result as ProcessGroup | GroupMember.NON_GROUP_MEMBER
+        self.group: Any = dist.new_group(ranks, use_local_synchronization=True) if len(ranks) > 1 else group
         self.rank, self.size = ranks.index(dist.get_rank()), len(ranks)
         if (first_stage is not None) != (self.rank == 0):
             raise ValueError(
@@ -575,6 +576,7 @@ class EncoderSpread:
             return
         flags = torch.tensor([p.requires_grad for _, p in self.params], dtype=torch.int32, device=self.device)
         work = dist.broadcast(flags, group_src=0, group=self.group, async_op=True)
+        assert work is not None  # async_op=True returns its Work
         if self.rank == 0:  # stage 0 goes on; the step waits for it at the end
             self._pending.append(work)
             self._keep.append(flags)
@@ -598,6 +600,7 @@ class EncoderSpread:
         params = [p for _, p in self.params if everything or p.requires_grad]
         for _, (flat, idx) in sorted(self._flat(params).items(), key=lambda item: str(item[0])):
             work = dist.broadcast(flat, group_src=0, group=self.group, async_op=True)
+            assert work is not None  # async_op=True returns its Work
             if self.rank == 0:
                 self._pending.append(work)
                 self._keep.append(flat)
