@@ -854,7 +854,7 @@ class _Probe:
                 if media is not None:
                     view = None if media.chunk is None else getattr(media.chunk, name)
                     if view is not None:
-                        self.views.append((cursor, name, view))
+                        self.views.append((media.index, name, view))
                     continue
                 staged = module.__dict__.get(attribute)
                 if cursor is not None and staged is not None and cursor < len(staged) and staged[cursor].numel():
