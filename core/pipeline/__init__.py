@@ -76,6 +76,7 @@ The package, one module per concern (every public name is importable from ``ppme
 ``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
 ``step_inputs``     a batch as one step's pre-split microbatches, labels and loss kwargs (:func:`presplit_batch`)
+``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``
 ==================  ===========================================================================
 """
 
@@ -90,6 +91,7 @@ from .checkpoint import (
 )
 from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, interleave_encoders,
                       vision_replica)
+from .distributed import TORCHRUN_VARIABLES, init_distributed
 from .evaluate import eval_step
 from .export import save_pretrained_stages
 from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
@@ -125,6 +127,7 @@ __all__ = [
     "SpreadPlan",
     "StageModule",
     "StepTracer",
+    "TORCHRUN_VARIABLES",
     "TiedParameters",
     "all_reduce_gradients",
     "apply_fsdp",
@@ -141,6 +144,7 @@ __all__ = [
     "interleave_encoders",
     "eval_step",
     "find_language_model",
+    "init_distributed",
     "is_sharded",
     "latest_checkpoint",
     "load_checkpoint",
