@@ -49,7 +49,8 @@ Around the stages: :func:`schedule_layout` / :func:`build_schedule` take any sch
 name (torch's ``get_schedule_class``) and place the stages as it wants (looped or V-shaped);
 :func:`shard_batch`, :func:`all_reduce_gradients` and :func:`clip_grad_norm` add data parallelism
 (``pp x dp``: each replica a full pipeline on its share of the batch, gradients summed over replicas)
-and global-norm clipping; :func:`sync_tied_gradients` sums a tied embedding's two copies.
+and global-norm clipping; :func:`stage_parameters` lists a rank's parameters for its optimizer,
+each once, and :func:`sync_tied_gradients` sums a tied embedding's two copies.
 
 The decoder layers run through the language model's own ``forward`` (called with
 ``inputs_embeds=``), so its masks and rotary embeddings are the model's own. That forward indexes
@@ -107,7 +108,7 @@ from .schedules import (
 )
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
 from .surgery import default_layer_split, find_language_model
-from .tied import TiedParameters, sync_tied_gradients, tied_parameters
+from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
 
 __all__ = [
@@ -152,6 +153,7 @@ __all__ = [
     "shard_batch",
     "splits_backward",
     "stage_indices_for_rank",
+    "stage_parameters",
     "stages_from_pretrained",
     "stage_optimizers",
     "static_stage_args",

@@ -90,9 +90,10 @@ def stage_optimizers(
     gradients, so they stay equal). Call it after :func:`~ppmedia.pipeline.apply_fsdp`, if any.
     """
     from .fsdp import _untie_across_modules
+    from .tied import stage_parameters
 
     _untie_across_modules(modules)
-    return [factory(module.parameters()) for module in modules]
+    return [factory(stage_parameters([module])) for module in modules]
 
 
 # -- state dicts ------------------------------------------------------------------------------------
