@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace", metavar="FILE.svg",
                         help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     args = parser.parse_args(argv)
+    problem = option_problem(args)
+    if problem:
+        parser.error(problem)
     if args.encoder == "spread" and args.model:
         parser.error("--encoder spread cuts each rank's copy of the vision tower from the full model; "
                      "--model loads only each rank's stages: drop one of them")
@@ -92,6 +95,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.bf16 and not args.fsdp:
         parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
     return args
+
+
+def option_problem(args: argparse.Namespace) -> str | None:
+    """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
+    problem = pipeline.option_problem(
+        {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
+        positive=("--pp", "--dp", "--microbatches", "--steps", "--lr", "--max-grad-norm"),
+        non_negative=("--save-every", "--eval-every"),
+        together=(("--save-every", "--save-dir"),),
+    )
+    if problem is None and args.save_dir and not args.save_every and args.resume != "auto":
+        problem = f"--save-dir {args.save_dir} needs --save-every N (or --resume auto, which reads it): nothing would be saved"
+    for option, path in (("--model", args.model), ("--resume", None if args.resume == "auto" else args.resume)):
+        if problem is None and path and not os.path.isdir(path):
+            problem = f"{option} {path}: no such directory"
+    if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):
+        problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
+    return problem
 
 
 def batches(family: str, start: int) -> Iterator[tuple[int, dict[str, Any]]]:

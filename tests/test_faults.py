@@ -162,3 +162,47 @@ def test_readme_step_trains_a_tied_family_like_the_model_in_two_processes(two_ra
     got, want = losses_printed(printed), own_adamw_losses("gemma3")
     assert len(got) == README_STEPS, printed
     assert max(abs(a - b) for a, b in zip(got, want)) <= TOL, (got, want)
+
+
+# -- examples/train.py's options, refused before anything starts -----------------------------------
+def _train_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ppmedia_train_example", ROOT / "examples" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be a finite number > 0 (got -1.0)"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be a finite number > 0 (got 0.0)"),
+    (["--lr", "nan"], "--lr must be a finite number > 0 (got nan)"),
+    (["--steps", "0"], "--steps must be a finite number > 0"),
+    (["--microbatches", "0"], "--microbatches must be"),
+    (["--pp", "-2"], "--pp must be"),
+    (["--save-every", "-1", "--save-dir", "x"], "--save-every must be a finite number >= 0"),
+    (["--eval-every", "-3"], "--eval-every must be"),
+    (["--save-every", "2"], "--save-every needs --save-dir"),
+    (["--save-dir", "ckpt"], "--save-dir ckpt needs --save-every N"),
+    (["--model", "/nonexistent/hf-ckpt"], "--model /nonexistent/hf-ckpt: no such directory"),
+    (["--resume", "/nonexistent/step2"], "--resume /nonexistent/step2: no such directory"),
+])
+def test_train_options_are_refused_with_one_line_before_anything_starts(argv, says, capsys):
+    """Failed before the fix: each of these started training (``--max-grad-norm -1`` flipped the
+    gradients, ``0`` zeroed them; ``--save-every`` without ``--save-dir`` exited 0 saving nothing)."""
+    with pytest.raises(SystemExit) as exit_:
+        _train_script().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err, err
+    assert err.strip().splitlines()[-1].startswith("train.py: error: ") or "error:" in err.splitlines()[-1]
+
+
+def test_train_export_to_an_existing_file_is_refused_before_training(tmp_path, capsys):
+    target = tmp_path / "trained.safetensors"
+    target.write_text("x")
+    with pytest.raises(SystemExit) as exit_:
+        _train_script().parse_args(["--export", str(target)])
+    assert exit_.value.code == 2 and "an existing file; expected a directory" in capsys.readouterr().err
+    args = _train_script().parse_args(["--save-dir", str(tmp_path), "--resume", "auto"])  # reads only: fine
+    assert args.save_every == 0

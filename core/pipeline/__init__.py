@@ -74,17 +74,23 @@ The package, one module per concern (every public name is importable from ``ppme
 ``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
 ``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
-``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
+``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...),
+                    a run's identity in them (:func:`claim_save_dir`)
+``guards``          a run's preconditions: options, ranks agreeing on a refusal, the same batch on
+                    every rank, finite losses (:func:`check_batch_agreement`, :class:`NonFiniteGuard`)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
 ==================  ===========================================================================
 """
 
 from .checkpoint import (
     CHECKPOINT_INFO,
+    HYPERPARAMETER_MODES,
     check_checkpoint,
     checkpoint_path,
+    claim_save_dir,
     latest_checkpoint,
     load_checkpoint,
+    new_run_id,
     save_checkpoint,
     stage_optimizers,
 )
@@ -92,6 +98,8 @@ from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders,
                       vision_replica)
 from .evaluate import eval_step
 from .export import save_pretrained_stages
+from .guards import (BatchMismatchError, NonFiniteError, NonFiniteGuard, agree, batch_fingerprint,
+                     check_batch_agreement, failure_line, option_problem)
 from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
@@ -160,4 +168,15 @@ __all__ = [
     "sync_tied_gradients",
     "tied_parameters",
     "vision_replica",
+    "HYPERPARAMETER_MODES",
+    "claim_save_dir",
+    "new_run_id",
+    "BatchMismatchError",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "agree",
+    "batch_fingerprint",
+    "check_batch_agreement",
+    "failure_line",
+    "option_problem",
 ]
