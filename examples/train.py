@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dir", help="write DCP checkpoints under this folder (step{N}/)")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint after every N steps")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="a fresh run may delete another run's checkpoints under --save-dir (refused otherwise)")
     parser.add_argument("--resume", help="a checkpoint folder (step{N}) to continue from, or 'auto' (newest under --save-dir)")
     parser.add_argument("--loss-log", help="append one JSON line per step (global loss, grad norm) here (rank 0)")
     parser.add_argument("--model", help="a Hugging Face checkpoint directory to train (instead of the tiny family's model)")
@@ -103,7 +105,7 @@ def option_problem(args: argparse.Namespace) -> str | None:
         {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
         positive=("--pp", "--dp", "--microbatches", "--steps", "--lr", "--max-grad-norm"),
         non_negative=("--save-every", "--eval-every"),
-        together=(("--save-every", "--save-dir"),),
+        together=(("--save-every", "--save-dir"), ("--overwrite", "--save-dir")),
     )
     if problem is None and args.save_dir and not args.save_every and args.resume != "auto":
         problem = f"--save-dir {args.save_dir} needs --save-every N (or --resume auto, which reads it): nothing would be saved"
@@ -252,9 +254,13 @@ def resume(ctx: dict[str, Any], args: argparse.Namespace) -> int:
     if path is None:
         _say(f"no complete checkpoint under {args.save_dir}: starting at step 0")
         return 0
-    info = pipeline.load_checkpoint(path, ctx["modules"], ctx["optimizers"])
+    # this run's --lr (and any other optimizer setting) applies from the resumed step, not the saved one
+    info = pipeline.load_checkpoint(path, ctx["modules"], ctx["optimizers"], hyperparameters="current")
+    ctx["run_id"] = info.get("run_id")
     _say(f"resumed from {path} (saved at pp={info['extra'].get('pp')} x dp={info['extra'].get('dp')}, "
          f"fsdp={info['extra'].get('fsdp')}): continuing at step {info['step']}")
+    if info["hyperparameters_changed"]:
+        _say(f"optimizer settings of this run apply from step {info['step']}: {'; '.join(info['hyperparameters_changed'])}")
     return int(info["step"])
 
 
@@ -278,6 +284,10 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
     ctx = build(args)
     held_out = tiny_models.load(args.family).build_batch(HELD_OUT_SEED) if args.eval_every else None
     start = where["step"] = resume(ctx, args)
+    if args.save_dir and args.save_every:  # the checkpoints of another run are not mixed with this one's
+        if start == 0:  # a fresh run (nothing resumed): a new identity, recorded in its checkpoints
+            ctx["run_id"] = pipeline.new_run_id()
+        pipeline.claim_save_dir(args.save_dir, ctx["run_id"], overwrite=args.overwrite)
     for step, batch in batches(args.family, start):
         if step >= args.steps:
             break
@@ -289,7 +299,8 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
         _log(args, row)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
             pipeline.save_checkpoint(args.save_dir, step + 1, ctx["modules"], ctx["optimizers"],
-                                     extra={"family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp})
+                                     extra={"family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp},
+                                     run_id=ctx["run_id"])
     if ctx["tracer"] is not None:
         draw_trace(ctx, args)
     if args.export and (args.fsdp or ctx["dp_rank"] == 0):

@@ -206,3 +206,84 @@ def test_train_export_to_an_existing_file_is_refused_before_training(tmp_path, c
     assert exit_.value.code == 2 and "an existing file; expected a directory" in capsys.readouterr().err
     args = _train_script().parse_args(["--save-dir", str(tmp_path), "--resume", "auto"])  # reads only: fine
     assert args.save_every == 0
+
+
+# -- resume and the save directory (train.py in this process: one rank, pp = dp = 1) ----------------
+@contextlib.contextmanager
+def _one_rank():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_docs import as_a_script
+
+    with as_a_script():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        yield
+
+
+def _train(argv: list[str]) -> str:
+    """examples/train.py's ``run`` on ``argv`` (pp = dp = 1), in this process; what rank 0 printed."""
+    script = _train_script()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        script.run(script.parse_args(["--pp", "1", "--dp", "1", *argv]), {"step": None})
+    return out.getvalue()
+
+
+def test_resume_applies_this_runs_lr_from_the_resumed_step_and_says_so(tmp_path):
+    """Failed before the fix: resumed with --lr 1e-3 from a run at 1e-2, the optimizer kept 1e-2
+    (bit-identical losses, nothing printed)."""
+    save = tmp_path / "ckpt"
+    with _one_rank():
+        _train(["--steps", "1", "--lr", "1e-2", "--save-dir", str(save), "--save-every", "1"])
+        script = _train_script()
+        args = script.parse_args(["--pp", "1", "--dp", "1", "--steps", "2", "--lr", "1e-3", "--save-dir", str(save),
+                                  "--resume", "auto"])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            ctx = script.build(args)
+            assert script.resume(ctx, args) == 1
+    assert {g["lr"] for o in ctx["optimizers"] for g in o.param_groups} == {1e-3}
+    assert "optimizer settings of this run apply from step 1: lr: saved 0.01, this job 0.001" in out.getvalue()
+    assert ctx["run_id"] == json.loads((save / "step1" / "ppmedia.json").read_text())["run_id"]
+
+
+def test_load_checkpoint_hyperparameter_modes(tmp_path):
+    model = tiny_models.load("qwen2_5_vl").build_model(0)
+    modules = pipeline.build_stage_modules(model, 1)
+    saved = pipeline.stage_optimizers(modules, lambda p: torch.optim.AdamW(p, lr=1e-2))
+    path = pipeline.save_checkpoint(tmp_path, 1, modules, saved, run_id="abc")
+    info = json.loads((path / "ppmedia.json").read_text())
+    assert info["run_id"] == "abc" and info["hyperparameters"]["lr"] == [1e-2]
+
+    def fresh():
+        return pipeline.stage_optimizers(modules, lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.5))
+
+    kept = fresh()
+    info = pipeline.load_checkpoint(path, modules, kept)  # torch's own: the saved values come back
+    assert kept[0].param_groups[0]["lr"] == 1e-2
+    assert info["hyperparameters_changed"] == ["lr: saved 0.01, this job 0.001", "weight_decay: saved 0.01, this job 0.5"]
+    current = fresh()
+    pipeline.load_checkpoint(path, modules, current, hyperparameters="current")
+    assert (current[0].param_groups[0]["lr"], current[0].param_groups[0]["weight_decay"]) == (1e-3, 0.5)
+    assert current[0].state  # the moments were loaded
+    with pytest.raises(ValueError, match=r"hyperparameters differ from the saved ones \(lr: saved 0.01, this job 0.001; "
+                                         r"weight_decay.*nothing was loaded"):
+        pipeline.load_checkpoint(path, modules, fresh(), hyperparameters="refuse")
+
+
+def test_a_fresh_run_refuses_a_save_dir_holding_another_runs_checkpoints(tmp_path):
+    """Failed before the fix: the second run replaced step1/, left the first run's step2/, and
+    --resume auto then took the first run's weights."""
+    save = tmp_path / "ckpt"
+    with _one_rank():
+        _train(["--steps", "2", "--save-dir", str(save), "--save-every", "1"])
+        first = json.loads((save / "step2" / "ppmedia.json").read_text())["run_id"]
+        with pytest.raises(FileExistsError, match=rf"{save} holds checkpoints of another run \(step1, step2\)"):
+            _train(["--steps", "1", "--save-dir", str(save), "--save-every", "1"])
+        assert json.loads((save / "step1" / "ppmedia.json").read_text())["run_id"] == first  # untouched
+        _train(["--steps", "1", "--save-dir", str(save), "--save-every", "1", "--overwrite"])
+        assert sorted(p.name for p in save.iterdir()) == ["step1"]
+        second = json.loads((save / "step1" / "ppmedia.json").read_text())["run_id"]
+        assert second != first
+        out = _train(["--steps", "3", "--save-dir", str(save), "--save-every", "1", "--resume", "auto"])  # its own
+        assert "continuing at step 1" in out and sorted(p.name for p in save.iterdir()) == ["step1", "step2", "step3"]
+        assert {json.loads((save / f"step{n}" / "ppmedia.json").read_text())["run_id"] for n in (1, 2, 3)} == {second}
