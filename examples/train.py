@@ -77,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true",
                         help="a fresh run may delete another run's checkpoints under --save-dir (refused otherwise)")
     parser.add_argument("--resume", help="a checkpoint folder (step{N}) to continue from, or 'auto' (newest under --save-dir)")
+    parser.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
+                        help="skip at most N steps whose loss or gradient norm is not finite (default: stop at the first)")
+    parser.add_argument("--no-batch-check", action="store_true",
+                        help="do not compare a fingerprint of every step's global batch across the ranks")
     parser.add_argument("--loss-log", help="append one JSON line per step (global loss, grad norm) here (rank 0)")
     parser.add_argument("--model", help="a Hugging Face checkpoint directory to train (instead of the tiny family's model)")
     parser.add_argument("--export", help="write the trained model as a Hugging Face checkpoint in this directory")
@@ -104,7 +108,7 @@ def option_problem(args: argparse.Namespace) -> str | None:
     problem = pipeline.option_problem(
         {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
         positive=("--pp", "--dp", "--microbatches", "--steps", "--lr", "--max-grad-norm"),
-        non_negative=("--save-every", "--eval-every"),
+        non_negative=("--save-every", "--eval-every", "--skip-nonfinite"),
         together=(("--save-every", "--save-dir"), ("--overwrite", "--save-dir")),
     )
     if problem is None and args.save_dir and not args.save_every and args.resume != "auto":
@@ -160,11 +164,13 @@ def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namesp
     if not args.fsdp:  # FSDP2 reduce-scattered the sums over the replicas already
         pipeline.all_reduce_gradients(modules, group=ctx["dp_group"])
     norm = pipeline.clip_grad_norm(modules, args.max_grad_norm, tied=ctx["tied"], group=ctx["pp_group"])
-    for optimizer in ctx["optimizers"]:
-        optimizer.step()
-
     loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros(())
     dist.all_reduce(loss)  # one last stage per replica holds its share of the global mean
+    # a NaN / inf loss or norm (the same on every rank) stops the run here, before the optimizer step
+    ctx["skipped"] = ctx["nonfinite"].should_skip(ctx["step"], float(loss), float(norm))
+    if not ctx["skipped"]:  # (--skip-nonfinite N: at most N such steps skipped, gradients dropped)
+        for optimizer in ctx["optimizers"]:
+            optimizer.step()
     return float(loss), float(norm)
 
 
@@ -228,6 +234,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         pp_rank=pp_rank, dp_rank=dp_rank, pp_group=mesh["pp"].get_group(), dp_group=mesh["dp"].get_group(),
         modules=modules, first=next((s for s in stages if s.is_first), None),
         schedule=pipeline.build_schedule(args.schedule, stages, args.microbatches),
+        nonfinite=pipeline.NonFiniteGuard(args.skip_nonfinite),
         optimizers=pipeline.stage_optimizers(modules, lambda params: torch.optim.AdamW(params, lr=args.lr)),
         tracer=None if not args.trace else pipeline.StepTracer(
             stages, pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None),
@@ -273,6 +280,7 @@ def _log(args: argparse.Namespace, row: dict[str, Any]) -> None:
     if dist.get_rank() != 0:
         return
     text = f"step {row['step']}: loss {row['loss']:.6f} grad norm {row['grad_norm']:.4f}"
+    text += " skipped (not finite)" if row.get("skipped") else ""
     print(text + (f" eval loss {row['eval_loss']:.6f}" if "eval_loss" in row else ""), flush=True)
     if args.loss_log:
         with open(args.loss_log, "a") as fh:
@@ -291,11 +299,15 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
     for step, batch in batches(args.family, start):
         if step >= args.steps:
             break
-        where["step"] = step
+        where["step"] = ctx["step"] = step
+        if not args.no_batch_check:  # every rank must hold the same global batch: compared, cheaply
+            pipeline.check_batch_agreement(batch, step=step)
         row: dict[str, Any] = {"step": step}
         if held_out is not None and step % args.eval_every == 0:  # the weights this step trains from
             row["eval_loss"] = evaluate(ctx, held_out, args)
         row["loss"], row["grad_norm"] = train_step(ctx, batch, args)
+        if ctx["skipped"]:
+            row["skipped"] = True  # not finite: no optimizer step (--skip-nonfinite)
         _log(args, row)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
             pipeline.save_checkpoint(args.save_dir, step + 1, ctx["modules"], ctx["optimizers"],
@@ -306,20 +318,6 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
     if args.export and (args.fsdp or ctx["dp_rank"] == 0):
         # each pipeline rank writes its stages' shards (FSDP2: every replica gathers, the first writes)
         pipeline.save_pretrained_stages(ctx["modules"], args.export, group=ctx["pp_group"])
-
-
-def _cause(exc: BaseException) -> str:
-    """``Type: message`` of the innermost exception (what went wrong: e.g. gloo's "Connection closed
-    by peer"), and the outermost one's type and first line when it differs (where it surfaced)."""
-    def line(e: BaseException) -> str:
-        text = " ".join(str(e).split())
-        return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-    inner, seen = exc, {id(exc)}
-    while (inner.__cause__ or inner.__context__) is not None and id(inner.__cause__ or inner.__context__) not in seen:
-        inner = inner.__cause__ or inner.__context__  # type: ignore[assignment]
-        seen.add(id(inner))
-    return line(inner) if inner is exc else f"{line(inner)} (surfaced as {line(exc)[:200]})"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -333,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         run(args, where)
     except BaseException as exc:  # a failed rank says so and exits non-zero, without waiting for its peers
         traceback.print_exc()
-        print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {_cause(exc)}", file=sys.stderr, flush=True)
+        print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {pipeline.failure_line(exc)}", file=sys.stderr, flush=True)
         os._exit(1)  # the process group may hang on a dead peer: skip its teardown
     dist.destroy_process_group()
 

@@ -219,10 +219,10 @@ def _one_rank():
         yield
 
 
-def _train(argv: list[str]) -> str:
+def _train(argv: list[str], out: io.StringIO | None = None) -> str:
     """examples/train.py's ``run`` on ``argv`` (pp = dp = 1), in this process; what rank 0 printed."""
     script = _train_script()
-    out = io.StringIO()
+    out = io.StringIO() if out is None else out
     with contextlib.redirect_stdout(out):
         script.run(script.parse_args(["--pp", "1", "--dp", "1", *argv]), {"step": None})
     return out.getvalue()
@@ -287,3 +287,47 @@ def test_a_fresh_run_refuses_a_save_dir_holding_another_runs_checkpoints(tmp_pat
         out = _train(["--steps", "3", "--save-dir", str(save), "--save-every", "1", "--resume", "auto"])  # its own
         assert "continuing at step 1" in out and sorted(p.name for p in save.iterdir()) == ["step1", "step2", "step3"]
         assert {json.loads((save / f"step{n}" / "ppmedia.json").read_text())["run_id"] for n in (1, 2, 3)} == {second}
+
+
+# -- non-finite steps -------------------------------------------------------------------------------
+def test_a_non_finite_step_stops_the_run_before_the_optimizer_and_any_checkpoint(tmp_path):
+    """Failed before the fix: with weights blown up (here --lr 1e30; in the issue a damaged DCP
+    payload) the run went on with NaN losses, exit 0, and checkpointed the NaN weights."""
+    save = tmp_path / "ckpt"
+    with _one_rank():
+        with pytest.raises(pipeline.NonFiniteError, match=r"^step 1: loss nan and gradient norm nan: not finite; "
+                                                          r"stopped before the optimizer step"):
+            _train(["--steps", "4", "--lr", "1e30", "--save-dir", str(save), "--save-every", "1"])
+        assert sorted(p.name for p in save.iterdir()) == ["step1"]  # step 0's; nothing after the NaN
+        out = io.StringIO()
+        with pytest.raises(pipeline.NonFiniteError, match=r"^step 2: .*\(skipped 1, the most --skip-nonfinite allows\)"):
+            _train(["--steps", "4", "--lr", "1e30", "--skip-nonfinite", "1"], out)
+    assert "step 1: loss nan grad norm nan skipped (not finite)" in out.getvalue()
+
+
+def test_the_guard_skips_at_most_its_limit():
+    guard = pipeline.NonFiniteGuard(limit=2)
+    assert not guard.should_skip(0, 1.0, 2.0)
+    assert guard.should_skip(1, float("nan"), 2.0) and guard.should_skip(2, 1.0, float("inf"))
+    with pytest.raises(pipeline.NonFiniteError, match="step 3: loss 1.0 and gradient norm inf"):
+        guard.should_skip(3, 1.0, float("inf"))
+
+
+def test_a_disk_full_failure_is_one_short_line():
+    """Failed before: train.py's failure line carried DCP's per-rank tracebacks (3,065 characters)."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/step2.partial/__0_0.distcp")
+    except OSError as exc:
+        full = exc
+    import traceback as tb
+
+    trace = tb.extract_stack() * 20  # DCP keeps each rank's traceback in its message
+    line = pipeline.failure_line(CheckpointException("save failed", {0: (full, trace), 1: (full, trace)}))
+    assert len(str(CheckpointException("save failed", {0: (full, trace)}))) > 3000
+    assert line == ("OSError: [Errno 28] No space left on device: '/ckpt/step2.partial/__0_0.distcp' "
+                    "(surfaced as CheckpointException)")
+    assert len(pipeline.failure_line(RuntimeError("x" * 5000))) == 300

@@ -209,7 +209,7 @@ class NonFiniteGuard:
 def failure_line(exc: BaseException, limit: int = 300) -> str:
     """``Type: message`` of the innermost exception of ``exc`` (its cause / context chain; DCP's
     ``CheckpointException``: the first rank's failure), squeezed to one line of at most ``limit``
-    characters, with the outermost exception's type when it differs."""
+    characters, with the outermost exception's type and first words when it differs."""
     def line(e: BaseException) -> str:
         text = " ".join(str(e).split())
         return f"{type(e).__name__}: {text}" if text else type(e).__name__
@@ -225,5 +225,6 @@ def failure_line(exc: BaseException, limit: int = 300) -> str:
             break
         inner = nxt
         seen.add(id(inner))
-    text = line(inner) if inner is exc else f"{line(inner)} (surfaced as {type(exc).__name__})"
+    outer = type(exc).__name__ if getattr(exc, "failures", None) else line(exc)[:150]  # DCP's: tracebacks
+    text = line(inner) if inner is exc else f"{line(inner)} (surfaced as {outer})"
     return text if len(text) <= limit else text[: limit - 3] + "..."
