@@ -331,3 +331,56 @@ def test_a_disk_full_failure_is_one_short_line():
     assert line == ("OSError: [Errno 28] No space left on device: '/ckpt/step2.partial/__0_0.distcp' "
                     "(surfaced as CheckpointException)")
     assert len(pipeline.failure_line(RuntimeError("x" * 5000))) == 300
+
+
+# -- FSDP2 state, not a marker ----------------------------------------------------------------------
+def test_split_backward_refusal_reads_torchs_own_fsdp_state():
+    """Failed before the fix: torch's own ``fully_shard(reshard_after_forward=True)`` with
+    ZBVZeroBubble was accepted (build_schedule read a marker only apply_fsdp set), and the decoder
+    layer's 14 parameters came back with gradient None."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_models.load("qwen2_5_vl")
+
+    def stages_sharded(shard):
+        layout = pipeline.schedule_layout("ZBVZeroBubble")
+        stages = pipeline.make_pipeline_stages(model.build_model(0), layout.n_stages(1), layout.stage_indices(0, 1), "cpu")
+        mesh = init_device_mesh("cpu", (1,))
+        for stage in stages:
+            shard(stage.submod, mesh)
+        return stages
+
+    def torch_resharding(module, mesh):
+        for layer in module.stage_language_model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+
+    def torch_default(module, mesh):  # reshard_after_forward=None: True for every group but the root
+        for layer in module.stage_language_model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+
+    def torch_kept(module, mesh):
+        for layer in module.stage_language_model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False)
+
+    with _one_rank():
+        for shard in (torch_resharding, torch_default):
+            stages = stages_sharded(shard)
+            assert all(pipeline.reshards_after_forward(s.submod) for s in stages)
+            with pytest.raises(ValueError, match=r"schedule ZBVZeroBubble cannot run FSDP2 stages \[0, 1\]: it splits"):
+                pipeline.build_schedule("ZBVZeroBubble", stages, 2)
+        stages = stages_sharded(torch_kept)
+        assert not any(pipeline.reshards_after_forward(s.submod) for s in stages)
+        pipeline.build_schedule("ZBVZeroBubble", stages, 2)
+        mesh = init_device_mesh("cpu", (1,))
+        layout = pipeline.schedule_layout("ZBVZeroBubble")
+        stages = pipeline.make_pipeline_stages(model.build_model(0), 2, layout.stage_indices(0, 1), "cpu")
+        pipeline.apply_fsdp(stages, mesh)  # ppmedia's default: kept gathered, runs every schedule
+        pipeline.build_schedule("ZBVZeroBubble", stages, 2)
+        stages = pipeline.make_pipeline_stages(model.build_model(0), 2, layout.stage_indices(0, 1), "cpu")
+        pipeline.apply_fsdp(stages, mesh, reshard_after_forward=True)
+        with pytest.raises(ValueError, match="cannot run FSDP2 stages"):
+            pipeline.build_schedule("DualPipeV", stages, 2)

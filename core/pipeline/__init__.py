@@ -100,7 +100,8 @@ from .evaluate import eval_step
 from .export import save_pretrained_stages
 from .guards import (BatchMismatchError, NonFiniteError, NonFiniteGuard, agree, batch_fingerprint,
                      check_batch_agreement, failure_line, option_problem)
-from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
+from .fsdp import (SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, reshards_after_forward,
+                   splits_backward)
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
 from .pretrained import stages_from_pretrained
@@ -179,4 +180,5 @@ __all__ = [
     "check_batch_agreement",
     "failure_line",
     "option_problem",
+    "reshards_after_forward",
 ]
