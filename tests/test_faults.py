@@ -384,3 +384,68 @@ def test_split_backward_refusal_reads_torchs_own_fsdp_state():
         pipeline.apply_fsdp(stages, mesh, reshard_after_forward=True)
         with pytest.raises(ValueError, match="cannot run FSDP2 stages"):
             pipeline.build_schedule("DualPipeV", stages, 2)
+
+
+# -- refusals every rank raises alike (in the shared 2-process spawn) -------------------------------
+def _spread_on_prebuilt_stages(rank: int, work: str):
+    """Rank 1 (no stage 0) cannot copy a vision side out of prebuilt stage modules (what
+    stages_from_pretrained and build_stage_modules return); rank 0 could."""
+    model = tiny_models.load("qwen2_5_vl").build_model(0)
+    modules = pipeline.build_stage_modules(model, 2, stages=[rank])
+    pipeline.make_pipeline_stages(modules, 2, [rank], "cpu", encoder="spread")
+    return "built"
+
+
+def _different_batches(rank: int, work: str):
+    pipeline.check_batch_agreement(tiny_models.load("qwen2_5_vl").build_batch(0), step=0)  # the same: passes
+    pipeline.check_batch_agreement(tiny_models.load("qwen2_5_vl").build_batch(rank), step=3)
+    return "agreed"
+
+
+def _one_rank_refuses(rank: int, work: str):
+    pipeline.agree(ValueError("config.json is damaged") if rank == 1 else None, what="loading")
+    return "agreed"
+
+
+SCENARIOS += [("spread_prebuilt", _spread_on_prebuilt_stages), ("batches", _different_batches),
+              ("agree", _one_rank_refuses)]
+
+
+@pytest.mark.multiprocess
+def test_spread_on_prebuilt_stages_is_refused_on_every_rank(two_ranks):
+    """Failed before the fix: only rank 1 raised (TypeError); rank 0 went on into the spread's
+    ``dist.new_group`` and waited there forever, past the process-group timeout."""
+    for rank, results in enumerate(two_ranks):
+        got = results["spread_prebuilt"]
+        assert got.get("raised") == "TypeError", (rank, got)
+        assert got["message"].startswith("make_pipeline_stages(encoder='spread') refused on rank(s) 1 of 2 (every rank "
+                                         "raises this): rank 1: make_pipeline_stages(encoder='spread'): this rank holds "
+                                         "stages [1] as prebuilt StageModule objects"), got["message"]
+
+
+@pytest.mark.multiprocess
+def test_ranks_handed_different_batches_stop_with_the_ranks_named(two_ranks):
+    """Failed before the fix: nothing compared the ranks' batches (they trained on, 4.8406 against 4.8631)."""
+    for results in two_ranks:
+        got = results["batches"]
+        assert got.get("raised") == "BatchMismatchError", got
+        assert got["message"].startswith("step 3: rank(s) 1 hold another global batch than rank 0"), got["message"]
+
+
+@pytest.mark.multiprocess
+def test_agree_raises_one_ranks_refusal_everywhere(two_ranks):
+    for results in two_ranks:
+        assert results["agree"] == {"raised": "ValueError", "message": "loading on rank(s) 1 of 2 (every rank raises this): "
+                                    "rank 1: config.json is damaged", "trace": results["agree"]["trace"]}
+
+
+def test_the_batch_fingerprint_sees_values_order_and_keys():
+    batch = tiny_models.load("qwen2_5_vl").build_batch(0)
+    base = pipeline.batch_fingerprint(batch)
+    assert torch.equal(base, pipeline.batch_fingerprint(dict(batch)))
+    swapped = dict(batch, input_ids=batch["input_ids"].flip(0))  # the same values, samples reordered
+    assert not torch.equal(base, pipeline.batch_fingerprint(swapped))
+    assert not torch.equal(base, pipeline.batch_fingerprint({k: v for k, v in batch.items() if k != "pixel_values"}))
+    changed = dict(batch, pixel_values=batch["pixel_values"].clone())
+    changed["pixel_values"][3, 5] += 0.5
+    assert not torch.equal(base, pipeline.batch_fingerprint(changed))

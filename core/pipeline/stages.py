@@ -474,15 +474,15 @@ def make_pipeline_stages(
     return stages
 
 
-def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
-                   device: torch.device) -> None:
-    """``encoder="spread"``: this rank's :class:`~ppmedia.pipeline.encoder.EncoderSpread` on every module."""
-    from .encoder import SPREAD_ATTRIBUTE, EncoderSpread, vision_replica
+def _spread_vision_side(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any],
+                        device: torch.device) -> nn.Module:
+    """The module whose vision side this rank's spread runs: its stage 0, or a copy cut from ``model``."""
+    from .encoder import vision_replica
 
     first = next((st for st in stages if st.is_first), None)
     if first is not None:
-        vision: nn.Module = modules[list(stages).index(first)]
-    elif isinstance(model, nn.Module) and not isinstance(model, StageModule):
+        return modules[list(stages).index(first)]
+    if isinstance(model, nn.Module) and not isinstance(model, StageModule):
         vision = vision_replica(model, modules[0].adapter)
         if any(t.is_meta for t in [*vision.parameters(), *vision.buffers()]):
             raise ValueError(
@@ -491,12 +491,33 @@ def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[S
                 "inv_freq, are in no checkpoint); build the model with real tensors on ranks without stage 0"
             )
         _to_device(vision, device)
-    else:
-        raise TypeError(
-            f"make_pipeline_stages(encoder='spread'): this rank holds stages {[m.stage_index for m in modules]} "
-            f"as prebuilt StageModule objects, but without stage 0 it needs its own copy of the vision side, "
-            f"cut from the full model; pass the model (build_stage_modules / stages_from_pretrained give none)"
-        )
+        return vision
+    raise TypeError(
+        f"make_pipeline_stages(encoder='spread'): this rank holds stages {[m.stage_index for m in modules]} "
+        f"as prebuilt StageModule objects, but without stage 0 it needs its own copy of the vision side, "
+        f"cut from the full model; pass the model (build_stage_modules / stages_from_pretrained give none)"
+    )
+
+
+def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
+                   device: torch.device) -> None:
+    """``encoder="spread"``: this rank's :class:`~ppmedia.pipeline.encoder.EncoderSpread` on every module.
+
+    Only ranks without stage 0 can find a problem (no vision side to copy), and the spread's set-up
+    is collective: the ranks agree first (:func:`~ppmedia.pipeline.agree`), so every rank raises the
+    same error instead of the others waiting for the refusing one in ``new_group`` forever."""
+    from .encoder import SPREAD_ATTRIBUTE, EncoderSpread
+    from .guards import agree
+
+    problem: Exception | None = None
+    vision: nn.Module | None = None
+    try:
+        vision = _spread_vision_side(model, modules, stages, device)
+    except (TypeError, ValueError) as exc:
+        problem = exc
+    agree(problem, group, what="make_pipeline_stages(encoder='spread') refused")
+    assert vision is not None
+    first = next((st for st in stages if st.is_first), None)
     spread = EncoderSpread(vision, modules[0].adapter, first_stage=first, group=group)
     for module in modules:
         module.__dict__[SPREAD_ATTRIBUTE] = spread
