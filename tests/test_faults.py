@@ -449,3 +449,47 @@ def test_the_batch_fingerprint_sees_values_order_and_keys():
     changed = dict(batch, pixel_values=batch["pixel_values"].clone())
     changed["pixel_values"][3, 5] += 0.5
     assert not torch.equal(base, pipeline.batch_fingerprint(changed))
+
+
+# -- unclear errors made clear --------------------------------------------------------------------
+FIXTURE = ROOT / "fixtures" / "qwen2_5_vl" / "inputs.safetensors"  # its config.json: 2 decoder layers
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--stages", "2", "--vision-share", "-1"], "ppmedia: error: argument --vision-share: got -1; expected a finite "
+                                                "number >= 0"),
+    (["--stages", "9"], "ppmedia: error: argument --stages: got 9 for a model of 2 decoder layers; expected at most 4"),
+])
+def test_plan_refuses_bad_numbers_with_exit_2_and_nothing_before(argv, says, capsys):
+    """Failed before: --vision-share -1 printed half a table and exited 1; --stages 9 recommended a
+    split leaving stages with nothing to run."""
+    from ppmedia.cli import main
+
+    code = main(["plan", str(FIXTURE), "--microbatches", "4", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", out
+    assert err.splitlines()[0].startswith(says), err
+
+
+def test_an_optimizer_over_a_stage_with_nothing_says_so():
+    """Failed before: torch's bare "optimizer got an empty parameter list"."""
+    modules = pipeline.build_stage_modules(tiny_models.load("qwen2_5_vl").build_model(0), 5)  # 2 layers
+    with pytest.raises(ValueError, match=r"stage_optimizers: stage 3 of 5 holds no parameters .*more pipeline stages "
+                                         r"than the model has decoder layers"):
+        pipeline.stage_optimizers(modules, lambda p: torch.optim.AdamW(p, lr=1e-3))
+
+
+def test_moe_router_loss_asked_for_is_refused_not_dropped():
+    """Failed before: with output_router_logits=True the router loss was dropped without a word
+    (GLM-4.5V 4.938581 against the model's own 4.938794)."""
+    from transformers import Glm4vMoeForConditionalGeneration
+
+    module = tiny_models.load("glm4v_moe")
+    config = module.build_config()
+    config.text_config.output_router_logits = True
+    model = Glm4vMoeForConditionalGeneration(config)
+    with pytest.raises(ValueError, match=r"config.text_config.output_router_logits is True: the model's own loss adds "
+                                         r"router_aux_loss_coef \(0.0001\) x the MoE routers' load-balancing loss"):
+        pipeline.build_stage_modules(model, 2)
+    config.text_config.output_router_logits = False
+    assert len(pipeline.build_stage_modules(Glm4vMoeForConditionalGeneration(config), 2)) == 2

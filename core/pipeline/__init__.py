@@ -115,7 +115,7 @@ from .schedules import (
     schedule_names,
     stage_indices_for_rank,
 )
-from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
+from .stages import StageModule, build_stage_modules, make_pipeline_stages, refuse_router_loss, static_stage_args
 from .surgery import default_layer_split, find_language_model
 from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
@@ -180,5 +180,6 @@ __all__ = [
     "check_batch_agreement",
     "failure_line",
     "option_problem",
+    "refuse_router_loss",
     "reshards_after_forward",
 ]

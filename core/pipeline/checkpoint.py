@@ -164,11 +164,23 @@ def stage_optimizers(
     stage with a tied embedding, without FSDP2) would be stepped twice; the later module gets its own
     copy first (equal values; :func:`~ppmedia.pipeline.sync_tied_gradients` sums the copies'
     gradients, so they stay equal). Call it after :func:`~ppmedia.pipeline.apply_fsdp`, if any.
+
+    Raises:
+        ValueError: a module without parameters (a stage given no decoder layer because there are more
+            stages than layers), instead of torch's bare "optimizer got an empty parameter list".
     """
     from .fsdp import _untie_across_modules
     from .tied import stage_parameters
 
     _untie_across_modules(modules)
+    for module in modules:
+        if not stage_parameters([module]):
+            index, n = getattr(module, "stage_index", "?"), getattr(module, "n_stages", "?")
+            raise ValueError(
+                f"stage_optimizers: stage {index} of {n} holds no parameters (no decoder layer, no embedding or head): "
+                f"more pipeline stages than the model has decoder layers to give them; use fewer stages (or "
+                f"layers_per_stage giving each stage a layer)"
+            )
     return [factory(stage_parameters([module])) for module in modules]
 
 
