@@ -493,3 +493,59 @@ def test_moe_router_loss_asked_for_is_refused_not_dropped():
         pipeline.build_stage_modules(model, 2)
     config.text_config.output_router_logits = False
     assert len(pipeline.build_stage_modules(Glm4vMoeForConditionalGeneration(config), 2)) == 2
+
+
+def test_stages_from_pretrained_on_a_missing_folder_says_no_such_directory(tmp_path):
+    """Failed before: the path went to the hub (23 s of retries, "Repo id must be in the form...")."""
+    with pytest.raises(FileNotFoundError, match=rf"^{tmp_path / 'hf-ckpt'}: no such directory"):
+        pipeline.stages_from_pretrained(tmp_path / "hf-ckpt", 2)
+
+
+@pytest.fixture(scope="module")
+def saved_qwen(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen") / "hf"
+    tiny_models.load("qwen2_5_vl").build_model(0).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_dtype_none_keeps_the_checkpoints_dtype_like_from_pretrained(saved_qwen):
+    """Failed before: a bfloat16 checkpoint came back float32 with dtype=None."""
+    import transformers
+
+    reference = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(saved_qwen)
+    assert reference.dtype == torch.bfloat16  # what the docstring promised to follow
+    (stage,) = pipeline.stages_from_pretrained(saved_qwen, 2, stages=[1])
+    assert {p.dtype for p in stage.parameters()} == {torch.bfloat16}
+    (stage,) = pipeline.stages_from_pretrained(saved_qwen, 2, stages=[1], dtype=torch.float32)
+    assert {p.dtype for p in stage.parameters()} == {torch.float32}
+
+
+def test_a_relabelled_model_type_is_refused_naming_both(saved_qwen, tmp_path):
+    """Failed before: loaded with the LLaVA-NeXT adapter, failing only at the first media step
+    ("LlavaNextConfig lacks vision_config.image_size")."""
+    import shutil
+
+    relabelled = tmp_path / "relabelled"
+    shutil.copytree(saved_qwen, relabelled)
+    config = json.loads((relabelled / "config.json").read_text())
+    config["model_type"] = "llava_next"
+    (relabelled / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: model_type 'llava_next' contradicts architectures "
+                                         r"\['Qwen2_5_VLForConditionalGeneration'\]"):
+        pipeline.stages_from_pretrained(relabelled, 2)
+
+
+def test_damaged_checkpoint_files_are_named(tmp_path):
+    """Failed before: a truncated .metadata gave a bare UnpicklingError, a damaged ppmedia.json a
+    JSONDecodeError, neither naming the file."""
+    modules = pipeline.build_stage_modules(tiny_models.load("qwen2_5_vl").build_model(0), 1)
+    path = pipeline.save_checkpoint(tmp_path, 1, modules, None)
+    info = (path / "ppmedia.json").read_text()
+    (path / "ppmedia.json").write_text(info[: len(info) // 2])
+    with pytest.raises(ValueError, match=rf"{path / 'ppmedia.json'} is damaged \(not JSON"):
+        pipeline.load_checkpoint(path, modules)
+    (path / "ppmedia.json").write_text(info)
+    metadata = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(metadata[: len(metadata) // 2])
+    with pytest.raises(ValueError, match=rf"{path / '.metadata'} is damaged \(UnpicklingError"):
+        pipeline.load_checkpoint(path, modules)
