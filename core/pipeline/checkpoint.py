@@ -544,6 +544,31 @@ def check_checkpoint(
     return info
 
 
+def _non_finite(state: dict[str, Any]) -> list[str]:
+    """Names of the loaded floating tensors (this rank's pieces) holding a NaN or an infinity."""
+    import torch
+
+    bad = []
+    for name, value in state.items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    return bad
+
+
+def _refuse_non_finite(path: Path, state: dict[str, Any], process_group: Any) -> None:
+    """A checkpoint whose weights load as NaN / inf (damaged ``.distcp`` bytes: DCP keeps no checksums)
+    is refused on every rank, naming the tensors, instead of training on with NaN losses."""
+    bad = sorted(set().union(*_gather(_non_finite({k: v for k, v in state.items() if k != _OPTIMIZER}), process_group)))
+    if bad:
+        more = f" and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
+        raise ValueError(
+            f"checkpoint {path}: {len(bad)} tensor(s) hold NaN or infinite values after loading: "
+            f"{', '.join(bad[:_SHOWN])}{more} (a damaged .distcp file, or a run that diverged before saving); "
+            f"the stages now hold them: rebuild them before loading another checkpoint"
+        )
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     modules: Sequence[nn.Module],
@@ -561,6 +586,10 @@ def load_checkpoint(
     saved ``lr`` etc. come back; ``"current"``: this job's optimizers keep the values they were built
     with, e.g. a resumed run's new ``--lr``; ``"refuse"``: a difference is an error, nothing loaded).
 
+    Raises:
+        ValueError: what :func:`check_checkpoint` refuses; weights that load as NaN or infinity (named,
+            on every rank; DCP keeps no checksums, so damaged bytes are seen only this way).
+
     Returns:
         The checkpoint's ``ppmedia.json``: ``info["step"]``, ``info["run_id"]``, ``info["extra"]``,
         ``info["hyperparameters_changed"]`` (what differed; applied only with ``"current"``), ...
@@ -572,6 +601,7 @@ def load_checkpoint(
     kept = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers or ()]
     state = _state(modules, optimizers)
     dcp.load(state, checkpoint_id=str(path), process_group=process_group, no_dist=not _distributed())
+    _refuse_non_finite(Path(path), state, process_group)
     for module in modules:
         names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         names |= {name for name, _ in module.named_buffers()}
