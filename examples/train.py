@@ -113,6 +113,11 @@ def option_problem(args: argparse.Namespace) -> str | None:
     )
     if problem is None and args.save_dir and not args.save_every and args.resume != "auto":
         problem = f"--save-dir {args.save_dir} needs --save-every N (or --resume auto, which reads it): nothing would be saved"
+    if problem is None:
+        try:
+            pipeline.schedule_layout(args.schedule)
+        except ValueError as exc:
+            problem = f"--schedule: {str(exc).removeprefix('schedule: ')}"
     for option, path in (("--model", args.model), ("--resume", None if args.resume == "auto" else args.resume)):
         if problem is None and path and not os.path.isdir(path):
             problem = f"{option} {path}: no such directory"

@@ -407,8 +407,16 @@ def _one_rank_refuses(rank: int, work: str):
     return "agreed"
 
 
+def _checkpoint_only_one_rank_can_read(rank: int, work: str):
+    """Rank 1 reads another folder than rank 0 (a filesystem not shared alike): both must raise."""
+    modules = pipeline.build_stage_modules(tiny_models.load("qwen2_5_vl").build_model(0), 2, stages=[rank])
+    path = pipeline.save_checkpoint(pathlib.Path(work, "ckpt"), 1, modules, None)
+    pipeline.load_checkpoint(path if rank == 0 else path.with_name("step7"), modules)
+    return "loaded"
+
+
 SCENARIOS += [("spread_prebuilt", _spread_on_prebuilt_stages), ("batches", _different_batches),
-              ("agree", _one_rank_refuses)]
+              ("agree", _one_rank_refuses), ("checkpoint_one_rank", _checkpoint_only_one_rank_can_read)]
 
 
 @pytest.mark.multiprocess
@@ -437,6 +445,17 @@ def test_agree_raises_one_ranks_refusal_everywhere(two_ranks):
     for results in two_ranks:
         assert results["agree"] == {"raised": "ValueError", "message": "loading on rank(s) 1 of 2 (every rank raises this): "
                                     "rank 1: config.json is damaged", "trace": results["agree"]["trace"]}
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_one_rank_cannot_read_is_refused_on_every_rank(two_ranks):
+    """Failed before the fix: rank 1 raised reading its folder, rank 0 waited in the gather of the
+    ranks' findings (a hang up to the process-group timeout)."""
+    for results in two_ranks:
+        got = results["checkpoint_one_rank"]
+        assert got.get("raised") == "ValueError", got
+        assert re.match(r"reading checkpoint \S+step(1|7) on rank\(s\) 1 of 2 \(every rank raises this\): rank 1: "
+                        r"checkpoint \S+/step7: no such folder$", got["message"]), got["message"]
 
 
 def test_the_batch_fingerprint_sees_values_order_and_keys():
@@ -567,3 +586,9 @@ def test_a_checkpoint_whose_weights_load_non_finite_is_refused_naming_them(tmp_p
     with pytest.raises(ValueError, match=rf"checkpoint {path}: 1 tensor\(s\) hold NaN or infinite values after "
                                          rf"loading: {name} \(a damaged .distcp file"):
         pipeline.load_checkpoint(path, pipeline.build_stage_modules(module.build_model(1), 1))
+
+
+def test_an_unknown_schedule_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _train_script().parse_args(["--schedule", "zigzag"])
+    assert exit_.value.code == 2 and "--schedule: got 'zigzag'; expected one of gpipe" in capsys.readouterr().err

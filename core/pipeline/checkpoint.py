@@ -518,9 +518,15 @@ def check_checkpoint(
     """
     if hyperparameters not in HYPERPARAMETER_MODES:
         raise ValueError(f"hyperparameters: got {hyperparameters!r}; expected one of {', '.join(HYPERPARAMETER_MODES)}")
+    from .guards import agree
+
     folder = Path(path)
-    info = _read_info(folder)
-    saved = _saved_shapes(folder)
+    problem: Exception | None = None
+    try:  # each rank reads the files itself: agree before the gathers below, so none is left waiting
+        info, saved = _read_info(folder), _saved_shapes(folder)
+    except (OSError, ValueError) as exc:
+        problem = exc
+    agree(problem, process_group, what=f"reading checkpoint {folder}")
     wanted = _flat_shapes(_state(modules, optimizers))
     mine = _problems(wanted, saved)
     here_settings = _merge_hyperparameters(_gather(_hyperparameters(optimizers), process_group))
