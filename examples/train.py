@@ -24,6 +24,13 @@ published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, 
 (``pipeline.EncoderSpread``; see docs/encoder-spread.md), ``--trace FILE.svg`` draws the last step's
 measured per-rank timeline. ``--eval-every N`` adds the loss of a held-out batch (forward only) to every N-th step's log line.
 
+Guards (``pipeline.guards``; docs/training.md "Guards"): every option is checked before anything starts
+(argparse's one line, exit 2); every step's global batch is compared across the ranks by a fingerprint
+(``--no-batch-check`` turns it off); a step whose loss or gradient norm is not finite stops the run before
+its optimizer step and before any checkpoint (``--skip-nonfinite N`` skips at most N such steps);
+``--resume`` applies this run's ``--lr`` from the resumed step and prints what changed; a fresh run
+refuses a ``--save-dir`` holding another run's checkpoints (``--overwrite`` deletes them).
+
 A rank that fails (an error, or a peer that died) prints ``train.py rank R: step S failed: ...`` and
 exits with status 1; a dead peer is noticed at the next communication with it, at the latest after the
 60 s process-group timeout.
@@ -90,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace", metavar="FILE.svg",
                         help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     args = parser.parse_args(argv)
-    problem = option_problem(args)
+    problem = bad_option(args)
     if problem:
         parser.error(problem)
     if args.encoder == "spread" and args.model:
@@ -103,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def option_problem(args: argparse.Namespace) -> str | None:
+def bad_option(args: argparse.Namespace) -> str | None:
     """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
     problem = pipeline.option_problem(
         {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
