@@ -79,6 +79,7 @@ The package, one module per concern (every public name is importable from ``ppme
 ``guards``          a run's preconditions: options, ranks agreeing on a refusal, the same batch on
                     every rank, finite losses (:func:`check_batch_agreement`, :class:`NonFiniteGuard`)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
+``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``
 ==================  ===========================================================================
 """
 
@@ -96,6 +97,7 @@ from .checkpoint import (
 )
 from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, interleave_encoders,
                       vision_replica)
+from .distributed import TORCHRUN_VARIABLES, init_distributed
 from .evaluate import eval_step
 from .export import save_pretrained_stages
 from .guards import (BatchMismatchError, NonFiniteError, NonFiniteGuard, agree, batch_fingerprint,
@@ -133,6 +135,7 @@ __all__ = [
     "SpreadPlan",
     "StageModule",
     "StepTracer",
+    "TORCHRUN_VARIABLES",
     "TiedParameters",
     "all_reduce_gradients",
     "apply_fsdp",
@@ -149,6 +152,7 @@ __all__ = [
     "interleave_encoders",
     "eval_step",
     "find_language_model",
+    "init_distributed",
     "is_sharded",
     "latest_checkpoint",
     "load_checkpoint",
