@@ -496,6 +496,8 @@ def test_an_optimizer_over_a_stage_with_nothing_says_so():
     with pytest.raises(ValueError, match=r"stage_optimizers: stage 3 of 5 holds no parameters .*more pipeline stages "
                                          r"than the model has decoder layers"):
         pipeline.stage_optimizers(modules, lambda p: torch.optim.AdamW(p, lr=1e-3))
+    with pytest.raises(ValueError, match=r"stage_parameters: stages \[3\] hold no parameters"):
+        torch.optim.AdamW(pipeline.stage_parameters(modules[3:4]), lr=1e-3)  # the README's optimizer line
 
 
 def test_moe_router_loss_asked_for_is_refused_not_dropped():

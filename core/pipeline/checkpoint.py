@@ -174,7 +174,7 @@ def stage_optimizers(
 
     _untie_across_modules(modules)
     for module in modules:
-        if not stage_parameters([module]):
+        if next(iter(module.parameters()), None) is None:
             index, n = getattr(module, "stage_index", "?"), getattr(module, "n_stages", "?")
             raise ValueError(
                 f"stage_optimizers: stage {index} of {n} holds no parameters (no decoder layer, no embedding or head): "

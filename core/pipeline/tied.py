@@ -56,11 +56,21 @@ def stage_parameters(stages: Sequence[Any]) -> list[nn.Parameter]:
     the embedding and ``lm_head`` as ONE parameter; listing it twice makes AdamW update it twice per
     step (torch only warns "duplicate parameters"). The gradients of both uses accumulate in that one
     parameter; copies on other ranks still need :func:`sync_tied_gradients`.
+
+    Raises:
+        ValueError: the stages hold no parameter at all (more stages than decoder layers), instead of
+            torch's bare "optimizer got an empty parameter list".
     """
     seen: dict[int, nn.Parameter] = {}
     for stage in stages:
         for param in _module_of(stage).parameters():
             seen.setdefault(id(param), param)
+    if stages and not seen:
+        indices = [getattr(_module_of(s), "stage_index", "?") for s in stages]
+        raise ValueError(
+            f"stage_parameters: stages {indices} hold no parameters (no decoder layer, no embedding or head): more "
+            f"pipeline stages than the model has decoder layers to give them; use fewer stages"
+        )
     return list(seen.values())
 
 
