@@ -24,6 +24,13 @@ published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, 
 (``pipeline.EncoderSpread``; see docs/encoder-spread.md), ``--trace FILE.svg`` draws the last step's
 measured per-rank timeline. ``--eval-every N`` adds the loss of a held-out batch (forward only) to every N-th step's log line.
 
+Guards (``pipeline.guards``; docs/training.md "Guards"): every option is checked before anything starts
+(argparse's one line, exit 2); every step's global batch is compared across the ranks by a fingerprint
+(``--no-batch-check`` turns it off); a step whose loss or gradient norm is not finite stops the run before
+its optimizer step and before any checkpoint (``--skip-nonfinite N`` skips at most N such steps);
+``--resume`` applies this run's ``--lr`` from the resumed step and prints what changed; a fresh run
+refuses a ``--save-dir`` holding another run's checkpoints (``--overwrite`` deletes them).
+
 A rank that fails (an error, or a peer that died) prints ``train.py rank R: step S failed: ...`` and
 exits with status 1; a dead peer is noticed at the next communication with it, at the latest after the
 60 s process-group timeout.
@@ -74,7 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dir", help="write DCP checkpoints under this folder (step{N}/)")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint after every N steps")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="a fresh run may delete another run's checkpoints under --save-dir (refused otherwise)")
     parser.add_argument("--resume", help="a checkpoint folder (step{N}) to continue from, or 'auto' (newest under --save-dir)")
+    parser.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
+                        help="skip at most N steps whose loss or gradient norm is not finite (default: stop at the first)")
+    parser.add_argument("--no-batch-check", action="store_true",
+                        help="do not compare a fingerprint of every step's global batch across the ranks")
     parser.add_argument("--loss-log", help="append one JSON line per step (global loss, grad norm) here (rank 0)")
     parser.add_argument("--model", help="a Hugging Face checkpoint directory to train (instead of the tiny family's model)")
     parser.add_argument("--export", help="write the trained model as a Hugging Face checkpoint in this directory")
@@ -87,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace", metavar="FILE.svg",
                         help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     args = parser.parse_args(argv)
+    problem = bad_option(args)
+    if problem:
+        parser.error(problem)
     if args.encoder == "spread" and args.model:
         parser.error("--encoder spread cuts each rank's copy of the vision tower from the full model; "
                      "--model loads only each rank's stages: drop one of them")
@@ -95,6 +111,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.bf16 and not args.fsdp:
         parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
     return args
+
+
+def bad_option(args: argparse.Namespace) -> str | None:
+    """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
+    problem = pipeline.option_problem(
+        {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
+        positive=("--pp", "--dp", "--microbatches", "--steps", "--lr", "--max-grad-norm"),
+        non_negative=("--save-every", "--eval-every", "--skip-nonfinite"),
+        together=(("--save-every", "--save-dir"), ("--overwrite", "--save-dir")),
+    )
+    if problem is None and args.save_dir and not args.save_every and args.resume != "auto":
+        problem = f"--save-dir {args.save_dir} needs --save-every N (or --resume auto, which reads it): nothing would be saved"
+    if problem is None:
+        try:
+            pipeline.schedule_layout(args.schedule)
+        except ValueError as exc:
+            problem = f"--schedule: {str(exc).removeprefix('schedule: ')}"
+    for option, path in (("--model", args.model), ("--resume", None if args.resume == "auto" else args.resume)):
+        if problem is None and path and not os.path.isdir(path):
+            problem = f"{option} {path}: no such directory"
+    if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):
+        problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
+    return problem
 
 
 def batches(family: str, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -148,11 +187,13 @@ def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namesp
     if not args.fsdp:  # FSDP2 reduce-scattered the sums over the replicas already
         pipeline.all_reduce_gradients(modules, group=ctx["dp_group"])
     norm = pipeline.clip_grad_norm(modules, args.max_grad_norm, tied=ctx["tied"], group=ctx["pp_group"])
-    for optimizer in ctx["optimizers"]:
-        optimizer.step()
-
     loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros(())
     dist.all_reduce(loss)  # one last stage per replica holds its share of the global mean
+    # a NaN / inf loss or norm (the same on every rank) stops the run here, before the optimizer step
+    ctx["skipped"] = ctx["nonfinite"].should_skip(ctx["step"], float(loss), float(norm))
+    if not ctx["skipped"]:  # (--skip-nonfinite N: at most N such steps skipped, gradients dropped)
+        for optimizer in ctx["optimizers"]:
+            optimizer.step()
     return float(loss), float(norm)
 
 
@@ -216,6 +257,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         pp_rank=pp_rank, dp_rank=dp_rank, pp_group=mesh["pp"].get_group(), dp_group=mesh["dp"].get_group(),
         modules=modules, first=next((s for s in stages if s.is_first), None),
         schedule=pipeline.build_schedule(args.schedule, stages, args.microbatches),
+        nonfinite=pipeline.NonFiniteGuard(args.skip_nonfinite),
         optimizers=pipeline.stage_optimizers(modules, lambda params: torch.optim.AdamW(params, lr=args.lr)),
         tracer=None if not args.trace else pipeline.StepTracer(
             stages, pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None),
@@ -242,9 +284,13 @@ def resume(ctx: dict[str, Any], args: argparse.Namespace) -> int:
     if path is None:
         _say(f"no complete checkpoint under {args.save_dir}: starting at step 0")
         return 0
-    info = pipeline.load_checkpoint(path, ctx["modules"], ctx["optimizers"])
+    # this run's --lr (and any other optimizer setting) applies from the resumed step, not the saved one
+    info = pipeline.load_checkpoint(path, ctx["modules"], ctx["optimizers"], hyperparameters="current")
+    ctx["run_id"] = info.get("run_id")
     _say(f"resumed from {path} (saved at pp={info['extra'].get('pp')} x dp={info['extra'].get('dp')}, "
          f"fsdp={info['extra'].get('fsdp')}): continuing at step {info['step']}")
+    if info["hyperparameters_changed"]:
+        _say(f"optimizer settings of this run apply from step {info['step']}: {'; '.join(info['hyperparameters_changed'])}")
     return int(info["step"])
 
 
@@ -257,6 +303,7 @@ def _log(args: argparse.Namespace, row: dict[str, Any]) -> None:
     if dist.get_rank() != 0:
         return
     text = f"step {row['step']}: loss {row['loss']:.6f} grad norm {row['grad_norm']:.4f}"
+    text += " skipped (not finite)" if row.get("skipped") else ""
     print(text + (f" eval loss {row['eval_loss']:.6f}" if "eval_loss" in row else ""), flush=True)
     if args.loss_log:
         with open(args.loss_log, "a") as fh:
@@ -268,37 +315,32 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
     ctx = build(args)
     held_out = tiny_models.load(args.family).build_batch(HELD_OUT_SEED) if args.eval_every else None
     start = where["step"] = resume(ctx, args)
+    if args.save_dir and args.save_every:  # the checkpoints of another run are not mixed with this one's
+        if start == 0:  # a fresh run (nothing resumed): a new identity, recorded in its checkpoints
+            ctx["run_id"] = pipeline.new_run_id()
+        pipeline.claim_save_dir(args.save_dir, ctx["run_id"], overwrite=args.overwrite)
     for step, batch in batches(args.family, start):
         if step >= args.steps:
             break
-        where["step"] = step
+        where["step"] = ctx["step"] = step
+        if not args.no_batch_check:  # every rank must hold the same global batch: compared, cheaply
+            pipeline.check_batch_agreement(batch, step=step)
         row: dict[str, Any] = {"step": step}
         if held_out is not None and step % args.eval_every == 0:  # the weights this step trains from
             row["eval_loss"] = evaluate(ctx, held_out, args)
         row["loss"], row["grad_norm"] = train_step(ctx, batch, args)
+        if ctx["skipped"]:
+            row["skipped"] = True  # not finite: no optimizer step (--skip-nonfinite)
         _log(args, row)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
             pipeline.save_checkpoint(args.save_dir, step + 1, ctx["modules"], ctx["optimizers"],
-                                     extra={"family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp})
+                                     extra={"family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp},
+                                     run_id=ctx["run_id"])
     if ctx["tracer"] is not None:
         draw_trace(ctx, args)
     if args.export and (args.fsdp or ctx["dp_rank"] == 0):
         # each pipeline rank writes its stages' shards (FSDP2: every replica gathers, the first writes)
         pipeline.save_pretrained_stages(ctx["modules"], args.export, group=ctx["pp_group"])
-
-
-def _cause(exc: BaseException) -> str:
-    """``Type: message`` of the innermost exception (what went wrong: e.g. gloo's "Connection closed
-    by peer"), and the outermost one's type and first line when it differs (where it surfaced)."""
-    def line(e: BaseException) -> str:
-        text = " ".join(str(e).split())
-        return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-    inner, seen = exc, {id(exc)}
-    while (inner.__cause__ or inner.__context__) is not None and id(inner.__cause__ or inner.__context__) not in seen:
-        inner = inner.__cause__ or inner.__context__  # type: ignore[assignment]
-        seen.add(id(inner))
-    return line(inner) if inner is exc else f"{line(inner)} (surfaced as {line(exc)[:200]})"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -312,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         run(args, where)
     except BaseException as exc:  # a failed rank says so and exits non-zero, without waiting for its peers
         traceback.print_exc()
-        print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {_cause(exc)}", file=sys.stderr, flush=True)
+        print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {pipeline.failure_line(exc)}", file=sys.stderr, flush=True)
         os._exit(1)  # the process group may hang on a dead peer: skip its teardown
     dist.destroy_process_group()
 

@@ -49,7 +49,8 @@ Around the stages: :func:`schedule_layout` / :func:`build_schedule` take any sch
 name (torch's ``get_schedule_class``) and place the stages as it wants (looped or V-shaped);
 :func:`shard_batch`, :func:`all_reduce_gradients` and :func:`clip_grad_norm` add data parallelism
 (``pp x dp``: each replica a full pipeline on its share of the batch, gradients summed over replicas)
-and global-norm clipping; :func:`sync_tied_gradients` sums a tied embedding's two copies.
+and global-norm clipping; :func:`stage_parameters` lists a rank's parameters for its optimizer,
+each once, and :func:`sync_tied_gradients` sums a tied embedding's two copies.
 
 The decoder layers run through the language model's own ``forward`` (called with
 ``inputs_embeds=``), so its masks and rotary embeddings are the model's own. That forward indexes
@@ -73,7 +74,10 @@ The package, one module per concern (every public name is importable from ``ppme
 ``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
 ``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
-``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
+``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...),
+                    a run's identity in them (:func:`claim_save_dir`)
+``guards``          a run's preconditions: options, ranks agreeing on a refusal, the same batch on
+                    every rank, finite losses (:func:`check_batch_agreement`, :class:`NonFiniteGuard`)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
 ``step_inputs``     a batch as one step's pre-split microbatches, labels and loss kwargs (:func:`presplit_batch`)
 ``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``
@@ -82,10 +86,13 @@ The package, one module per concern (every public name is importable from ``ppme
 
 from .checkpoint import (
     CHECKPOINT_INFO,
+    HYPERPARAMETER_MODES,
     check_checkpoint,
     checkpoint_path,
+    claim_save_dir,
     latest_checkpoint,
     load_checkpoint,
+    new_run_id,
     save_checkpoint,
     stage_optimizers,
 )
@@ -94,7 +101,10 @@ from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders,
 from .distributed import TORCHRUN_VARIABLES, init_distributed
 from .evaluate import eval_step
 from .export import save_pretrained_stages
-from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
+from .guards import (BatchMismatchError, NonFiniteError, NonFiniteGuard, agree, batch_fingerprint,
+                     check_batch_agreement, failure_line, option_problem)
+from .fsdp import (SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, reshards_after_forward,
+                   splits_backward)
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
 from .pretrained import stages_from_pretrained
@@ -108,10 +118,10 @@ from .schedules import (
     schedule_names,
     stage_indices_for_rank,
 )
-from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
+from .stages import StageModule, build_stage_modules, make_pipeline_stages, refuse_router_loss, static_stage_args
 from .step_inputs import presplit_batch
 from .surgery import default_layer_split, find_language_model
-from .tied import TiedParameters, sync_tied_gradients, tied_parameters
+from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
 
 __all__ = [
@@ -159,10 +169,24 @@ __all__ = [
     "shard_batch",
     "splits_backward",
     "stage_indices_for_rank",
+    "stage_parameters",
     "stages_from_pretrained",
     "stage_optimizers",
     "static_stage_args",
     "sync_tied_gradients",
     "tied_parameters",
     "vision_replica",
+    "HYPERPARAMETER_MODES",
+    "claim_save_dir",
+    "new_run_id",
+    "BatchMismatchError",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "agree",
+    "batch_fingerprint",
+    "check_batch_agreement",
+    "failure_line",
+    "option_problem",
+    "refuse_router_loss",
+    "reshards_after_forward",
 ]
