@@ -64,7 +64,6 @@ class SampleProcessor:
             kwargs["videos"] = [v.frames for v in videos]
             kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v.frames), fps=v.fps, height=v.frames.shape[1],
                                                       width=v.frames.shape[2], duration=len(v.frames) / v.fps) for v in videos]
-            kwargs["do_sample_frames"] = True
         if record.media.get("audio"):
             extractor = getattr(self.processor, "feature_extractor", None)
             if extractor is None:
