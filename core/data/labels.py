@@ -29,6 +29,11 @@ _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SENTINEL = "\u2063PPMEDIA_REPLY_{}\u2063"
 
 
+def _template(processor: Any) -> str:
+    template = processor.chat_template
+    return str(template["default"] if isinstance(template, dict) else template)  # named templates: the default
+
+
 def has_generation_markers(template: str) -> bool:
     """Whether ``template`` marks the assistant's text with ``{% generation %}``."""
     return bool(_MARKER.search(template))
@@ -40,7 +45,7 @@ def _render(processor: Any, messages: list[dict[str, Any]], markers: bool, where
     tokenizer = getattr(processor, "tokenizer", processor)
     try:
         prompts, spans = render_jinja_template(
-            conversations=[messages], chat_template=processor.chat_template,
+            conversations=[messages], chat_template=_template(processor),
             return_assistant_tokens_mask=markers, **tokenizer.special_tokens_map)
     except Exception as e:  # jinja2's TemplateError (raise_exception in the template) and the like
         raise DataError(where, f"the chat template refuses this record ({type(e).__name__}: {e})") from None
@@ -51,7 +56,7 @@ def render(processor: Any, messages: list[dict[str, Any]], where: str) -> tuple[
     """The rendered text, the assistant's character spans ``[(start, end)]`` in it, and whether they
     come from generation markers (then they already cover what the template marks, end of turn
     included or not); :class:`DataError` if the template refuses the record or changes a reply."""
-    if has_generation_markers(processor.chat_template):
+    if has_generation_markers(_template(processor)):
         text, spans = _render(processor, messages, True, where)
         return text, spans, True
     text, _ = _render(processor, messages, False, where)

@@ -50,6 +50,9 @@ class SampleProcessor:
             raise ValueError("the processor has no chat_template: save the checkpoint's processor with its template")
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise ValueError(f"{type(self.tokenizer).__name__} is not a fast tokenizer: the labels need its "
+                             "character offsets (return_offsets_mapping)")
         self.max_length = max_length
         self.config = config
         self.truncate = truncate
