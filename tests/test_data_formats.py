@@ -159,9 +159,10 @@ def test_bad_record_found_when_processed(world, case, caplog):
     make, problem = PROCESS_CASES[case]
     path = _bad(world, f"bad_{case}.jsonl", [GOOD, make(world), GOOD, GOOD])
     ds = data.open_dataset(path)  # cheap checks pass: the file exists, the turns parse
-    loader = data.ReplicaLoader(ds, world["proc"], global_batch_size=2, shuffle=False)
-    with pytest.raises(data.DataError, match=f"{path}:2: {problem}"):
-        list(loader)
+    for workers in (0, 1):  # a worker process re-raises the same error
+        loader = data.ReplicaLoader(ds, world["proc"], global_batch_size=2, shuffle=False, workers=workers)
+        with pytest.raises(data.DataError, match=f"{path}:2: {problem}"):
+            list(loader)
     loader = data.ReplicaLoader(ds, world["proc"], global_batch_size=2, shuffle=False, skip_bad_samples=True)
     with caplog.at_level(logging.WARNING, logger="ppmedia.data"):
         batches = list(loader) + list(loader)  # two epochs: counted twice, named once
