@@ -132,3 +132,23 @@ def test_too_long_samples_are_skipped_and_counted(world):
     too_long = sum(n > limit for n in lengths)
     assert sum(b["n_samples"] for b in batches) == 6 - too_long and batches[-1]["skipped"] == too_long
     assert all(b["input_ids"].shape[1] <= limit for b in batches)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "idefics3", "internvl", "llava_next"])
+def test_labels_with_other_families_templates(world, family, tmp_path):
+    # each family's tiny processor and chat template (ppmedia.testing.processors): the labels are
+    # exactly the replies' words in order, each reply followed by one end-of-turn token, the same one
+    from ppmedia.testing.processors import processor_call_kwargs
+
+    processor = fx.AutoProcessor_from(str(save_tiny_processor(family, tmp_path / family)))
+    proc = data.SampleProcessor(processor, processor_kwargs=processor_call_kwargs(family))
+    for i in range(6):
+        record = world["ds"][i]
+        labels = proc(record)["labels"][0]
+        targets = processor.tokenizer.convert_ids_to_tokens(labels[labels >= 0].tolist())
+        replies = [p["text"].split() for m in record.messages if m["role"] == "assistant" for p in m["content"]]
+        ends = [sum(len(w) + 1 for w in replies[: k + 1]) - 1 for k in range(len(replies))]  # after each reply
+        assert len(targets) == ends[-1] + 1, (family, i, targets)
+        assert [t for k, t in enumerate(targets) if k not in ends] == sum(replies, []), (family, i, targets)
+        eot = {targets[k] for k in ends}
+        assert len(eot) == 1 and not eot & set(sum(replies, [])), (family, i, targets)
