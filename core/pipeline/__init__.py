@@ -75,6 +75,8 @@ The package, one module per concern (every public name is importable from ``ppme
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
 ``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
+``step_inputs``     a batch as one step's pre-split microbatches, labels and loss kwargs (:func:`presplit_batch`)
+``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``
 ==================  ===========================================================================
 """
 
@@ -89,6 +91,7 @@ from .checkpoint import (
 )
 from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, interleave_encoders,
                       vision_replica)
+from .distributed import TORCHRUN_VARIABLES, init_distributed
 from .evaluate import eval_step
 from .export import save_pretrained_stages
 from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
@@ -106,6 +109,7 @@ from .schedules import (
     stage_indices_for_rank,
 )
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
+from .step_inputs import presplit_batch
 from .surgery import default_layer_split, find_language_model
 from .tied import TiedParameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
@@ -123,6 +127,7 @@ __all__ = [
     "SpreadPlan",
     "StageModule",
     "StepTracer",
+    "TORCHRUN_VARIABLES",
     "TiedParameters",
     "all_reduce_gradients",
     "apply_fsdp",
@@ -139,12 +144,14 @@ __all__ = [
     "interleave_encoders",
     "eval_step",
     "find_language_model",
+    "init_distributed",
     "is_sharded",
     "latest_checkpoint",
     "load_checkpoint",
     "make_labels",
     "make_pipeline_stages",
     "pipeline_loss",
+    "presplit_batch",
     "save_pretrained_stages",
     "save_checkpoint",
     "schedule_layout",
