@@ -1,0 +1,267 @@
+"""Every family on its own real processor (``ppmedia.testing.processors``): batches made by the
+family's processor classes from the tiny tokenizer (placeholders expanded by the processor, no
+hand-written ids), on media of varied sizes, aspect ratios, frame counts and durations, plus
+text-only samples. The adapter's merged embeddings (and positions, where the family has its own)
+equal the model's own forward on the same batch for 1, 2, 3, 4 and 8 microbatches.
+
+Every batch has 8 samples; samples 4 and 5 are text-only, so 4 microbatches give a text-only
+microbatch 2 and 8 microbatches two text-only ones. docs/processors.md is the table of what is
+tested; ``test_the_docs_table_names_these_tests`` keeps it honest.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ppmedia.testing import AdapterMismatch, check_adapter
+from ppmedia.testing.processors import (
+    build_tiny_processor,
+    build_tiny_processor_model,
+    chat_batch,
+    processor_call_kwargs,
+    save_tiny_processor,
+)
+from ppmedia.testing.tiny_models import capture_reference, load
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MICROBATCHES = (1, 2, 3, 4, 8)
+ATOL = 1e-5  # float32 rounding of one encoder call per microbatch against one for the batch
+
+
+def image(rng, h, w):
+    return ("image", Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
+
+
+def video(rng, t, h, w, track_seconds=None):
+    frames = rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8)
+    return ("video", frames) if track_seconds is None else ("video", frames, wave(rng, track_seconds))
+
+
+def wave(rng, seconds, rate=16000):
+    return (rng.standard_normal(int(rate * seconds)) * 0.1).astype(np.float32)
+
+
+def audio(rng, seconds):
+    return ("audio", wave(rng, seconds))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One family's processor test: its 8 samples (``samples(rng)``), the processor call's extra
+    arguments, the model forward's, and what the processor's classes are."""
+
+    samples: Callable[[np.random.Generator], list[list[Any]]]
+    classes: tuple[str, ...]  # processor, then image processor (torchvision class), video, audio classes
+    pil: str | None = None  # the image processor's Pil class, where there is one
+    call: dict[str, Any] = field(default_factory=dict)
+    forward: dict[str, Any] = field(default_factory=dict)
+    text_only_empty: bool = True  # a text-only microbatch has no media (False: padding crops on axis 0)
+
+
+def qwen_samples(scale):
+    """Images from 8x16 to 40x40 pixels (times ``scale``; resized by the processor to multiples of
+    patch x merge), videos of 2, 3 and 4 frames (3 padded to 4 by the processor: 2 temporal steps),
+    text-only samples 4 and 5."""
+
+    def samples(rng):
+        s = lambda n: n * scale  # noqa: E731
+        return [
+            [3, image(rng, s(16), s(16)), 2],
+            [image(rng, s(24), s(40)), 1, image(rng, s(9), s(30))],
+            [video(rng, 4, s(16), s(16)), 3],
+            [image(rng, s(32), s(20)), video(rng, 3, s(16), s(24)), 1],
+            [5],
+            [7],
+            [image(rng, s(40), s(40)), 2],
+            [image(rng, s(8), s(16)), video(rng, 2, s(24), s(8)), image(rng, s(16), s(8))],
+        ]
+
+    return samples
+
+
+def image_samples(rng):
+    """Images of 5x7 to 33x17 pixels, wide, tall and square, one or two a sample."""
+    return [
+        [3, image(rng, 10, 30), 2],
+        [image(rng, 30, 12), 1, image(rng, 24, 24)],
+        [image(rng, 7, 5), 3],
+        [image(rng, 33, 17), 1],
+        [5],
+        [7],
+        [image(rng, 16, 16), 2, image(rng, 9, 21)],
+        [image(rng, 20, 20), 4],
+    ]
+
+
+def gemma4_samples(rng):
+    """Images, videos of 1 to 3 frames, audio clips of 0.05 to 0.3 s at 16 kHz."""
+    return [
+        [2, image(rng, 16, 16), 1, audio(rng, 0.16), 2],
+        [audio(rng, 0.12), 2, image(rng, 8, 16), 1],
+        [3, video(rng, 2, 8, 16), 2],
+        [1, image(rng, 8, 8), 1, video(rng, 1, 16, 8), audio(rng, 0.08)],
+        [9],
+        [12],
+        [2, audio(rng, 0.05), image(rng, 16, 16), audio(rng, 0.3)],
+        [video(rng, 3, 8, 8), 1, image(rng, 8, 16)],
+    ]
+
+
+def omni_samples(rng):
+    """Images, audio clips of 0.09 to 0.48 s, and videos of 3 and 4 frames with their audio tracks
+    (0.17 s and 2.5 s: a track longer than the video's 2-second chunk)."""
+    return [
+        [2, image(rng, 16, 16), 1, audio(rng, 0.3), 2],
+        [audio(rng, 0.48), 2, image(rng, 16, 24), 1],
+        [3, video(rng, 4, 16, 16, track_seconds=0.17), 2],
+        [1, image(rng, 8, 8), 1, audio(rng, 0.09), 1],
+        [9],
+        [12],
+        [2, audio(rng, 0.3), 1, audio(rng, 0.09)],
+        [video(rng, 3, 8, 16, track_seconds=2.5), 1, image(rng, 16, 16)],
+    ]
+
+
+def internvl_samples(rng):
+    """Images of 1 to 5 tiles, videos of 3 frames (InternVL's video processor stacks the videos of a
+    call: they must share a frame count)."""
+    return [
+        [3, image(rng, 32, 32), 2],
+        [image(rng, 60, 130), 1, video(rng, 3, 20, 36)],
+        [video(rng, 3, 32, 32), 3],
+        [image(rng, 90, 90), image(rng, 16, 40), 1],
+        [5],
+        [7],
+        [image(rng, 200, 50), 2],
+        [video(rng, 3, 8, 16), 1, image(rng, 40, 40)],
+    ]
+
+
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
+                "pan_and_scan_min_ratio_to_activate": 1.2}
+
+CASES: dict[str, Case] = {
+    "qwen2_5_vl": Case(qwen_samples(1), ("Qwen2_5_VLProcessor", "Qwen2VLImageProcessor", "Qwen2VLVideoProcessor"),
+                       pil="Qwen2VLImageProcessorPil", forward={"use_cache": False}),
+    "qwen3_vl": Case(qwen_samples(3), ("Qwen3VLProcessor", "Qwen2VLImageProcessor", "Qwen3VLVideoProcessor"),
+                     pil="Qwen2VLImageProcessorPil", forward={"use_cache": False}),
+    "llava_next": Case(image_samples, ("LlavaNextProcessor", "LlavaNextImageProcessor"), pil="LlavaNextImageProcessorPil"),
+    "gemma3": Case(image_samples, ("Gemma3Processor", "Gemma3ImageProcessor"), pil="Gemma3ImageProcessorPil",
+                   call={"nested": True, **PAN_AND_SCAN}),
+    "gemma4": Case(gemma4_samples, ("Gemma4Processor", "Gemma4ImageProcessor", "Gemma4VideoProcessor",
+                                    "Gemma4AudioFeatureExtractor"), pil="Gemma4ImageProcessorPil",
+                   call={"nested": True, "sampling_rate": 16000}, forward={"use_cache": False}),
+    "qwen2_5_omni": Case(omni_samples, ("Qwen2_5OmniProcessor", "Qwen2VLImageProcessor", "Qwen2VLVideoProcessor",
+                                        "WhisperFeatureExtractor"), pil="Qwen2VLImageProcessorPil",
+                         call={"sampling_rate": 16000}, forward={"use_cache": False, "use_audio_in_video": True}),
+    "idefics3": Case(image_samples, ("Idefics3Processor", "Idefics3ImageProcessor"), pil="Idefics3ImageProcessorPil",
+                     call={"nested": True}, text_only_empty=False),
+    "internvl": Case(internvl_samples, ("InternVLProcessor", "GotOcr2ImageProcessor", "InternVLVideoProcessor"),
+                     pil="GotOcr2ImageProcessorPil"),
+}
+
+BACKEND_CASES = [(family, "torchvision") for family in CASES] + [(f, "pil") for f, case in CASES.items() if case.pil]
+
+
+def processor_batch(family, backend="torchvision", seed=0, processor=None):
+    case = CASES[family]
+    processor = build_tiny_processor(family, image_backend=backend) if processor is None else processor
+    batch = chat_batch(processor, case.samples(np.random.default_rng(seed)), seed=seed, **case.call)
+    return processor, batch
+
+
+def assert_matches_model(family, batch, model):
+    """The model's own forward on ``batch`` is the reference; the adapter's split -> stage -> merge
+    (and positions) must equal it for every microbatch count; returns the reference."""
+    case = CASES[family]
+    reference, positions = capture_reference(model, **batch, **case.forward)
+    checks = check_adapter(family, model=model, batch=batch, reference=reference, positions=positions,
+                           microbatches=MICROBATCHES, atol=ATOL)
+    assert len(checks) == sum(MICROBATCHES)
+    assert max(c.max_abs_diff for c in checks) <= ATOL
+    four = [c.has_media for c in checks if c.n_microbatches == 4]
+    eight = [c.has_media for c in checks if c.n_microbatches == 8]
+    if case.text_only_empty:
+        assert four == [True, True, False, True], four
+        assert eight[4:6] == [False, False] and sum(eight) == 6, eight
+    return reference, positions
+
+
+@pytest.mark.parametrize("family, backend", BACKEND_CASES, ids=[f"{f}-{b}" for f, b in BACKEND_CASES])
+def test_family_on_its_processor(family, backend):
+    case = CASES[family]
+    processor, batch = processor_batch(family, backend)
+    names = [type(processor).__name__, type(processor.image_processor).__name__]
+    names += [type(part).__name__ for part in (getattr(processor, "video_processor", None),
+                                                getattr(processor, "feature_extractor", None)) if part is not None]
+    expected = list(case.classes)
+    if backend == "pil":
+        expected[1] = case.pil
+    assert names == expected
+    assert_matches_model(family, batch, build_tiny_processor_model(family))
+
+
+def test_qwen2_5_vl_video_timing_reaches_the_positions():
+    """Staged without the processor's ``second_per_grid_ts``, a video's mrope positions differ from
+    the model's own: the positions check sees the video timing."""
+    _, batch = processor_batch("qwen2_5_vl")
+    assert batch["image_grid_thw"].shape == (7, 3) and batch["video_grid_thw"][:, 0].tolist() == [2, 2, 1]
+    model = build_tiny_processor_model("qwen2_5_vl")
+    reference, positions = capture_reference(model, **batch, use_cache=False)
+    timeless = {k: v for k, v in batch.items() if k != "second_per_grid_ts"}
+    with pytest.raises(AdapterMismatch, match="position_ids"):
+        check_adapter("qwen2_5_vl", model=model, batch=timeless, reference=reference, positions=positions, microbatches=[1])
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_5_omni"])
+def test_saved_processor_round_trips_and_feeds_the_model(family, tmp_path):
+    """``save_tiny_processor`` -> ``AutoProcessor.from_pretrained`` gives the same classes and the same
+    batch (with :func:`processor_call_kwargs`), and the tiny model runs on it."""
+    from transformers import AutoProcessor
+
+    loaded = AutoProcessor.from_pretrained(save_tiny_processor(family, tmp_path / "tiny"))
+    assert [type(loaded).__name__, type(loaded.image_processor).__name__] == list(CASES[family].classes[:2])
+    _, fresh = processor_batch(family, seed=1)
+    case = CASES[family]
+    again = chat_batch(loaded, case.samples(np.random.default_rng(1)), seed=1, **case.call, **processor_call_kwargs(family))
+    assert fresh.keys() == again.keys()
+    for key in fresh:
+        assert torch.equal(fresh[key], again[key]), key
+    tiny = load(family)
+    assert loaded.tokenizer.pad_token_id == tiny.PAD_TOKEN_ID and loaded.tokenizer.eos_token_id == tiny.EOS_TOKEN_ID
+    assert loaded.image_token_id == tiny.IMAGE_TOKEN_ID and loaded.video_token_id == tiny.VIDEO_TOKEN_ID
+    model = build_tiny_processor_model(family)
+    with torch.no_grad():
+        logits = model(**again, **case.forward).logits
+    assert logits.shape == (*again["input_ids"].shape, model.config.text_config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_the_docs_table_names_these_tests():
+    """docs/processors.md: a row per family of the README's Families table (and per tiny family);
+    every ``tested (...)`` cell names a test of this module that exists."""
+    from ppmedia.testing.tiny_models import FAMILIES
+
+    text = (ROOT / "docs" / "processors.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z0-9_]+)` \|.*$", text, flags=re.M)}
+    readme = (ROOT / "README.md").read_text()
+    families = re.findall(r"^\| `([a-z0-9_]+)` \| `", readme[readme.index("## Families"):], flags=re.M)
+    assert families and set(families) <= set(rows), set(families) - set(rows)
+    assert set(FAMILIES) <= set(rows), set(FAMILIES) - set(rows)
+    ids = {f"test_family_on_its_processor[{f}-{b}]" for f, b in BACKEND_CASES}
+    ids |= {"test_qwen2_5_vl_video_timing_reaches_the_positions"}
+    ids |= {f"test_saved_processor_round_trips_and_feeds_the_model[{f}]" for f in ("qwen2_5_vl", "qwen2_5_omni")}
+    named = re.findall(r"`(test_[a-z0-9_]+(?:\[[^\]]+\])?)`", text)
+    assert named and set(named) <= ids, set(named) - ids
+    for family in CASES:  # every family tested here says so in its row
+        assert "tested" in rows[family], family
