@@ -102,14 +102,22 @@ def count_valid_tokens(labels: Tensor) -> int:
     return int(((labels != IGNORE_INDEX) & (labels != SHIFTED_MARK)).sum())
 
 
+_UNMARKED = (
+    "pipeline_loss takes SHIFTED labels [b, S] whose last column is SHIFTED_MARK "
+    f"({SHIFTED_MARK}); these are not marked: transformers' unshifted labels (the model's own labels=) "
+    "would train a different objective. Build them with make_labels(...), ppmedia.data.SampleProcessor, "
+    "or shift_labels(unshifted)")
+
+
 def _check_shifted(labels: Tensor) -> None:
-    # one small host read of the last column, before the labels move to the logits' device
-    if labels.dim() != 2 or labels.shape[1] == 0 or not bool((labels[:, -1] == SHIFTED_MARK).all()):
-        raise ValueError(
-            "pipeline_loss takes SHIFTED labels [b, S] whose last column is SHIFTED_MARK "
-            f"({SHIFTED_MARK}); these (shape {tuple(labels.shape)}) are not marked: transformers' "
-            "unshifted labels (the model's own labels=) would train a different objective. Build them "
-            "with make_labels(...), ppmedia.data.SampleProcessor, or shift_labels(unshifted)")
+    if labels.dim() != 2 or labels.shape[1] == 0:
+        raise ValueError(f"{_UNMARKED} (shape {tuple(labels.shape)})")
+    marked = (labels[:, -1] == SHIFTED_MARK).all()
+    if labels.device.type == "cpu":  # a host read of CPU memory: no device sync
+        if not bool(marked):
+            raise ValueError(f"{_UNMARKED} (shape {tuple(labels.shape)})")
+    else:  # on an accelerator the check runs on the device: no sync per microbatch
+        torch._assert_async(marked, _UNMARKED)
 
 
 def pipeline_loss(logits: Tensor, labels: Tensor, num_valid_tokens: int | Tensor | None = None) -> Tensor:
