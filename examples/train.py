@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=0, help="every N steps, the held-out batch's loss (forward only)")
     parser.add_argument("--encoder", default="stage0", choices=("stage0", "spread"),
                         help="where the vision tower runs: on stage 0, or spread over the pipeline ranks")
+    parser.add_argument("--presplit", action="store_true",
+                        help="feed the schedule pre-split microbatches (each one's media its own keyword input) "
+                             "instead of staging the media on stage 0")
     parser.add_argument("--trace", metavar="FILE.svg",
                         help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     args = parser.parse_args(argv)
@@ -126,12 +129,20 @@ def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namesp
     if ctx["tracer"] is not None:
         ctx["tracer"].start(group=ctx["pp_group"])
     if args.encoder == "spread":  # every pipeline rank encodes a share; stage 0 also stages the chunks
-        staging = pipeline.encoder_spread_of(ctx["stages"]).step(share["staged"], share["ids"])
+        staging = pipeline.encoder_spread_of(ctx["stages"]).step(share["staged"], share["ids"], stage=not args.presplit)
+    elif args.presplit or first is None:
+        staging = contextlib.nullcontext()
     else:
-        staging = ppmedia.stage_media(first, share["staged"]) if first is not None else contextlib.nullcontext()
+        staging = ppmedia.stage_media(first, share["staged"])
+    loss_kwargs = {"num_valid_tokens": share["num_valid"]}
     with staging:
-        ctx["schedule"].step(share["ids"], share["mask"], target=share["labels"], losses=losses,
-                             loss_kwargs={"num_valid_tokens": share["num_valid"]})
+        if args.presplit:  # every rank: microbatch k's rows as its arguments, its media as its `media` keyword
+            inputs = ppmedia.microbatch_inputs(share["staged"], share["ids"], share["mask"], target=share["labels"],
+                                               loss_kwargs=loss_kwargs)
+            ctx["schedule"].step(**inputs.step_kwargs(), losses=losses)
+        else:
+            ctx["schedule"].step(share["ids"], share["mask"], target=share["labels"], losses=losses,
+                                 loss_kwargs=loss_kwargs)
     modules = ctx["modules"]
     pipeline.sync_tied_gradients(modules, ctx["tied"], group=ctx["pp_group"])
     if not args.fsdp:  # FSDP2 reduce-scattered the sums over the replicas already
@@ -148,8 +159,8 @@ def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namesp
 def evaluate(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namespace) -> float:
     """The global loss of ``batch``, forward only (no gradients; media staged and consumed once)."""
     share, first = replica_share(ctx, batch, args), ctx["first"]
-    loss = pipeline.eval_step(ctx["schedule"], first, share["staged"] if first is not None else None,
-                              share["ids"], share["mask"], share["labels"], share["num_valid"])
+    loss = pipeline.eval_step(ctx["schedule"], first, share["staged"] if first is not None or args.presplit else None,
+                              share["ids"], share["mask"], share["labels"], share["num_valid"], presplit=args.presplit)
     return float(loss)
 
 

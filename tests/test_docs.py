@@ -845,7 +845,7 @@ def test_readme_is_short_and_points_to_every_page():
 def test_readme_training_step_is_a_runnable_python_block():
     blocks = [b for b in read_blocks(README) if b.lang == "python"]
     assert blocks and blocks[0].output is not None  # run by test_code_block, its output compared
-    for call in ("split_media", "stage_media", "schedule.step", "make_pipeline_stages", "build_schedule"):
+    for call in ("presplit_batch", "schedule.step(**inputs.step_kwargs()", "make_pipeline_stages", "build_schedule"):
         assert call in blocks[0].text, call
 
 

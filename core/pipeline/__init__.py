@@ -75,6 +75,7 @@ The package, one module per concern (every public name is importable from ``ppme
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
 ``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
+``step_inputs``     a batch as one step's pre-split microbatches, labels and loss kwargs (:func:`presplit_batch`)
 ``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``
 ==================  ===========================================================================
 """
@@ -108,6 +109,7 @@ from .schedules import (
     stage_indices_for_rank,
 )
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
+from .step_inputs import presplit_batch
 from .surgery import default_layer_split, find_language_model
 from .tied import TiedParameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
@@ -149,6 +151,7 @@ __all__ = [
     "make_labels",
     "make_pipeline_stages",
     "pipeline_loss",
+    "presplit_batch",
     "save_pretrained_stages",
     "save_checkpoint",
     "schedule_layout",
