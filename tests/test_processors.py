@@ -147,6 +147,38 @@ def internvl_samples(rng):
     ]
 
 
+def onevision_samples(rng):
+    """Images (one a sample: tiled; two: base crops only) and videos of 3 frames (the video processor
+    stacks the videos of a call: one frame count)."""
+    return [
+        [3, image(rng, 10, 30), 2],
+        [image(rng, 30, 12), 1, image(rng, 16, 16)],
+        [video(rng, 3, 16, 16), 3],
+        [image(rng, 30, 12), 1],
+        [5],
+        [7],
+        [image(rng, 24, 24), 2, video(rng, 3, 20, 20)],
+        [video(rng, 3, 8, 16), 4],
+    ]
+
+
+def tile_samples(rng):
+    """Images of 1 to 5 tiles: wide, tall, square, small."""
+    return [
+        [3, image(rng, 40, 20), 2],
+        [image(rng, 16, 16), 1, image(rng, 20, 70)],
+        [image(rng, 64, 64), 3],
+        [image(rng, 16, 30), 1],
+        [5],
+        [7],
+        [image(rng, 8, 32), image(rng, 16, 8)],
+        [image(rng, 50, 50), 4],
+    ]
+
+
+#: PaliGemma's answers (the processor's ``suffix``: token type 1)
+SUFFIXES = ["w1 w2", "w3", "w4 w5 w6", "w7", "w8 w9", "w1", "w2 w3", "w4"]
+
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
@@ -168,6 +200,17 @@ CASES: dict[str, Case] = {
                      call={"nested": True}, text_only_empty=False),
     "internvl": Case(internvl_samples, ("InternVLProcessor", "GotOcr2ImageProcessor", "InternVLVideoProcessor"),
                      pil="GotOcr2ImageProcessorPil"),
+    "llava_onevision": Case(onevision_samples, ("LlavaOnevisionProcessor", "LlavaOnevisionImageProcessor",
+                                                "LlavaOnevisionVideoProcessor"), pil="LlavaOnevisionImageProcessorPil",
+                            call={"nested": True}),
+    "llava": Case(image_samples, ("LlavaProcessor", "LlavaImageProcessor"), pil="LlavaImageProcessorPil"),
+    "llava_pixtral": Case(image_samples, ("PixtralProcessor", "PixtralImageProcessor"), pil="PixtralImageProcessorPil"),
+    "mistral3": Case(image_samples, ("PixtralProcessor", "PixtralImageProcessor"), pil="PixtralImageProcessorPil"),
+    "mistral_small4": Case(image_samples, ("PixtralProcessor", "PixtralImageProcessor"), pil="PixtralImageProcessorPil"),
+    "mistral_large4": Case(image_samples, ("PixtralProcessor", "PixtralImageProcessor"), pil="PixtralImageProcessorPil"),
+    "paligemma": Case(image_samples, ("PaliGemmaProcessor", "SiglipImageProcessor"), pil="SiglipImageProcessorPil",
+                      call={"nested": True, "suffix": SUFFIXES}),
+    "aya_vision": Case(tile_samples, ("AyaVisionProcessor", "GotOcr2ImageProcessor"), pil="GotOcr2ImageProcessorPil"),
 }
 
 BACKEND_CASES = [(family, "torchvision") for family in CASES] + [(f, "pil") for f, case in CASES.items() if case.pil]
