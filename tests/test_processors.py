@@ -67,6 +67,7 @@ class Case:
     forward: dict[str, Any] = field(default_factory=dict)
     text_only_empty: bool = True  # a text-only microbatch has no media (False: padding crops on axis 0)
     family: str | None = None  # the tiny family, when the case's name is not it (a second batch of one)
+    float_reference: tuple[str, ...] = ()  # keys cast to float32 for the model's own forward (not for ppmedia)
 
 
 def qwen_samples(scale):
@@ -222,6 +223,22 @@ def ernie_samples(rng):
     ]
 
 
+def omni3_samples(rng):
+    """As :func:`omni_samples` with every clip and track over one second: Qwen3-Omni's audio tower pads
+    a call's windows to its longest, so clips shorter than one window differ per microbatch (a known
+    limit of the model, docs/audio-families.md)."""
+    return [
+        [2, image(rng, 16, 16), 1, audio(rng, 1.3), 2],
+        [audio(rng, 1.48), 2, image(rng, 16, 24), 1],
+        [3, video(rng, 4, 16, 16, track_seconds=1.17), 2],
+        [1, image(rng, 8, 8), 1, audio(rng, 1.09), 1],
+        [9],
+        [12],
+        [2, audio(rng, 2.3), 1, audio(rng, 1.09)],
+        [video(rng, 3, 8, 16, track_seconds=2.5), 1, image(rng, 16, 16)],
+    ]
+
+
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
@@ -265,6 +282,11 @@ CASES: dict[str, Case] = {
     "ernie4_5_vl_moe": Case(ernie_samples, ("Ernie4_5_VLMoeProcessor", "Ernie4_5_VLMoeImageProcessor",
                                             "Ernie4_5_VLMoeVideoProcessor"), pil="Ernie4_5_VLMoeImageProcessorPil",
                             forward={"use_cache": False}),
+    "llama4": Case(tile_samples, ("Llama4Processor", "Llama4ImageProcessor"), forward={"use_cache": False},
+                   float_reference=("pixel_values",)),
+    "qwen3_omni": Case(omni3_samples, ("Qwen3OmniMoeProcessor", "Qwen2VLImageProcessor", "Qwen2VLVideoProcessor",
+                                       "WhisperFeatureExtractor"), pil="Qwen2VLImageProcessorPil",
+                       call={"sampling_rate": 16000}, forward={"use_cache": False, "use_audio_in_video": True}),
 }
 
 BACKEND_CASES = [(family, "torchvision") for family in CASES] + [(f, "pil") for f, case in CASES.items() if case.pil]
@@ -285,7 +307,8 @@ def assert_matches_model(name, batch, model):
     """The model's own forward on ``batch`` is the reference; the adapter's split -> stage -> merge
     (and positions) must equal it for every microbatch count; returns the reference."""
     case = CASES[name]
-    reference, positions = capture_reference(model, **batch, **case.forward)
+    as_float = {key: batch[key].float() for key in case.float_reference}
+    reference, positions = capture_reference(model, **{**batch, **as_float}, **case.forward)
     checks = check_adapter(family_of(name), model=model, batch=batch, reference=reference, positions=positions,
                            microbatches=MICROBATCHES, atol=ATOL)
     assert len(checks) == sum(MICROBATCHES)
@@ -322,6 +345,18 @@ def test_glm_models_refuse_images_and_videos_in_one_batch():
     assert batch["mm_token_type_ids"].tolist()[1].count(2) > 0  # the processor marks the video's frames
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
         capture_reference(build_tiny_processor_model("glm4v"), **batch, use_cache=False)
+
+
+def test_llama4_processor_gives_bfloat16_pixels_its_float32_model_refuses():
+    """Llama4ImageProcessor returns bfloat16 pixels (as the original implementation); transformers' own
+    float32 forward refuses them (a dtype error), while ppmedia's merge casts them to the tower's dtype:
+    the family test compares it with the model's forward on the same pixels in float32."""
+    _, batch = processor_batch("llama4")
+    assert batch["pixel_values"].dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="same dtype"):
+        capture_reference(build_tiny_processor_model("llama4"), **batch, use_cache=False)
+    with pytest.raises(ValueError, match="Llama4ImageProcessorPil"):
+        build_tiny_processor("llama4", image_backend="pil")
 
 
 def test_qwen2_5_vl_video_timing_reaches_the_positions():
@@ -372,7 +407,8 @@ def test_the_docs_table_names_these_tests():
     assert families and set(families) <= set(rows), set(families) - set(rows)
     assert set(FAMILIES) <= set(rows), set(FAMILIES) - set(rows)
     ids = {f"test_family_on_its_processor[{f}-{b}]" for f, b in BACKEND_CASES}
-    ids |= {"test_qwen2_5_vl_video_timing_reaches_the_positions", "test_glm_models_refuse_images_and_videos_in_one_batch"}
+    ids |= {"test_qwen2_5_vl_video_timing_reaches_the_positions", "test_glm_models_refuse_images_and_videos_in_one_batch",
+            "test_llama4_processor_gives_bfloat16_pixels_its_float32_model_refuses"}
     ids |= {f"test_saved_processor_round_trips_and_feeds_the_model[{f}]" for f in ("qwen2_5_vl", "qwen2_5_omni")}
     named = re.findall(r"`(test_[a-z0-9_]+(?:\[[^\]]+\])?)`", text)
     assert named and set(named) <= ids, set(named) - ids
