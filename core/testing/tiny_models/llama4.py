@@ -1,8 +1,8 @@
 """Tiny seeded Llama 4 (``llama4``): tiles of one size, the projector outside ``get_image_features``,
 a text model with chunked and NoPE attention and a MoE layer.
 
-Media as ``Llama4ImageProcessor`` gives them (it needs torchvision, which cannot run here: the batch is
-built by hand in its layout): ``pixel_values`` ``[tiles, 3, 32, 32]``, every image's local tiles
+Media as ``Llama4ImageProcessor`` gives them (built by hand in its layout; :func:`build_processor` is
+the real processor): ``pixel_values`` ``[tiles, 3, 32, 32]``, every image's local tiles
 (``ratio_h x ratio_w`` of them when the image is cut, none otherwise) and then its global tile, image
 after image in prompt order. Each tile gives :data:`TOKENS_PER_TILE` = (32 / 4)^2 x 0.5^2 = 16
 features (vision tower, pixel shuffle, vision adapter MLP; then the model's ``multi_modal_projector``,
