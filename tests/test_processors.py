@@ -239,6 +239,21 @@ def omni3_samples(rng):
     ]
 
 
+def minimax_samples(rng):
+    """Images, and videos of 2 to 8 frames (1 to 4 temporal steps: the processor cuts them in chunks of
+    at most 2 steps, one grid row each)."""
+    return [
+        [3, image(rng, 16, 24), 2],
+        [image(rng, 40, 70), image(rng, 20, 20), 1],
+        [video(rng, 6, 32, 32), 3],
+        [image(rng, 33, 90), 1, video(rng, 2, 16, 32)],
+        [5],
+        [7],
+        [image(rng, 16, 16), 2, video(rng, 8, 16, 16)],
+        [image(rng, 24, 48), video(rng, 4, 32, 16), image(rng, 16, 32)],
+    ]
+
+
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
@@ -287,6 +302,8 @@ CASES: dict[str, Case] = {
     "qwen3_omni": Case(omni3_samples, ("Qwen3OmniMoeProcessor", "Qwen2VLImageProcessor", "Qwen2VLVideoProcessor",
                                        "WhisperFeatureExtractor"), pil="Qwen2VLImageProcessorPil",
                        call={"sampling_rate": 16000}, forward={"use_cache": False, "use_audio_in_video": True}),
+    "minimax_m3_vl": Case(minimax_samples, ("MiniMaxM3VLProcessor", "MiniMaxM3VLImageProcessor", "MiniMaxM3VLVideoProcessor"),
+                          forward={"use_cache": False}),
 }
 
 BACKEND_CASES = [(family, "torchvision") for family in CASES] + [(f, "pil") for f, case in CASES.items() if case.pil]
@@ -332,6 +349,8 @@ def test_family_on_its_processor(family, backend):
     if backend == "pil":
         expected[1] = case.pil
     assert names == expected
+    if family == "minimax_m3_vl":  # 4 videos in 6 chunks, one grid row a chunk (the processor drops the count)
+        assert batch["video_grid_thw"][:, 0].tolist() == [2, 1, 1, 2, 2, 2] and "num_chunks_per_video" not in batch
     assert_matches_model(family, batch, build_tiny_processor_model(family_of(family)))
 
 
