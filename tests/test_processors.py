@@ -254,6 +254,34 @@ def minimax_samples(rng):
     ]
 
 
+def kimi_image_samples(rng):
+    """Images of 16x16 to 33x90 pixels (at most 32 x 32 after resizing)."""
+    return [
+        [3, image(rng, 16, 24), 2],
+        [image(rng, 40, 70), image(rng, 20, 20), 1],
+        [image(rng, 32, 32), 3],
+        [image(rng, 33, 90), 1],
+        [5],
+        [7],
+        [image(rng, 16, 16), 2, image(rng, 8, 24)],
+        [image(rng, 24, 48), 4],
+    ]
+
+
+def kimi_video_samples(rng):
+    """Images and videos of 2 to 8 frames (chunks of 2 frames: 1 to 4 grid rows a video)."""
+    return [
+        [3, image(rng, 16, 24), video(rng, 2, 32, 32)],
+        [video(rng, 4, 16, 32), 1],
+        [image(rng, 32, 32), 3],
+        [video(rng, 6, 32, 16), image(rng, 16, 32)],
+        [5],
+        [7],
+        [image(rng, 16, 16), 2, video(rng, 2, 16, 16)],
+        [video(rng, 8, 32, 32), 4],
+    ]
+
+
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
@@ -304,6 +332,10 @@ CASES: dict[str, Case] = {
                        call={"sampling_rate": 16000}, forward={"use_cache": False, "use_audio_in_video": True}),
     "minimax_m3_vl": Case(minimax_samples, ("MiniMaxM3VLProcessor", "MiniMaxM3VLImageProcessor", "MiniMaxM3VLVideoProcessor"),
                           forward={"use_cache": False}),
+    "kimi_vl": Case(kimi_image_samples, ("Kimi_K25Processor", "Kimi_K25ImageProcessor", "Kimi_K25VideoProcessor"),
+                    forward={"use_cache": False}),
+    "kimi_k25_video": Case(kimi_video_samples, ("Kimi_K25Processor", "Kimi_K25ImageProcessor", "Kimi_K25VideoProcessor"),
+                           forward={"use_cache": False}),
 }
 
 BACKEND_CASES = [(family, "torchvision") for family in CASES] + [(f, "pil") for f, case in CASES.items() if case.pil]
@@ -351,6 +383,8 @@ def test_family_on_its_processor(family, backend):
     assert names == expected
     if family == "minimax_m3_vl":  # 4 videos in 6 chunks, one grid row a chunk (the processor drops the count)
         assert batch["video_grid_thw"][:, 0].tolist() == [2, 1, 1, 2, 2, 2] and "num_chunks_per_video" not in batch
+    if family == "kimi_k25_video":  # 5 videos in 11 chunks of 2 frames
+        assert batch["video_grid_thw"][:, 0].tolist() == [2] * 11
     assert_matches_model(family, batch, build_tiny_processor_model(family_of(family)))
 
 
