@@ -412,6 +412,45 @@ def test_llama4_processor_gives_bfloat16_pixels_its_float32_model_refuses():
         build_tiny_processor("llama4", image_backend="pil")
 
 
+def test_step3p7_processor_keys_are_refused_then_renamed_they_match_the_model():
+    """transformers' Step3p7Processor writes the crops as ``pixel_values_local`` with
+    ``num_local_patches`` PER IMAGE; ppmedia's step3 layout reads the Step3-VL names
+    (``patch_pixel_values``, ``num_patches`` per SAMPLE) and refuses the others with one clear error.
+    Renamed (counts summed per sample), the merges equal the model's own forward on the native batch."""
+    import ppmedia
+    from ppmedia.testing.tiny_models import step3 as tiny
+
+    processor = build_tiny_processor("step3")
+    assert [type(processor).__name__, type(processor.image_processor).__name__] == ["Step3p7Processor", "Step3p7ImageProcessor"]
+    rng = np.random.default_rng(0)  # one image a sample (ppmedia's step3 adapter: one global view a sample)
+    sizes = [(40, 20), (16, 16), (96, 64), (16, 30), None, None, (80, 32), (50, 50)]
+    batch = chat_batch(processor, [[3, image(rng, *hw), 2] if hw else [5] for hw in sizes])
+    model = build_tiny_processor_model("step3")
+    reference, positions = capture_reference(model, **batch, use_cache=False)
+    with pytest.raises(ValueError, match="ppmedia does not know (pixel_values_local|num_local_patches) as a media key"):
+        ppmedia.split_media(dict(batch), 2)
+    images = (batch["input_ids"] == tiny.IM_START_ID).sum(-1)  # one global view an image
+    owner = torch.repeat_interleave(torch.arange(images.shape[0]), images)
+    per_sample = torch.zeros_like(images).index_add_(0, owner, batch["num_local_patches"])
+    renamed = {k: v for k, v in batch.items() if k not in ("pixel_values_local", "num_local_patches")}
+    renamed.update(patch_pixel_values=batch["pixel_values_local"], num_patches=per_sample)
+    assert int(per_sample.sum()) == renamed["patch_pixel_values"].shape[0] > 0
+    checks = check_adapter("step3", model=model, batch=renamed, reference=reference, positions=positions,
+                           microbatches=MICROBATCHES, atol=ATOL)
+    assert max(c.max_abs_diff for c in checks) <= ATOL
+    assert [c.has_media for c in checks if c.n_microbatches == 4] == [True, True, False, True]
+
+
+def test_smolvlm_processor_needs_num2words():
+    """SmolVLMProcessor refuses to build without the ``num2words`` package, which this stack does not
+    install (docs/processors.md); its image processors are Idefics3's layout (tested there)."""
+    from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+    tokenizer = build_tiny_processor("idefics3").tokenizer
+    with pytest.raises(ImportError, match="num2words"):
+        SmolVLMProcessor(image_processor=SmolVLMImageProcessor(), tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor())
+
+
 def test_qwen2_5_vl_video_timing_reaches_the_positions():
     """Staged without the processor's ``second_per_grid_ts``, a video's mrope positions differ from
     the model's own: the positions check sees the video timing."""
@@ -461,7 +500,8 @@ def test_the_docs_table_names_these_tests():
     assert set(FAMILIES) <= set(rows), set(FAMILIES) - set(rows)
     ids = {f"test_family_on_its_processor[{f}-{b}]" for f, b in BACKEND_CASES}
     ids |= {"test_qwen2_5_vl_video_timing_reaches_the_positions", "test_glm_models_refuse_images_and_videos_in_one_batch",
-            "test_llama4_processor_gives_bfloat16_pixels_its_float32_model_refuses"}
+            "test_llama4_processor_gives_bfloat16_pixels_its_float32_model_refuses",
+            "test_step3p7_processor_keys_are_refused_then_renamed_they_match_the_model", "test_smolvlm_processor_needs_num2words"}
     ids |= {f"test_saved_processor_round_trips_and_feeds_the_model[{f}]" for f in ("qwen2_5_vl", "qwen2_5_omni")}
     named = re.findall(r"`(test_[a-z0-9_]+(?:\[[^\]]+\])?)`", text)
     assert named and set(named) <= ids, set(named) - ids
