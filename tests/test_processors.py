@@ -282,6 +282,21 @@ def kimi_video_samples(rng):
     ]
 
 
+def inkling2_samples(rng):
+    """Images of 8x8 to 30x30 pixels: padded to whole 8 x 8 tiles, one token a tile (two images back to
+    back in sample 1)."""
+    return [
+        [3, image(rng, 16, 16), 2],
+        [image(rng, 16, 24), image(rng, 8, 8), 1],
+        [image(rng, 24, 32), 3],
+        [image(rng, 9, 15), 1],
+        [5],
+        [7],
+        [image(rng, 8, 32), 2, image(rng, 16, 8)],
+        [image(rng, 30, 30), 4],
+    ]
+
+
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
@@ -336,6 +351,7 @@ CASES: dict[str, Case] = {
                     forward={"use_cache": False}),
     "kimi_k25_video": Case(kimi_video_samples, ("Kimi_K25Processor", "Kimi_K25ImageProcessor", "Kimi_K25VideoProcessor"),
                            forward={"use_cache": False}),
+    "inkling2": Case(inkling2_samples, ("Inkling2Processor", "Inkling2ImageProcessor"), forward={"use_cache": False}),
 }
 
 BACKEND_CASES = [(family, "torchvision") for family in CASES] + [(f, "pil") for f, case in CASES.items() if case.pil]
