@@ -946,7 +946,8 @@ def _encoded_rows(built: _Built, scenario: Scenario, staged: Any, g: _Groups, wh
     plan = spread.last_plan
     assert plan is not None
     for k in range(staged.n_microbatches):
-        if bool(plan.names[k]) != (staged.chunk(k) is not None):
+        chunk = staged.chunk(k)  # per-sample inputs alone (PaliGemma's token types) are no media to encode
+        if bool(plan.names[k]) != (chunk is not None and chunk.has_media):
             raise AssertionError(f"{where}: microbatch {k}: plan {plan.names[k]} but chunk {staged.chunk(k)!r:.60}")
     if spread.last_encoded != plan.encoded_by(spread.rank):
         raise AssertionError(f"{where}: rank {spread.rank} encoded {spread.last_encoded}; its share is {plan.encoded_by(spread.rank)}")
