@@ -271,6 +271,12 @@ def test_stale_copies_of_the_tower_fail_the_comparison(family):
     assert first.loss_diff <= TOL and first.grad_diff <= TOL
     assert second.loss_diff > 1e-4 and second.grad_diff_vision > 1e-4
     assert not result.passed(TOL) and _report(2).ok  # a deliberate fault does not fail the report
+    # the report names the vision parameter that differs most (the copies' stale weights)
+    vision_prefixes = {"qwen2_5_vl": ("model.visual.",),
+                       "llava_next": ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline")}[family]
+    assert second.worst_param_vision.startswith(vision_prefixes)
+    assert f"{STALE} step 1 fails (expected): " in _report(2).format()
+    assert f"(worst {second.worst_param_vision})" in _report(2).format()
 
 
 # ----------------------------------------------------------------------------------------------

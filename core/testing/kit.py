@@ -63,6 +63,7 @@ def check_pipeline_parity(
     seed: int = 0,
     tolerance: float = 1e-5,
     world_size: int = 2,
+    rtol: float = 0.0,
 ) -> ParityReport:
     """Run ``family`` through a real multi-process pipeline (:func:`ppmedia.testing.parity.run_parity`:
     gloo on 127.0.0.1, ``world_size`` spawned processes) and compare loss and every gradient with the
@@ -75,7 +76,8 @@ def check_pipeline_parity(
         scenarios: ``"schedule[/shapes]"`` strings or :class:`~ppmedia.testing.parity.Scenario`.
         plugins: dotted names of plugin modules the workers load (``PPMEDIA_PLUGINS``), for a plugin
             that is importable but not installed; an installed plugin is found by its entry point.
-        steps, n_microbatches, seed, tolerance, world_size: as for ``run_parity``.
+        steps, n_microbatches, seed, tolerance, world_size, rtol: as for ``run_parity`` (``rtol``: a
+            relative bound beside the absolute ``tolerance``, for families with large gradients).
 
     Returns:
         The report (``report.format()`` prints it).
@@ -93,12 +95,12 @@ def check_pipeline_parity(
         try:
             report = run_parity(
                 names, scenarios, steps=steps, n_microbatches=n_microbatches, seed=seed,
-                tolerance=tolerance, world_size=world_size,
+                tolerance=tolerance, world_size=world_size, rtol=rtol,
             )
         except ParityError as exc:
             raise AssertionError(f"{name}: pipeline parity run failed: {exc}") from exc
     if not report.ok:
-        raise AssertionError(f"{name}: pipeline parity failed (tolerance {tolerance:g})\n{report.format()}")
+        raise AssertionError(f"{name}: pipeline parity failed (tolerance {tolerance:g}, rtol {rtol:g})\n{report.format()}")
     return report
 
 
