@@ -327,7 +327,17 @@ class VlmAdapter(abc.ABC):
             the model, e.g. ``"language_model.model"`` (Llama 4) or ``"model.text_model"``
             (Idefics3); ``None`` (default): the first of
             :data:`ppmedia.pipeline.surgery.LANGUAGE_MODEL_PATHS` that holds a ``layers`` list. The
-            output head is found wherever it sits (``model.get_output_embeddings()``).
+            output head is found wherever it sits (``model.get_output_embeddings()``). A module of
+            the decoder stack other than its layers, embedding and norm is on every stage unless
+            :meth:`prune_stage` drops it (or :attr:`merge_path` names it).
+        merge_path: where the family merges, as the dotted path inside the model of the module whose
+            OUTPUT is the merged embeddings ``[B, S, hidden]``, e.g. ``"model.embed_tokens_extend"``
+            (Phi-4-multimodal: both encoders and the merge sit inside the decoder stack); ``None``
+            (default): the merge is the decoder stack's input (the ``inputs_embeds`` its ``forward``
+            gets). Everything of ppmedia that needs the merge reads it here: the testing kit's reference
+            (``check_adapter``, goldens, stage check), the stage cutter (the module and everything under
+            it on the first stage only, its parameters on the vision side) and the encoder spread's
+            :func:`~ppmedia.pipeline.vision_replica`.
 
     A subclass implements :meth:`media_per_sample`, :meth:`placeholder_masks`,
     :meth:`feature_counts` and :meth:`encode`; it may override :meth:`host_inputs` (integer metadata
@@ -340,6 +350,7 @@ class VlmAdapter(abc.ABC):
     layout: ClassVar[str]
     sample_inputs: ClassVar[tuple[SampleInput, ...]] = ()
     language_model_path: ClassVar[str | None] = None
+    merge_path: ClassVar[str | None] = None
 
     # -- token side -------------------------------------------------------------------------
     @abc.abstractmethod

@@ -106,7 +106,7 @@ from .schedules import (
     stage_indices_for_rank,
 )
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
-from .surgery import default_layer_split, find_language_model
+from .surgery import default_layer_split, find_language_model, find_merge_module
 from .tied import TiedParameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
 
@@ -139,6 +139,7 @@ __all__ = [
     "interleave_encoders",
     "eval_step",
     "find_language_model",
+    "find_merge_module",
     "is_sharded",
     "latest_checkpoint",
     "load_checkpoint",

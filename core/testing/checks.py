@@ -229,9 +229,9 @@ def check_adapter(
     name = tiny_models.family_name(module)
     model = module.build_model(seed) if model is None else model
     batch = module.build_batch(seed) if batch is None else batch
-    if reference is None:
-        reference, positions = capture_reference(model, **module.reference_inputs(dict(batch)))
     resolved = _resolve_adapter(adapter, model)
+    if reference is None:
+        reference, positions = capture_reference(model, adapter=resolved, **module.reference_inputs(dict(batch)))
     out: list[MicrobatchCheck] = []
     for n in microbatches:
         out += check_merges(name, resolved, model, batch, reference, n, atol, positions, layouts)

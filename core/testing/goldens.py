@@ -47,10 +47,13 @@ def config_json(config: Any) -> str:
     return json.dumps(config.to_dict(), sort_keys=True, indent=1, default=str) + "\n"
 
 
-def write_goldens(family: str | ModuleType, folder: str | pathlib.Path, *, seed: int = 0) -> dict[str, int]:
+def write_goldens(family: str | ModuleType, folder: str | pathlib.Path, *, seed: int = 0,
+                  adapter: Any = None) -> dict[str, int]:
     """Write ``family``'s golden files into ``folder`` (created); returns each file's size in bytes.
 
     ``family``: a built-in tiny family name, a plugin's tiny-family module or its dotted name.
+    ``adapter`` (instance or class; default: the registry's for the model) says where the family
+    merges (``merge_path``): the expected embeddings are captured there.
     """
     from safetensors.torch import save_file
 
@@ -61,7 +64,8 @@ def write_goldens(family: str | ModuleType, folder: str | pathlib.Path, *, seed:
     try:
         model = module.build_model(seed)
         batch = module.build_batch(seed)
-        expected = tiny_models.capture_merged_embeds(model, **module.reference_inputs(dict(batch)))
+        resolved = adapter() if isinstance(adapter, type) else adapter
+        expected = tiny_models.capture_merged_embeds(model, adapter=resolved, **module.reference_inputs(dict(batch)))
     finally:
         torch.use_deterministic_algorithms(previous)
     folder.mkdir(parents=True, exist_ok=True)
@@ -136,7 +140,7 @@ def check_goldens(
             f"ppmedia.testing.write_goldens({name!r}, {str(folder)!r}) or run pytest --ppmedia-write-goldens"
         )
     with tempfile.TemporaryDirectory(prefix="ppmedia-goldens-") as tmp:
-        write_goldens(module, tmp, seed=seed)
+        write_goldens(module, tmp, seed=seed, adapter=adapter)
         for file in GOLDEN_FILES:
             fresh, on_disk = pathlib.Path(tmp) / file, folder / file
             if filecmp.cmp(fresh, on_disk, shallow=False):

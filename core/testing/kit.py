@@ -157,7 +157,7 @@ class FamilyKit:
 
     @cached_property
     def _captured(self) -> tuple[Tensor, Tensor | None]:
-        return capture_reference(self.model, **self.module.reference_inputs(dict(self.batch)))
+        return capture_reference(self.model, adapter=self.adapter, **self.module.reference_inputs(dict(self.batch)))
 
     @property
     def reference(self) -> Tensor:
@@ -186,7 +186,7 @@ class FamilyKit:
 
     def write_goldens(self, folder: str | pathlib.Path) -> dict[str, int]:
         """:func:`~ppmedia.testing.goldens.write_goldens` for this family and seed."""
-        return write_goldens(self.module, folder, seed=self.seed)
+        return write_goldens(self.module, folder, seed=self.seed, adapter=self.adapter)
 
     def check_goldens(
         self, folder: str | pathlib.Path, *, microbatches: Iterable[int] = (1, 2, 4), atol: float = 1e-5,
