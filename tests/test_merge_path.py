@@ -54,9 +54,10 @@ def test_the_kit_takes_its_reference_where_the_family_merges(phi4, tmp_path):
     assert torch.equal(phi4.reference[~at_images], embeds[~at_images].detach())  # text rows: the embeddings
     assert not torch.allclose(phi4.reference[at_images], embeds[at_images].detach())  # images: features
     checks = phi4.check_adapter(microbatches=(1, 2, 4, 8))
-    assert len(checks) == 15 and max(c.max_abs_diff for c in checks) <= 1e-5
+    assert len(checks) == 15 + 7 and max(c.max_abs_diff for c in checks) <= 1e-5  # build_batch, build_batches' 4 samples
     phi4.write_goldens(tmp_path)
-    phi4.check_goldens(tmp_path)
+    assert {(f.stat().st_mode & 0o777) for f in tmp_path.iterdir()} == {0o644}  # like any checked-in file
+    phi4.check_goldens(tmp_path)  # 1, 2, 4 and 8 microbatches by default
     with pytest.raises(RuntimeError, match=r"got no inputs_embeds \(the model merges inside it: declare where "
                                            r"with the adapter's merge_path"):
         FamilyKit(FAMILY, adapter=_undeclared()).check_adapter(microbatches=(1,))
@@ -71,6 +72,26 @@ def test_features_in_the_wrong_order_are_caught(phi4):
 
     with pytest.raises(AdapterMismatch, match="merged embeddings differ"):
         FamilyKit(FAMILY, adapter=Reversed()).check_adapter(microbatches=(2,))
+
+
+def test_the_kit_checks_the_familys_other_batches(phi4):
+    """The plugin's build_batches holds portrait images (its build_batch only square and landscape
+    ones): an adapter that counts an image's crop rows from its shorter side passes build_batch and
+    fails there, named."""
+    import ppmedia_phi4_plugin as plugin
+
+    class LandscapeOnly(plugin.Phi4ImagesAdapter):
+        def feature_counts(self, chunk, config, host):
+            if chunk.pixel_values is None:
+                return {"image": 0}
+            return {"image": sum(plugin.image_tokens(min(h, w), w, config) for h, w in host.rows("image_sizes", 2))}
+
+    kit = FamilyKit(FAMILY, adapter=LandscapeOnly())
+    from ppmedia.testing import check_adapter
+
+    check_adapter(FAMILY, adapter=LandscapeOnly(), model=kit.model, batch=kit.batch, microbatches=(1, 2, 4, 8))
+    with pytest.raises(AdapterMismatch, match=r"batch 1 of build_batches: .*1 microbatches"):
+        kit.check_adapter(microbatches=(1, 2))
 
 
 def test_the_stage_cutter_keeps_the_merge_on_the_first_stage(phi4):

@@ -28,10 +28,14 @@ import torch
 
 from . import tiny_models
 
-__all__ = ["GOLDEN_FILES", "REGENERATION_ATOL", "check_goldens", "config_json", "write_goldens"]
+__all__ = ["GOLDEN_FILES", "GOLDEN_MICROBATCHES", "REGENERATION_ATOL", "check_goldens", "config_json", "write_goldens"]
 
 #: the files of a golden folder.
 GOLDEN_FILES: tuple[str, ...] = ("config.json", "inputs.safetensors", "expected.safetensors")
+
+#: the microbatch counts :func:`check_goldens` splits the golden batch into by default (those up to its
+#: samples): 8 puts every sample in a microbatch of its own, which 1, 2 and 4 never do.
+GOLDEN_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8)
 
 #: how far a regenerated ``expected.safetensors`` may be from the file on disk (max absolute difference):
 #: 40x the largest cross-CPU drift measured on the built-in families (2.4e-8), 10x below the adapter
@@ -74,6 +78,8 @@ def write_goldens(family: str | ModuleType, folder: str | pathlib.Path, *, seed:
     # no safetensors metadata: its header order is not stable, and the files must regenerate byte for byte
     save_file(tensors, str(folder / "inputs.safetensors"))
     save_file({"inputs_embeds": expected.contiguous()}, str(folder / "expected.safetensors"))
+    for name in GOLDEN_FILES:  # readable by all, like any checked-in file (safetensors writes 0600)
+        (folder / name).chmod(0o644)
     return {name: (folder / name).stat().st_size for name in GOLDEN_FILES}
 
 
@@ -103,7 +109,7 @@ def check_goldens(
     folder: str | pathlib.Path,
     *,
     adapter: Any = None,
-    microbatches: Iterable[int] = (1, 2, 4),
+    microbatches: Iterable[int] | None = None,
     seed: int = 0,
     atol: float = 1e-5,
     regeneration_atol: float = REGENERATION_ATOL,
@@ -112,7 +118,8 @@ def check_goldens(
 ) -> None:
     """Check ``folder``'s golden files of ``family``: they regenerate, and the adapter path
     (:func:`~ppmedia.testing.checks.check_adapter` on the golden inputs) reproduces the expected
-    embeddings within ``atol`` for every microbatch count.
+    embeddings within ``atol`` for every microbatch count (``microbatches``; default
+    :data:`GOLDEN_MICROBATCHES`, 1, 2, 4 and 8, those up to the golden batch's samples).
 
     Regenerating means: ``config.json`` and ``inputs.safetensors`` byte for byte, and
     ``expected.safetensors`` with the same tensor names, shapes and dtypes and values within
@@ -156,6 +163,8 @@ def check_goldens(
     inputs = load_file(str(folder / "inputs.safetensors"))
     expected = load_file(str(folder / "expected.safetensors"))["inputs_embeds"]
     model = module.build_model(seed)
+    if microbatches is None:
+        microbatches = [n for n in GOLDEN_MICROBATCHES if n <= inputs["input_ids"].shape[0]]
     check_adapter(module, adapter=adapter, microbatches=microbatches, atol=atol, model=model, batch=inputs, reference=expected,
                   layouts=layouts)
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import tiny_models
-from .checks import MicrobatchCheck, capture_reference, check_adapter
+from .checks import AdapterMismatch, MicrobatchCheck, capture_reference, check_adapter
 from .goldens import REGENERATION_ATOL, check_goldens, write_goldens
 
 if TYPE_CHECKING:
@@ -177,19 +177,31 @@ class FamilyKit:
         return self.registry.get(self.model)
 
     def check_adapter(self, microbatches: Iterable[int] = (1, 2, 4), *, atol: float = 1e-5) -> list[MicrobatchCheck]:
-        """:func:`~ppmedia.testing.checks.check_adapter` on this family's model, batch and reference."""
-        return check_adapter(
-            self.module, adapter=self.adapter, microbatches=microbatches, atol=atol,
+        """:func:`~ppmedia.testing.checks.check_adapter` on this family's model, batch and reference,
+        then on each batch of the family's optional ``build_batches`` (against its own reference)."""
+        counts = list(microbatches)
+        layouts = self.registry.media_layouts()
+        out = check_adapter(
+            self.module, adapter=self.adapter, microbatches=counts, atol=atol,
             model=self.model, batch=self.batch, reference=self.reference, positions=self.positions,
-            layouts=self.registry.media_layouts(),
+            layouts=layouts,
         )
+        for k, more in enumerate(tiny_models.more_batches(self.module, self.seed)):
+            ok = [n for n in counts if n <= more["input_ids"].shape[0]]
+            try:
+                out += check_adapter(self.module, adapter=self.adapter, microbatches=ok, atol=atol, model=self.model,
+                                     batch=more, layouts=layouts)
+            except AdapterMismatch as exc:
+                raise AdapterMismatch(f"batch {k + 1} of build_batches: {exc}", exc.family, exc.n_microbatches,
+                                      exc.microbatch) from exc
+        return out
 
     def write_goldens(self, folder: str | pathlib.Path) -> dict[str, int]:
         """:func:`~ppmedia.testing.goldens.write_goldens` for this family and seed."""
         return write_goldens(self.module, folder, seed=self.seed, adapter=self.adapter)
 
     def check_goldens(
-        self, folder: str | pathlib.Path, *, microbatches: Iterable[int] = (1, 2, 4), atol: float = 1e-5,
+        self, folder: str | pathlib.Path, *, microbatches: Iterable[int] | None = None, atol: float = 1e-5,
         regeneration_atol: float = REGENERATION_ATOL, bit_identical: bool = False,
     ) -> None:
         """:func:`~ppmedia.testing.goldens.check_goldens` (after writing them with ``write_goldens``)."""

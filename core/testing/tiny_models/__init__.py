@@ -16,6 +16,10 @@ Each family module defines:
 * optionally ``ADAPTER``: the name of the adapter serving the model, when it is not the family's name
   (a variant: ``mistral_small4`` is served by ``mistral3``, ``llava_pixtral`` by ``llava``,
   ``kimi_k25_video`` by ``kimi_vl``);
+* optionally ``build_batches(seed=0)``: more batches, each of another structure than ``build_batch``'s
+  (media per sample permuted, other sizes or merge sizes, one modality alone), which ``check_adapter``
+  and ``FamilyKit.check_adapter`` check as well (:func:`more_batches`); a bug that one structure hides
+  (a merge size hard-coded to the one batch's) shows in another;
 * optionally ``MAX_PARITY_LR``: the largest SGD step the parity harness takes on the model (Gemma 4's
   tiny model is so curved that a larger one turns float32 rounding into gradient differences above
   the tolerance, in its own microbatched forward too).
@@ -42,6 +46,7 @@ __all__ = [
     "constant_parameters",
     "family_name",
     "load",
+    "more_batches",
     "seeded",
     "seeded_distinct",
 ]
@@ -82,6 +87,22 @@ FAMILIES: tuple[str, ...] = (
 
 #: what a tiny-family module must define (see the module docstring).
 PROTOCOL: tuple[str, ...] = ("MODEL_TYPE", "build_config", "build_model", "build_batch", "reference_inputs")
+
+
+def more_batches(module: ModuleType, seed: int = 0) -> list[dict[str, Tensor]]:
+    """The tiny-family module's optional ``build_batches(seed)`` as a list (``[]`` without one).
+
+    Raises:
+        TypeError: it returned something other than a list or tuple of batches (dicts with ``input_ids``).
+    """
+    build = getattr(module, "build_batches", None)
+    if build is None:
+        return []
+    batches = build(seed)
+    if not isinstance(batches, (list, tuple)) or not all(isinstance(b, dict) and "input_ids" in b for b in batches):
+        raise TypeError(f"{module.__name__}.build_batches({seed}) returned {type(batches).__name__}; expected a list "
+                        f"of batches (dicts holding input_ids)")
+    return list(batches)
 
 
 def load(family: str | ModuleType) -> ModuleType:

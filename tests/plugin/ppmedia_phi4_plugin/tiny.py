@@ -43,15 +43,29 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     return seeded_distinct(Phi4MultimodalForCausalLM, build_config(), seed)
 
 
+#: build_batches' other structure: portrait images (every image of SAMPLES is square or landscape),
+#: three in one sample, text-only samples first
+PORTRAIT: tuple[tuple[tuple[int, int], ...], ...] = ((), ((32, 16),), ((32, 16), (16, 16), (48, 16)), ((16, 16),))
+
+
 def build_batch(seed: int = 0) -> dict[str, Tensor]:
     """``input_ids``/``attention_mask`` ``[8, S]``, ``pixel_values`` ``[7, 5, 3, 16, 16]`` (padded
     crops, the global view first), ``image_sizes`` ``[7, 2]``."""
+    return _batch(SAMPLES, seed)
+
+
+def build_batches(seed: int = 0) -> list[dict[str, Tensor]]:
+    """One batch of another structure (:data:`PORTRAIT`, 4 samples), checked by the kit besides."""
+    return [_batch(PORTRAIT, seed + 1)]
+
+
+def _batch(samples: tuple[tuple[tuple[int, int], ...], ...], seed: int) -> dict[str, Tensor]:
     from ppmedia_phi4_plugin import image_tokens
 
     config = build_config()
     gen = torch.Generator().manual_seed(seed)
     rows, crops, sizes = [], [], []
-    for images in SAMPLES:
+    for images in samples:
         ids = torch.randint(3, 190, (3,), generator=gen).tolist()
         for h, w in images:
             ids += [IMAGE_TOKEN_ID] * image_tokens(h, w, config) + torch.randint(3, 190, (2,), generator=gen).tolist()
