@@ -81,3 +81,13 @@ def test_a_report_written_before_rtol_existed_still_loads():
         del step["worst_param_vision"], step["worst_param_lm"]
     again = ParityReport.from_dict(data)
     assert again.rtol == 0.0 and again.ok
+
+
+def test_a_call_while_a_worker_imports_the_script_says_what_to_do(monkeypatch):
+    """What a spawned worker meets when the script it imports calls run_parity at its top level
+    (multiprocessing marks the process as inheriting while it imports the main module)."""
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(RuntimeError, match=r"put the call under `if __name__ == \"__main__\":`"):
+        run_parity("qwen2_5_vl", ["1f1b"], steps=1)

@@ -1570,8 +1570,12 @@ def run_parity(
         except Exception as exc:
             raise ParityError(f"parity worker failed on rank {os.environ['RANK']}: {_root_cause(exc)}") from exc
 
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(_MAIN_GUARD)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory(prefix="ppmedia-parity-") as out_dir:
         try:
@@ -1590,13 +1594,22 @@ def run_parity(
                         summary, _, trace = fh.read().partition("\n")
                     summaries.append(f"rank {rank}: {summary}")
                     details.append(f"--- rank {rank} ---\n{trace}")
-            if not summaries:
-                summaries.append(str(exc))
+            if not summaries:  # no worker got as far as _spawn_entry
+                summaries.append(f"{exc} (no worker reached the harness: a call of run_parity at the top level of a "
+                                 f"script needs `if __name__ == \"__main__\":` around it, the workers import the script)")
             raise ParityError("parity worker failed: " + "; ".join(summaries) + "\n" + "\n".join(details)) from exc
         with open(os.path.join(out_dir, "report.json")) as fh:
             report = ParityReport.from_dict(json.load(fh))
         report.rtol = rtol
         return report
+
+
+#: what a worker says when run_parity is called while it imports the script (no ``__main__`` guard)
+_MAIN_GUARD = (
+    "run_parity: called while a spawned worker imports the main module: the workers start by importing "
+    "the script that called run_parity, so a call at its top level runs again in each of them; put the "
+    "call under `if __name__ == \"__main__\":`"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
