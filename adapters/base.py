@@ -186,6 +186,11 @@ class SampleInput:
             ``every_stage``), e.g. ERNIE 4.5 VL's ``moe_mm_token_type_ids``; ``None``: not passed
             (the adapter's ``decoder_kwargs`` reads ``wire[key]`` itself).
         floating: travels in the hidden states' dtype with a gradient (else int64, as sent).
+
+    A batch without ``key`` stages nothing for it (:meth:`VlmAdapter.sample_input_values` leaves it
+    out): with ``every_stage`` the first stage then raises ``ValueError`` naming the key and the
+    microbatch (:meth:`VlmAdapter.add_sample_inputs`); otherwise ``chunk.extras`` simply lacks it and
+    the adapter's ``encode`` decides.
     """
 
     key: str
