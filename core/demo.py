@@ -14,11 +14,12 @@ import argparse
 import os
 import sys
 import time
+from typing import Sequence
 
 from .testing import parity
 from .testing import tiny_models as tiny
 
-__all__ = ["run"]
+__all__ = ["run", "selected_families"]
 
 
 def _say(message: str) -> None:
@@ -59,9 +60,17 @@ def _layout(args: argparse.Namespace) -> tuple[int, int, str]:
 GROUP = 8
 
 
+def selected_families(family: str | Sequence[str] | None) -> list[str]:
+    """The families ``--family`` names (repeatable), in order, each once; ``all`` or none: every built-in."""
+    names = [family] if isinstance(family, str) else list(family or ["all"])
+    if "all" in names:
+        return list(tiny.FAMILIES)
+    return list(dict.fromkeys(names))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns 0 when every family matched its reference within 1e-5."""
-    families = list(tiny.FAMILIES) if args.family == "all" else [args.family]
+    families = selected_families(args.family)
     pp, dp, where = _layout(args)
     suffix = f"/dp{dp}" if dp > 1 else ""
     scenarios = [f"{args.schedule}/inferred{suffix}", f"{args.schedule}/static{suffix}"]

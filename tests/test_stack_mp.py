@@ -61,6 +61,8 @@ DP_FAMILY_SCENARIOS = {
     "llava_next": ("1f1b/static/dp2/fsdp/bf16",),
     "qwen3_vl": ("1f1b/static/dp2/fsdp/text_only_replica",),  # default split: deepstack level 1 crosses
     "kimi_vl": ("1f1b/static/dp2/fsdp/clip", "ZBVZeroBubble/static/dp2/fsdp"),  # tied embedding
+    # per-sample inputs (token_type_ids [B, S], on every stage) through shard_batch, FSDP2 and the spread
+    "paligemma": ("1f1b/static/dp2/clip", "1f1b/static/dp2/fsdp/clip/spread"),
 }
 PP_SCENARIOS = (
     *(f"{name}/static" for name in TORCH_SCHEDULES),
@@ -281,6 +283,12 @@ def test_stale_copies_of_the_tower_fail_the_comparison(family):
     assert first.loss_diff <= TOL and first.grad_diff <= TOL
     assert second.loss_diff > 1e-4 and second.grad_diff_vision > 1e-4
     assert not result.passed(TOL) and _report(2).ok  # a deliberate fault does not fail the report
+    # the report names the vision parameter that differs most (the copies' stale weights)
+    vision_prefixes = {"qwen2_5_vl": ("model.visual.",),
+                       "llava_next": ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline")}[family]
+    assert second.worst_param_vision.startswith(vision_prefixes)
+    assert f"{STALE} step 1 fails (expected): " in _report(2).format()
+    assert f"(worst {second.worst_param_vision})" in _report(2).format()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,6 +356,43 @@ def test_shard_batch_gives_each_replica_its_samples_and_only_their_media(family)
         shard_batch(bad, 0, 2, images_per_sample=images, videos_per_sample=videos)
 
 
+@pytest.mark.parametrize("family", ("paligemma", "llava_onevision"))
+def test_shard_batch_takes_media_counts_with_per_sample_inputs(family):
+    """``shard_batch(batch, r, dp, **adapter.media_counts(batch, config))`` for adapters with per-sample
+    inputs (PaliGemma's ``token_type_ids`` [B, S]; LLaVA-OneVision's ``batch_num_images``, given by the
+    adapter as a [B] tensor replacing the processor's [samples holding images]): each replica gets its
+    samples' rows of the input, and its own per-microbatch split stages exactly what the global split
+    stages for those samples."""
+    import torch
+
+    import ppmedia
+    import ppmedia.testing.tiny_models as tiny
+    from ppmedia.pipeline import shard_batch
+
+    module = tiny.load(family)
+    config = module.build_config()
+    adapter = ppmedia.get_adapter(config)
+    batch = module.build_batch(0)
+    counts = adapter.media_counts(batch, config)
+    assert "sample_inputs" in counts
+    (key,) = counts["sample_inputs"]
+    whole = ppmedia.split_media(dict(batch), 4, **adapter.media_counts(batch, config))
+    for replica in range(2):
+        local = shard_batch(batch, replica, 2, **counts)
+        assert torch.equal(local["input_ids"], batch["input_ids"][4 * replica : 4 * replica + 4])
+        assert local[key].shape[0] == 4  # the replica's rows of the per-sample input
+        staged = ppmedia.split_media(dict(local), 2, **adapter.media_counts(local, config))
+        for k in range(2):
+            expected, got = whole.chunk(2 * replica + k), staged.chunk(k)
+            assert (expected is None) == (got is None)
+            if got is not None:
+                assert set(got.extras) == set(expected.extras) == {key}
+                assert torch.equal(got.extras[key], expected.extras[key])
+                for name in ("pixel_values", "image_grid", "pixel_values_videos"):
+                    a, b = getattr(expected, name), getattr(got, name)
+                    assert (a is None and b is None) or torch.equal(a, b), name
+
+
 def test_demo_takes_pp_dp_and_any_torch_schedule_name(monkeypatch, capsys):
     """The demo's flags reach the harness: --pp x --dp processes, torch's schedule names in any case.
     (run_parity is replaced by a recorder here: the real 4-process run is the pp2 x dp2 test above.)"""
@@ -374,6 +419,21 @@ def test_demo_takes_pp_dp_and_any_torch_schedule_name(monkeypatch, capsys):
     assert "pp=2 x dp=2" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["demo", "--dp", "0"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scenario", DP_FAMILY_SCENARIOS["paligemma"])
+def test_pp2_x_dp2_with_per_sample_inputs(scenario):
+    """PaliGemma (a SampleInput adapter: token_type_ids [B, S] on every stage) at pp=2 x dp=2: each
+    replica's shard_batch takes the adapter's media_counts, sample inputs included; replicated
+    stages, and FSDP2 stages with the encoder spread; loss and every gradient match one process."""
+    result = _report(4).family("paligemma").scenario(scenario)
+    assert result.dp == 2 and len(result.stage_indices) == 2
+    _assert_parity(result)
+    for st in result.steps:
+        assert st.chunk_trace == [0, 1]  # each replica's two chunks, text-only ones included, once each
+        if result.encoder == "spread":
+            assert st.encoded  # the spread encoded this step's media
 
 
 # ----------------------------------------------------------------------------------------------

@@ -305,8 +305,15 @@ def test_the_pytest_plugin_registers_the_multiprocess_marker(tmp_path):
 def test_demo_takes_a_plugins_tiny_module(plugin_path, capsys):
     from ppmedia.cli import build_parser, main
 
+    from ppmedia.demo import selected_families
+
     args = build_parser().parse_args(["demo", "--family", LLAVA, "--steps", "1"])
-    assert args.family == LLAVA
+    assert selected_families(args.family) == [LLAVA]
+    both = build_parser().parse_args(["demo", "--family", "paligemma", "--family", LLAVA, "--family", "paligemma"])
+    assert selected_families(both.family) == ["paligemma", LLAVA]  # both, in order, once each
+    from ppmedia.testing.tiny_models import FAMILIES
+
+    assert selected_families(build_parser().parse_args(["demo"]).family) == list(FAMILIES)
     assert main(["demo", "--family", "no_such.tiny"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ppmedia: error: argument --family: 'no_such.tiny': tiny family 'no_such.tiny': cannot import it"), err

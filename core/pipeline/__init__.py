@@ -120,7 +120,7 @@ from .schedules import (
 )
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, refuse_router_loss, static_stage_args
 from .step_inputs import presplit_batch
-from .surgery import default_layer_split, find_language_model
+from .surgery import default_layer_split, find_language_model, find_merge_module
 from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
 
@@ -155,6 +155,7 @@ __all__ = [
     "eval_step",
     "find_language_model",
     "init_distributed",
+    "find_merge_module",
     "is_sharded",
     "latest_checkpoint",
     "load_checkpoint",

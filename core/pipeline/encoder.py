@@ -58,7 +58,7 @@ from ..adapters.base import HostValues, VlmAdapter, read_host
 from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk
 from .lane import Lane
 from .stages import FEATURES_ATTRIBUTE, StageModule, _text_dims
-from .surgery import _child_name, _get_path, _stage_children, find_language_model, find_output_head
+from .surgery import _child_name, _get_path, _shallow, _stage_children, find_language_model, find_merge_module, find_output_head
 
 __all__ = [
     "AHEAD",
@@ -262,9 +262,11 @@ def vision_replica(model: nn.Module, adapter: VlmAdapter | None = None) -> nn.Mo
     the vision tower, projector and any root-level parameter, under the full model's names.
 
     It shares parameters with ``model`` (no copy); the language model in it keeps no decoder layer,
-    no embedding, no norm (only its shell, so paths like ``model.model.visual`` resolve). An
-    adapter's ``encode(replica, chunk, host)`` runs as on the first stage. ``adapter``: the family's
-    (default: the registry's), which may say where the language model sits.
+    no embedding, no norm (only its shell, so paths like ``model.model.visual`` resolve), except the
+    merge module when the adapter's ``merge_path`` puts it inside (Phi-4-multimodal's
+    ``model.embed_tokens_extend``, encoders included), under its own path. An adapter's
+    ``encode(replica, chunk, host)`` runs as on the first stage. ``adapter``: the family's (default:
+    the registry's), which may say where the language model sits and where it merges.
     """
     lm_path, lm = find_language_model(model, adapter)
     embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
@@ -278,7 +280,24 @@ def vision_replica(model: nn.Module, adapter: VlmAdapter | None = None) -> nn.Mo
     shell._modules.clear()  # nothing of the language model: its shell only (a new registry: the model keeps its own)
     shell._parameters.clear()
     shell._buffers.clear()
+    merge_path, merge = find_merge_module(model, adapter)
+    if merge_path is not None and merge is not None and merge_path.startswith(lm_path + "."):
+        _restore_path(shell, lm, merge_path[len(lm_path) + 1 :], merge)
     return replica
+
+
+def _restore_path(shell: nn.Module, original: nn.Module, path: str, module: nn.Module) -> None:
+    """Put ``module`` back at dotted ``path`` under the emptied ``shell`` (of ``original``), with empty
+    shells of the modules on the way."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        shell._modules[head] = module
+        return
+    child = original._modules[head]
+    assert child is not None
+    inner = _shallow(child, keep_members=False)
+    shell._modules[head] = inner
+    _restore_path(inner, child, rest, module)
 
 
 def _vision_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

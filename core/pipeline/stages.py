@@ -12,7 +12,15 @@ from torch import Tensor, nn
 from ..adapters.base import VlmAdapter, WireTensor, config_value
 from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk, next_vlm_media_chunk
 from ..presplit import MicrobatchMedia
-from .surgery import _child_name, _get_path, _layer_ranges, _stage_children, find_language_model, find_output_head
+from .surgery import (
+    _child_name,
+    _get_path,
+    _layer_ranges,
+    _stage_children,
+    find_language_model,
+    find_merge_module,
+    find_output_head,
+)
 from .tied import TiedParameters, tied_parameters
 
 __all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "refuse_router_loss", "static_stage_args"]
@@ -38,6 +46,8 @@ class StageModule(nn.Module):
         tied: the FULL model's tied parameter groups (the same on every rank; pass them to
             :func:`sync_tied_gradients`), found before the split.
         head_name: dotted path of the output head (``lm_head``; Llama 4: ``language_model.lm_head``).
+        merge_path: the adapter's ``merge_path`` (``None``: the merge is the decoder's input); its
+            parameters are the vision side's even inside the language model.
     """
 
     def __init__(
@@ -52,6 +62,7 @@ class StageModule(nn.Module):
         layer_range: tuple[int, int],
         language_model_path: str,
         head_name: str,
+        merge_path: str | None = None,
     ) -> None:
         super().__init__()
         for name, child in children.items():
@@ -67,6 +78,7 @@ class StageModule(nn.Module):
         self.is_last = stage_index == n_stages - 1
         self.language_model_path = language_model_path
         self.head_name = head_name
+        self.merge_path = merge_path
         self.tied: tuple[TiedParameters, ...] = ()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -106,7 +118,10 @@ class StageModule(nn.Module):
         return self.layer_range[1] - self.layer_range[0]
 
     def is_language_parameter(self, name: str) -> bool:
-        """Whether parameter ``name`` belongs to the language side (decoder, embedding, norm, head)."""
+        """Whether parameter ``name`` belongs to the language side (decoder, embedding, norm, head); the
+        merge module's (``merge_path``, e.g. encoders inside the decoder stack) do not."""
+        if self.merge_path is not None and name.startswith(self.merge_path + "."):
+            return False
         return name.startswith(self.language_model_path + ".") or name.startswith(self.head_name + ".")
 
     def extra_repr(self) -> str:
@@ -313,6 +328,7 @@ def build_stage_modules(
     embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
     norm_name = "norm" if isinstance(lm._modules.get("norm"), nn.Module) else None
     head_name = find_output_head(model, lm_path)
+    merge_path = find_merge_module(model, adapter)[0]
     tied = tuple(tied_parameters(model))
 
     modules = []
@@ -320,7 +336,7 @@ def build_stage_modules(
         first, last = s == 0, s == n_stages - 1
         start, stop = ranges[s]
         children = _stage_children(model, lm, lm_path, head_name, (start, stop), first=first, last=last,
-                                   embed_name=embed_name, norm_name=norm_name)
+                                   embed_name=embed_name, norm_name=norm_name, merge_path=merge_path)
         parameters = {k: v for k, v in model._parameters.items() if v is not None} if first else {}
         module = StageModule(
             children,
@@ -332,6 +348,7 @@ def build_stage_modules(
             layer_range=(start, stop),
             language_model_path=lm_path,
             head_name=head_name,
+            merge_path=merge_path,
         )
         module.tied = tied
         adapter.prune_stage(module.stage_language_model, layers=range(start, stop), first=first, last=last)

@@ -38,10 +38,14 @@ import torch
 
 from . import tiny_models
 
-__all__ = ["GOLDEN_FILES", "REGENERATION_ULPS", "check_goldens", "config_json", "regeneration_tolerance", "write_goldens"]
+__all__ = ["GOLDEN_FILES", "GOLDEN_MICROBATCHES", "REGENERATION_ULPS", "check_goldens", "config_json", "regeneration_tolerance", "write_goldens"]
 
 #: the files of a golden folder.
 GOLDEN_FILES: tuple[str, ...] = ("config.json", "inputs.safetensors", "expected.safetensors")
+
+#: the microbatch counts :func:`check_goldens` splits the golden batch into by default (those up to its
+#: samples): 8 puts every sample in a microbatch of its own, which 1, 2 and 4 never do.
+GOLDEN_MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8)
 
 #: how far a regenerated ``expected.safetensors`` tensor may be from the file on disk, in units in the
 #: last place of the on-disk tensor's largest magnitude (see the module docstring for the reasoning).
@@ -66,10 +70,13 @@ def config_json(config: Any) -> str:
     return json.dumps(config.to_dict(), sort_keys=True, indent=1, default=str) + "\n"
 
 
-def write_goldens(family: str | ModuleType, folder: str | pathlib.Path, *, seed: int = 0) -> dict[str, int]:
+def write_goldens(family: str | ModuleType, folder: str | pathlib.Path, *, seed: int = 0,
+                  adapter: Any = None) -> dict[str, int]:
     """Write ``family``'s golden files into ``folder`` (created); returns each file's size in bytes.
 
     ``family``: a built-in tiny family name, a plugin's tiny-family module or its dotted name.
+    ``adapter`` (instance or class; default: the registry's for the model) says where the family
+    merges (``merge_path``): the expected embeddings are captured there.
     """
     from safetensors.torch import save_file
 
@@ -80,7 +87,8 @@ def write_goldens(family: str | ModuleType, folder: str | pathlib.Path, *, seed:
     try:
         model = module.build_model(seed)
         batch = module.build_batch(seed)
-        expected = tiny_models.capture_merged_embeds(model, **module.reference_inputs(dict(batch)))
+        resolved = adapter() if isinstance(adapter, type) else adapter
+        expected = tiny_models.capture_merged_embeds(model, adapter=resolved, **module.reference_inputs(dict(batch)))
     finally:
         torch.use_deterministic_algorithms(previous)
     folder.mkdir(parents=True, exist_ok=True)
@@ -89,6 +97,8 @@ def write_goldens(family: str | ModuleType, folder: str | pathlib.Path, *, seed:
     # no safetensors metadata: its header order is not stable, and the files must regenerate byte for byte
     save_file(tensors, str(folder / "inputs.safetensors"))
     save_file({"inputs_embeds": expected.contiguous()}, str(folder / "expected.safetensors"))
+    for name in GOLDEN_FILES:  # readable by all, like any checked-in file (safetensors writes 0600)
+        (folder / name).chmod(0o644)
     return {name: (folder / name).stat().st_size for name in GOLDEN_FILES}
 
 
@@ -118,7 +128,7 @@ def check_goldens(
     folder: str | pathlib.Path,
     *,
     adapter: Any = None,
-    microbatches: Iterable[int] = (1, 2, 4),
+    microbatches: Iterable[int] | None = None,
     seed: int = 0,
     atol: float = 1e-5,
     regeneration_atol: float | None = None,
@@ -128,7 +138,8 @@ def check_goldens(
 ) -> None:
     """Check ``folder``'s golden files of ``family``: they regenerate, and the adapter path
     (:func:`~ppmedia.testing.checks.check_adapter` on the golden inputs) reproduces the expected
-    embeddings within ``atol`` for every microbatch count.
+    embeddings within ``atol`` for every microbatch count (``microbatches``; default
+    :data:`GOLDEN_MICROBATCHES`, 1, 2, 4 and 8, those up to the golden batch's samples).
 
     Regenerating means: ``config.json`` and ``inputs.safetensors`` byte for byte, and
     ``expected.safetensors`` with the same tensor names, shapes and dtypes and values within
@@ -157,7 +168,7 @@ def check_goldens(
             f"ppmedia.testing.write_goldens({name!r}, {str(folder)!r}) or run pytest --ppmedia-write-goldens"
         )
     with tempfile.TemporaryDirectory(prefix="ppmedia-goldens-") as tmp:
-        write_goldens(module, tmp, seed=seed)
+        write_goldens(module, tmp, seed=seed, adapter=adapter)
         for file in GOLDEN_FILES:
             fresh, on_disk = pathlib.Path(tmp) / file, folder / file
             if filecmp.cmp(fresh, on_disk, shallow=False):
@@ -174,6 +185,8 @@ def check_goldens(
     inputs = load_file(str(folder / "inputs.safetensors"))
     expected = load_file(str(folder / "expected.safetensors"))["inputs_embeds"]
     model = module.build_model(seed)
+    if microbatches is None:
+        microbatches = [n for n in GOLDEN_MICROBATCHES if n <= inputs["input_ids"].shape[0]]
     check_adapter(module, adapter=adapter, microbatches=microbatches, atol=atol, model=model, batch=inputs, reference=expected,
                   layouts=layouts)
 
