@@ -39,10 +39,9 @@ picks the tiny family's, which must match ``--model``'s model type.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Iterator
@@ -51,39 +50,89 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import ppmedia
 from ppmedia import pipeline
 from ppmedia.testing import tiny_models
 
 #: the seed of the held-out batch ``--eval-every`` evaluates (the training batches use seeds 0 and 1).
 HELD_OUT_SEED = 1000
+#: the stand-in run's length when neither --steps nor --epochs is given.
+DEFAULT_STEPS = 4
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated integers such as 2,3") from None
+
+
+def _parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(pipeline.MODEL_PARTS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"got {unknown}; expected some of {','.join(pipeline.MODEL_PARTS)}")
+    return parts
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="qwen2_5_vl", choices=tiny_models.FAMILIES)
-    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp)")
-    parser.add_argument("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
-    parser.add_argument("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
-    parser.add_argument("--microbatches", type=int, default=2, help="microbatches per replica and step")
-    parser.add_argument("--steps", type=int, default=4, help="train until this step (exclusive)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save-dir", help="write DCP checkpoints under this folder (step{N}/)")
-    parser.add_argument("--save-every", type=int, default=0, help="checkpoint after every N steps")
-    parser.add_argument("--resume", help="a checkpoint folder (step{N}) to continue from, or 'auto' (newest under --save-dir)")
-    parser.add_argument("--loss-log", help="append one JSON line per step (global loss, grad norm) here (rank 0)")
-    parser.add_argument("--model", help="a Hugging Face checkpoint directory to train (instead of the tiny family's model)")
-    parser.add_argument("--export", help="write the trained model as a Hugging Face checkpoint in this directory")
-    parser.add_argument("--eval-every", type=int, default=0, help="every N steps, the held-out batch's loss (forward only)")
-    parser.add_argument("--encoder", default="stage0", choices=("stage0", "spread"),
-                        help="where the vision tower runs: on stage 0, or spread over the pipeline ranks")
-    parser.add_argument("--trace", metavar="FILE.svg",
-                        help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
-    args = parser.parse_args(argv)
+    add = parser.add_argument
+    add("--family", default="qwen2_5_vl", choices=tiny_models.FAMILIES, metavar="FAMILY",
+        help="the tiny seeded model and its stand-in batches (without --model / --data)")
+    add("--model", help="a Hugging Face checkpoint directory to fine-tune (its processor too); needs --data")
+    add("--data", help="training data: a JSON / JSONL file (LLaVA or messages style) or a datasets save_to_disk folder")
+    add("--eval-data", help="held-out data in the same formats, evaluated every --eval-every steps")
+    add("--media-dir", help="where relative media paths of the data point (default: the data file's folder)")
+    add("--batch-size", type=int, default=8, help="the global batch in samples (split over the replicas)")
+    add("--max-length", type=int, default=2048, help="the longest sample in tokens (longer ones are skipped)")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, help="train this many passes over --data")
+    length.add_argument("--steps", type=int, help="train until this step (exclusive)")
+    add("--no-shuffle", action="store_true", help="global batch i holds samples [i*B, (i+1)*B) in order")
+    add("--seed", type=int, default=0, help="the shuffle's seed (and the tiny model's)")
+    add("--workers", type=int, default=0, help="DataLoader worker processes per rank that reads media")
+    add("--skip-bad-samples", action="store_true", help="skip (and count) bad records instead of stopping")
+    add("--lr", type=float, default=1e-3, help="the peak learning rate")
+    add("--weight-decay", type=float, default=0.01, help="AdamW's, not on norms, biases and embeddings")
+    add("--warmup-steps", type=int, default=0, help="linear warm-up from 0 over this many steps")
+    add("--lr-schedule", default="constant", choices=pipeline.LR_SCHEDULES, help="after the warm-up")
+    add("--max-grad-norm", type=float, default=1.0)
+    add("--dtype", choices=("float32", "bfloat16"), help="the parameters' dtype (default: the checkpoint's)")
+    add("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (nccl, one GPU per rank)")
+    add("--activation-checkpointing", action="store_true", help="recompute layer activations in the backward")
+    add("--freeze", type=_parts, default=[], metavar="PARTS", help="comma-separated: vision,projector,language")
+    add("--layers-per-stage", type=_int_list, metavar="N,N,...", help="decoder layers per stage (default: even)")
+    add("--pp", type=int, default=2, help="pipeline ranks")
+    add("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp)")
+    add("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
+    add("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
+    add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
+    add("--microbatches", type=int, default=2, help="microbatches per replica and step")
+    add("--save-dir", help="write DCP checkpoints under this folder (step{N}/)")
+    add("--save-every", type=int, default=0, help="checkpoint after every N steps")
+    add("--resume", help="a checkpoint folder (step{N}) to continue from, or 'auto' (newest under --save-dir)")
+    add("--loss-log", help="append one JSON line per step here (rank 0)")
+    add("--export", help="write the trained model (and the processor) as a Hugging Face checkpoint here")
+    add("--eval-every", type=int, default=0, help="every N steps, the held-out loss (forward only)")
+    add("--encoder", default="stage0", choices=("stage0", "spread"),
+        help="where the vision tower runs: on stage 0, or spread over the pipeline ranks")
+    add("--trace", metavar="FILE.svg", help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
+    return parser
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations of flags that cannot work: one ``parser.error`` (exit 2) before anything starts."""
+    if args.model and not args.data and False:  # TODO(data merge): an error once --data exists
+        parser.error("--model fine-tunes a checkpoint on --data: give --data (the tiny stand-in batches only go "
+                     "with --family)")
+    if args.data and not args.model:
+        parser.error("--data is processed with --model's own processor: give --model")
+    if args.eval_data and not args.data:
+        parser.error("--eval-data goes with --data")
+    if args.epochs is not None and not args.data:
+        parser.error("--epochs counts passes over --data: give --steps for the stand-in batches")
+    if args.data and args.epochs is None and args.steps is None:
+        parser.error("give --epochs or --steps")
     if args.encoder == "spread" and args.model:
         parser.error("--encoder spread cuts each rank's copy of the vision tower from the full model; "
                      "--model loads only each rank's stages: drop one of them")
@@ -91,149 +140,138 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
     if args.bf16 and not args.fsdp:
         parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
+                     f"use --device cpu")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    if args.steps is None and args.epochs is None:
+        args.steps = DEFAULT_STEPS
     return args
 
 
-def batches(family: str, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
-    """The global batch of every step from ``start`` (a stand-in for a DataLoader: 2 fixed batches)."""
-    module = tiny_models.load(family)
-    step = start
-    while True:
-        yield step, module.build_batch(step % 2)
-        step += 1
+def model_dtype(args: argparse.Namespace) -> torch.dtype:
+    """``--dtype``, else the checkpoint's own (``--model``), else float32."""
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    return pipeline.checkpoint_dtype(args.model) if args.model else torch.float32
 
 
-def replica_share(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """This replica's rows, labels and staged media, and the GLOBAL batch's valid-token count."""
-    config, adapter = ctx["config"], ctx["adapter"]
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    # the loss is normalised by the valid tokens of the GLOBAL batch: replicas' gradients then add up
-    num_valid = pipeline.count_valid_tokens(pipeline.make_labels(ids, config, adapter, attention_mask=mask))
-    # counts from the tokens (and, where tokens cannot tell, the batch's metadata: Qwen3-VL videos)
-    local = pipeline.shard_batch(batch, ctx["dp_rank"], args.dp, **adapter.media_counts(batch, config))
-    ids, mask = local["input_ids"], local["attention_mask"]
-    labels = pipeline.make_labels(ids, config, adapter, attention_mask=mask)
-    staged = ppmedia.split_media(local, args.microbatches, **adapter.media_counts(local, config))
-    return {"ids": ids, "mask": mask, "labels": labels, "staged": staged, "num_valid": num_valid}
-
-
-def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namespace) -> tuple[float, float]:
-    """One optimizer step on the global ``batch``; returns (global loss, grad norm before clipping)."""
-    share, first = replica_share(ctx, batch, args), ctx["first"]
-    for optimizer in ctx["optimizers"]:
-        optimizer.zero_grad(set_to_none=True)
-    losses: list[torch.Tensor] = []
-    if ctx["tracer"] is not None:
-        ctx["tracer"].start(group=ctx["pp_group"])
-    if args.encoder == "spread":  # every pipeline rank encodes a share; stage 0 also stages the chunks
-        staging = pipeline.encoder_spread_of(ctx["stages"]).step(share["staged"], share["ids"])
-    else:
-        staging = ppmedia.stage_media(first, share["staged"]) if first is not None else contextlib.nullcontext()
-    with staging:
-        ctx["schedule"].step(share["ids"], share["mask"], target=share["labels"], losses=losses,
-                             loss_kwargs={"num_valid_tokens": share["num_valid"]})
-    modules = ctx["modules"]
-    pipeline.sync_tied_gradients(modules, ctx["tied"], group=ctx["pp_group"])
-    if not args.fsdp:  # FSDP2 reduce-scattered the sums over the replicas already
-        pipeline.all_reduce_gradients(modules, group=ctx["dp_group"])
-    norm = pipeline.clip_grad_norm(modules, args.max_grad_norm, tied=ctx["tied"], group=ctx["pp_group"])
-    for optimizer in ctx["optimizers"]:
-        optimizer.step()
-
-    loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros(())
-    dist.all_reduce(loss)  # one last stage per replica holds its share of the global mean
-    return float(loss), float(norm)
-
-
-def evaluate(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namespace) -> float:
-    """The global loss of ``batch``, forward only (no gradients; media staged and consumed once)."""
-    share, first = replica_share(ctx, batch, args), ctx["first"]
-    loss = pipeline.eval_step(ctx["schedule"], first, share["staged"] if first is not None else None,
-                              share["ids"], share["mask"], share["labels"], share["num_valid"])
-    return float(loss)
-
-
-def stage_modules(args: argparse.Namespace, n_stages: int, indices: list[int]) -> list[Any]:
-    """This rank's stage modules (``module.tied``: the model's tied parameter groups, the same on every
-    rank).
-
-    From ``--model``: built on the meta device, only these stages loaded, from only the shards that
-    hold them. Else the tiny family's seeded model (the same weights on every rank), cut.
-    """
+def stage_modules(args: argparse.Namespace, n_stages: int, indices: list[int], device: torch.device) -> list[Any]:
+    """This rank's stage modules: from ``--model`` only these stages (built on meta, loaded from only
+    the shards that hold them), else the tiny family's seeded model cut (the same weights everywhere)."""
+    dtype, layers = model_dtype(args), args.layers_per_stage
     if args.model:
-        modules = pipeline.stages_from_pretrained(args.model, n_stages, stages=indices)
-        expected = tiny_models.load(args.family).MODEL_TYPE
-        if modules[0].config.model_type != expected:
-            raise ValueError(f"--model is a {modules[0].config.model_type} checkpoint; --family {args.family}'s "
-                             f"stand-in batches are for {expected}")
-        return modules
-    model = tiny_models.load(args.family).build_model(args.seed)
-    return pipeline.build_stage_modules(model, n_stages, stages=indices)  # the rest of the model is dropped
+        return pipeline.stages_from_pretrained(args.model, n_stages, stages=indices, layers_per_stage=layers,
+                                               dtype=dtype, device=device)
+    model = tiny_models.load(args.family).build_model(args.seed).to(device=device, dtype=dtype)
+    return pipeline.build_stage_modules(model, n_stages, stages=indices, layers_per_stage=layers)
 
 
-def spread_stages(args: argparse.Namespace, n_stages: int, indices: list[int], pp_group: Any) -> list[Any]:
-    """``--encoder spread``: this rank's stages cut from the full tiny model, which also gives a rank
-    without stage 0 its copy of the vision side (``make_pipeline_stages(..., encoder="spread")``)."""
-    model = tiny_models.load(args.family).build_model(args.seed)
-    return pipeline.make_pipeline_stages(model, n_stages, indices, "cpu", group=pp_group, encoder="spread")
-
-
-def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any) -> dict[str, Any]:
-    """The model's config, adapter, tied names and this rank's pipeline stages (each rank holds only
-    its stages)."""
+def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any, device: torch.device) -> list[Any]:
+    """This rank's ``PipelineStage`` objects (``--encoder spread``: cut from the full tiny model, which
+    also gives a rank without stage 0 its copy of the vision side)."""
     layout = pipeline.schedule_layout(args.schedule)  # stages per rank and their placement (loop / V)
     n_stages, indices = layout.n_stages(args.pp), layout.stage_indices(pp_rank, args.pp)
     if args.encoder == "spread":
-        stages = spread_stages(args, n_stages, indices, pp_group)
-        modules = [stage.submod for stage in stages]
-    else:
-        modules = stage_modules(args, n_stages, indices)
-        stages = pipeline.make_pipeline_stages(modules, n_stages, indices, "cpu", group=pp_group)
-    return {"config": modules[0].config, "adapter": modules[0].adapter, "tied": list(modules[0].tied), "stages": stages}
+        model = tiny_models.load(args.family).build_model(args.seed).to(device=device, dtype=model_dtype(args))
+        return pipeline.make_pipeline_stages(model, n_stages, indices, device, group=pp_group, encoder="spread",
+                                             layers_per_stage=args.layers_per_stage)
+    modules = stage_modules(args, n_stages, indices, device)
+    return pipeline.make_pipeline_stages(modules, n_stages, indices, device, group=pp_group)
 
 
-def build(args: argparse.Namespace) -> dict[str, Any]:
-    """Process groups, this rank's stages (sharded with --fsdp), the schedule and the optimizers."""
-    mesh = init_device_mesh("cpu", (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
+def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Process groups, this rank's stages (frozen parts, checkpointing, train mode, FSDP2), the
+    schedule and the optimizers, as :class:`pipeline.PipelineParts` under ``ctx["parts"]``."""
+    mesh = init_device_mesh(device.type, (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    ctx = build_stages(args, pp_rank, mesh["pp"].get_group())
-    stages = ctx["stages"]
+    pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+    stages = build_stages(args, pp_rank, pp_group, device)
+    modules = [stage.submod for stage in stages]
+    if args.freeze:
+        pipeline.freeze(modules, args.freeze)
+    if args.activation_checkpointing:
+        pipeline.enable_activation_checkpointing(modules)
+    pipeline.train_mode(modules)
     if args.fsdp:
         pipeline.apply_fsdp(stages, mesh["dp"], mixed_precision=torch.bfloat16 if args.bf16 else None)
-    modules = [stage.submod for stage in stages]
-    ctx.update(
-        pp_rank=pp_rank, dp_rank=dp_rank, pp_group=mesh["pp"].get_group(), dp_group=mesh["dp"].get_group(),
-        modules=modules, first=next((s for s in stages if s.is_first), None),
+    spread = pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None
+    parts = pipeline.PipelineParts(
         schedule=pipeline.build_schedule(args.schedule, stages, args.microbatches),
-        optimizers=pipeline.stage_optimizers(modules, lambda params: torch.optim.AdamW(params, lr=args.lr)),
-        tracer=None if not args.trace else pipeline.StepTracer(
-            stages, pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None),
+        first=next((s for s in stages if s.is_first), None), modules=modules,
+        optimizers=pipeline.stage_adamw(modules, args.lr, args.weight_decay), tied=list(modules[0].tied),
+        pp_group=pp_group, dp_group=dp_group, sharded=args.fsdp, max_grad_norm=args.max_grad_norm, spread=spread,
+        tracer=pipeline.StepTracer(stages, spread) if args.trace else None,
     )
-    return ctx
+    return {"parts": parts, "config": modules[0].config, "adapter": modules[0].adapter, "device": device,
+            "dtype": model_dtype(args), "pp_rank": pp_rank, "dp_rank": dp_rank}
+
+
+class StandIn:
+    """The tiny family's two fixed batches (seeds 0 and 1, alternating), the same global batch on every
+    rank, each replica's share cut from it: a stand-in for a data loader."""
+
+    skipped = 0
+
+    def __init__(self, ctx: dict[str, Any], args: argparse.Namespace) -> None:
+        self.ctx, self.args, self.module = ctx, args, tiny_models.load(args.family)
+
+    def share(self, seed: int) -> pipeline.ReplicaShare:
+        ctx = self.ctx
+        batch = pipeline.batch_to(self.module.build_batch(seed), ctx["device"], ctx["dtype"])
+        return pipeline.share_of_global_batch(batch, ctx["config"], ctx["adapter"], ctx["dp_rank"], self.args.dp,
+                                              self.args.microbatches)
+
+    def shares(self, start: int) -> Iterator[pipeline.ReplicaShare]:
+        step = start
+        while True:
+            yield self.share(step % 2)
+            step += 1
+
+    def held_out(self) -> list[pipeline.ReplicaShare]:
+        return [self.share(HELD_OUT_SEED)]
+
+    def total_steps(self) -> int:
+        return int(self.args.steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        return None
 
 
 def draw_trace(ctx: dict[str, Any], args: argparse.Namespace) -> None:
     """The last step's measured timeline of replica 0's pipeline, as an SVG (written by its rank 0)."""
     from ppmedia.timeline import write_svg
 
+    parts = ctx["parts"]
     title = f"measured: {args.family}, {args.schedule}, pp={args.pp}, vision {args.encoder}"
-    timeline = ctx["tracer"].timeline(title, group=ctx["pp_group"])  # collective over the pipeline
+    timeline = parts.tracer.timeline(title, group=parts.pp_group)  # collective over the pipeline
     if ctx["dp_rank"] == 0 and ctx["pp_rank"] == 0:
         write_svg(args.trace, [[timeline]], f"examples/train.py --encoder {args.encoder}: one step")
         print(f"wrote {args.trace}: step {timeline.step_time * 1e3:.1f} ms, bubble {timeline.bubble:.0%}", flush=True)
 
 
-def resume(ctx: dict[str, Any], args: argparse.Namespace) -> int:
-    """Load ``--resume`` (any layout) and return the step to continue at (0: nothing to resume)."""
+def resume(ctx: dict[str, Any], args: argparse.Namespace, source: Any) -> int:
+    """Load ``--resume`` (any layout; the data position too) and return the step to continue at."""
     if not args.resume:
         return 0
     path = pipeline.latest_checkpoint(args.save_dir) if args.resume == "auto" else args.resume
     if path is None:
         _say(f"no complete checkpoint under {args.save_dir}: starting at step 0")
         return 0
-    info = pipeline.load_checkpoint(path, ctx["modules"], ctx["optimizers"])
-    _say(f"resumed from {path} (saved at pp={info['extra'].get('pp')} x dp={info['extra'].get('dp')}, "
-         f"fsdp={info['extra'].get('fsdp')}): continuing at step {info['step']}")
+    parts = ctx["parts"]
+    info = pipeline.load_checkpoint(path, parts.modules, parts.optimizers)
+    extra = info["extra"]
+    source.load_state_dict(extra.get("data") or {}, int(info["step"]))
+    _say(f"resumed from {path} (saved at pp={extra.get('pp')} x dp={extra.get('dp')}, "
+         f"fsdp={extra.get('fsdp')}): continuing at step {info['step']}")
     return int(info["step"])
 
 
@@ -242,38 +280,77 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-def _log(args: argparse.Namespace, row: dict[str, Any]) -> None:
-    if dist.get_rank() != 0:
-        return
-    text = f"step {row['step']}: loss {row['loss']:.6f} grad norm {row['grad_norm']:.4f}"
-    print(text + (f" eval loss {row['eval_loss']:.6f}" if "eval_loss" in row else ""), flush=True)
-    if args.loss_log:
-        with open(args.loss_log, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+def data_source(ctx: dict[str, Any], args: argparse.Namespace) -> Any:
+    """Where the steps' shares come from: ``--data`` through ``ppmedia.data``, else the stand-in."""
+    if args.data:
+        from ppmedia import data_train
+
+        return data_train.DataSource(ctx, args)
+    _say(f"no --data: training the tiny {args.family} model on its 2 fixed stand-in batches")
+    return StandIn(ctx, args)
 
 
-def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
-    """Build, resume, train (``where["step"]`` follows the step, for the failure message)."""
-    ctx = build(args)
-    held_out = tiny_models.load(args.family).build_batch(HELD_OUT_SEED) if args.eval_every else None
-    start = where["step"] = resume(ctx, args)
-    for step, batch in batches(args.family, start):
-        if step >= args.steps:
-            break
+def train_one(ctx: dict[str, Any], args: argparse.Namespace, step: int, share: Any, source: Any,
+              held_out: Any, started: float) -> dict[str, Any]:
+    """One step: the learning rate, the held-out loss when due, the optimizer step; its record."""
+    parts = ctx["parts"]
+    lr = pipeline.learning_rate(step, args.lr, schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+                                total_steps=source.total_steps())
+    pipeline.set_learning_rate(parts.optimizers, lr)
+    eval_loss = None
+    if held_out is not None and step % args.eval_every == 0:  # the weights this step trains from
+        pause = time.perf_counter()
+        eval_loss = pipeline.eval_loss(parts, held_out())
+        started += time.perf_counter() - pause
+    result = pipeline.train_step(parts, share)
+    return pipeline.step_record(step, loss=result.loss, tokens=share.num_valid_tokens, samples=share.samples,
+                                skipped=source.skipped, lr=lr, grad_norm=result.grad_norm,
+                                step_time_s=time.perf_counter() - started,
+                                padding_fraction=result.padding_fraction, eval_loss=eval_loss)
+
+
+def run(args: argparse.Namespace, where: dict[str, Any], device: torch.device) -> None:
+    """Build, resume, train (``where["step"]`` follows the step, for the failure message), export."""
+    ctx = build(args, device)
+    parts = ctx["parts"]
+    source = data_source(ctx, args)
+    start = where["step"] = resume(ctx, args, source)
+    total = source.total_steps()
+    held_out = source.held_out if args.eval_every else None
+    rank0 = dist.get_rank() == 0
+    progress = pipeline.Progress(total, start) if rank0 else None
+    log = pipeline.LossLog(args.loss_log) if rank0 and args.loss_log else None
+    shares = source.shares(start)
+    for step in range(start, total):
         where["step"] = step
-        row: dict[str, Any] = {"step": step}
-        if held_out is not None and step % args.eval_every == 0:  # the weights this step trains from
-            row["eval_loss"] = evaluate(ctx, held_out, args)
-        row["loss"], row["grad_norm"] = train_step(ctx, batch, args)
-        _log(args, row)
+        started = time.perf_counter()
+        record = train_one(ctx, args, step, next(shares), source, held_out, started)
+        if log is not None:
+            log.write(record)
+        if progress is not None:
+            progress.update(record)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
-            pipeline.save_checkpoint(args.save_dir, step + 1, ctx["modules"], ctx["optimizers"],
-                                     extra={"family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp})
-    if ctx["tracer"] is not None:
+            pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
+                "family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp, "data": source.state_dict()})
+    if progress is not None:
+        progress.close()
+    if parts.tracer is not None:
         draw_trace(ctx, args)
-    if args.export and (args.fsdp or ctx["dp_rank"] == 0):
+    if args.export:
+        export(ctx, args)
+
+
+def export(ctx: dict[str, Any], args: argparse.Namespace) -> None:
+    """``--export``: the stages as a Hugging Face checkpoint in their dtype, and ``--model``'s processor
+    files, so that ``AutoProcessor`` and ``AutoModelForImageTextToText`` load it."""
+    parts = ctx["parts"]
+    if args.fsdp or ctx["dp_rank"] == 0:
         # each pipeline rank writes its stages' shards (FSDP2: every replica gathers, the first writes)
-        pipeline.save_pretrained_stages(ctx["modules"], args.export, group=ctx["pp_group"])
+        pipeline.save_pretrained_stages(parts.modules, args.export, group=parts.pp_group)
+    if args.model and dist.get_rank() == 0:
+        copied = pipeline.copy_processor_files(args.model, args.export)
+        print(f"exported {args.export} ({', '.join(copied) or 'no processor files'})", flush=True)
+    dist.barrier()
 
 
 def _cause(exc: BaseException) -> str:
@@ -293,12 +370,13 @@ def _cause(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # CPU processes sharing cores: one intra-op thread each
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    device, backend = pipeline.resolve_device(args.device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=60))
     where: dict[str, Any] = {"step": None}
     try:
         if dist.get_world_size() != args.pp * args.dp:
             raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp = {args.pp * args.dp}")
-        run(args, where)
+        run(args, where, device)
     except BaseException as exc:  # a failed rank says so and exits non-zero, without waiting for its peers
         traceback.print_exc()
         print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {_cause(exc)}", file=sys.stderr, flush=True)

@@ -75,6 +75,10 @@ The package, one module per concern (every public name is importable from ``ppme
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
 ``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
+``optim``           weight-decay groups, AdamW per stage, learning-rate schedules (:func:`stage_adamw`)
+``finetune``        frozen parts, activation checkpointing, train mode, the device and its backend
+``step``            one training step as pieces of a loop (:class:`ReplicaShare`, :func:`train_step`)
+``progress``        the per-step record, the loss log and the progress display (:func:`step_record`)
 ==================  ===========================================================================
 """
 
@@ -90,11 +94,17 @@ from .checkpoint import (
 from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, interleave_encoders,
                       vision_replica)
 from .evaluate import eval_step
-from .export import save_pretrained_stages
+from .export import PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
+from .finetune import (MODEL_PARTS, PROJECTOR_NAMES, enable_activation_checkpointing, freeze, model_part,
+                       resolve_device, train_mode)
+from .optim import LR_SCHEDULES, decay_groups, learning_rate, no_decay, set_learning_rate, stage_adamw
+from .progress import LossLog, Progress, format_step, step_record
+from .step import (PipelineParts, ReplicaShare, StepResult, batch_to, eval_loss, share_of_global_batch, share_of_replica_batch,
+                   train_step)
 from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
-from .pretrained import stages_from_pretrained
+from .pretrained import checkpoint_dtype, stages_from_pretrained
 from .schedules import (
     SCHEDULE_ALIASES,
     SCHEDULES,
@@ -115,6 +125,14 @@ __all__ = [
     "ENCODER_MODES",
     "EncoderSpread",
     "IGNORE_INDEX",
+    "LR_SCHEDULES",
+    "LossLog",
+    "MODEL_PARTS",
+    "PROCESSOR_FILE_PATTERNS",
+    "PROJECTOR_NAMES",
+    "PipelineParts",
+    "Progress",
+    "ReplicaShare",
     "SCHEDULES",
     "SCHEDULE_ALIASES",
     "SPLIT_BACKWARD_RESHARD_REASON",
@@ -122,40 +140,60 @@ __all__ = [
     "ShapeFollowingSchedule",
     "SpreadPlan",
     "StageModule",
+    "StepResult",
     "StepTracer",
     "TiedParameters",
     "all_reduce_gradients",
     "apply_fsdp",
     "assign_encoders",
+    "batch_to",
     "build_schedule",
     "build_stage_modules",
     "check_checkpoint",
     "check_fsdp_schedule",
+    "checkpoint_dtype",
     "checkpoint_path",
     "clip_grad_norm",
+    "copy_processor_files",
     "count_valid_tokens",
+    "decay_groups",
     "default_layer_split",
+    "enable_activation_checkpointing",
     "encoder_spread_of",
-    "interleave_encoders",
+    "eval_loss",
     "eval_step",
     "find_language_model",
+    "format_step",
+    "freeze",
+    "interleave_encoders",
     "is_sharded",
     "latest_checkpoint",
+    "learning_rate",
     "load_checkpoint",
     "make_labels",
     "make_pipeline_stages",
+    "model_part",
+    "no_decay",
     "pipeline_loss",
-    "save_pretrained_stages",
+    "resolve_device",
     "save_checkpoint",
+    "save_pretrained_stages",
     "schedule_layout",
     "schedule_names",
+    "set_learning_rate",
     "shard_batch",
+    "share_of_global_batch",
+    "share_of_replica_batch",
     "splits_backward",
+    "stage_adamw",
     "stage_indices_for_rank",
-    "stages_from_pretrained",
     "stage_optimizers",
+    "stages_from_pretrained",
     "static_stage_args",
+    "step_record",
     "sync_tied_gradients",
     "tied_parameters",
+    "train_mode",
+    "train_step",
     "vision_replica",
 ]
