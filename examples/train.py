@@ -110,7 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--microbatches", type=int, default=2, help="microbatches per replica and step")
     add("--save-dir", help="write DCP checkpoints under this folder (step{N}/)")
     add("--save-every", type=int, default=0, help="checkpoint after every N steps")
+    add("--overwrite", action="store_true",
+        help="a fresh run may delete another run's checkpoints under --save-dir (refused otherwise)")
     add("--resume", help="a checkpoint folder (step{N}) to continue from, or 'auto' (newest under --save-dir)")
+    add("--skip-nonfinite", type=int, default=0, metavar="N",
+        help="skip at most N steps whose loss or gradient norm is not finite (default: stop at the first)")
+    add("--no-batch-check", action="store_true",
+        help="do not compare a fingerprint of every step's batch across the ranks that must hold it")
     add("--loss-log", help="append one JSON line per step here (rank 0)")
     add("--export", help="write the trained model (and the processor) as a Hugging Face checkpoint here")
     add("--eval-every", type=int, default=0, help="every N steps, the held-out loss (forward only)")
@@ -120,8 +126,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def option_problem(args: argparse.Namespace) -> str | None:
+    """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
+    problem = pipeline.option_problem(
+        {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
+        positive=("--pp", "--dp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
+                  "--max-grad-norm"),
+        non_negative=("--lr", "--weight-decay", "--warmup-steps", "--workers", "--save-every", "--eval-every",
+                      "--skip-nonfinite"),
+        together=(("--save-every", "--save-dir"), ("--overwrite", "--save-dir")),
+    )
+    if problem is None and args.save_dir and not args.save_every and args.resume != "auto":
+        problem = f"--save-dir {args.save_dir} needs --save-every N (or --resume auto, which reads it): nothing would be saved"
+    for option, path in (("--model", args.model), ("--resume", None if args.resume == "auto" else args.resume)):
+        if problem is None and path and not os.path.isdir(path):
+            problem = f"{option} {path}: no such directory"
+    for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if problem is None and path and not os.path.exists(path):
+            problem = f"{option} {path}: no such file or directory"
+    if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):
+        problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
+    return problem
+
+
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Combinations of flags that cannot work: one ``parser.error`` (exit 2) before anything starts."""
+    problem = option_problem(args)
+    if problem:
+        parser.error(problem)
     if args.model and not args.data and False:  # TODO(data merge): an error once --data exists
         parser.error("--model fine-tunes a checkpoint on --data: give --data (the tiny stand-in batches only go "
                      "with --family)")
@@ -185,9 +217,11 @@ def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any, device: 
     return pipeline.make_pipeline_stages(modules, n_stages, indices, device, group=pp_group)
 
 
-def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def build(args: argparse.Namespace) -> dict[str, Any]:
     """Process groups, this rank's stages (frozen parts, checkpointing, train mode, FSDP2), the
-    schedule and the optimizers, as :class:`pipeline.PipelineParts` under ``ctx["parts"]``."""
+    schedule and the optimizers (:class:`pipeline.PipelineParts` under ``ctx["parts"]``), and where
+    the steps' batches come from (``ctx["source"]``)."""
+    device, _ = pipeline.resolve_device(args.device)
     mesh = init_device_mesh(device.type, (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
@@ -207,9 +241,13 @@ def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         optimizers=pipeline.stage_adamw(modules, args.lr, args.weight_decay), tied=list(modules[0].tied),
         pp_group=pp_group, dp_group=dp_group, sharded=args.fsdp, max_grad_norm=args.max_grad_norm, spread=spread,
         tracer=pipeline.StepTracer(stages, spread) if args.trace else None,
+        guard=pipeline.NonFiniteGuard(args.skip_nonfinite),
     )
-    return {"parts": parts, "config": modules[0].config, "adapter": modules[0].adapter, "device": device,
-            "dtype": model_dtype(args), "pp_rank": pp_rank, "dp_rank": dp_rank}
+    ctx = {"parts": parts, "config": modules[0].config, "adapter": modules[0].adapter, "device": device,
+           "dtype": model_dtype(args), "pp_rank": pp_rank, "dp_rank": dp_rank, "modules": modules,
+           "optimizers": parts.optimizers, "run_id": None}
+    ctx["source"] = data_source(ctx, args)
+    return ctx
 
 
 class StandIn:
@@ -221,16 +259,18 @@ class StandIn:
     def __init__(self, ctx: dict[str, Any], args: argparse.Namespace) -> None:
         self.ctx, self.args, self.module = ctx, args, tiny_models.load(args.family)
 
-    def share(self, seed: int) -> pipeline.ReplicaShare:
+    def share(self, seed: int, step: int | None = None) -> pipeline.ReplicaShare:
         ctx = self.ctx
         batch = pipeline.batch_to(self.module.build_batch(seed), ctx["device"], ctx["dtype"])
+        if step is not None and not self.args.no_batch_check:  # every rank must hold the same global batch
+            pipeline.check_batch_agreement(batch, step=step)
         return pipeline.share_of_global_batch(batch, ctx["config"], ctx["adapter"], ctx["dp_rank"], self.args.dp,
                                               self.args.microbatches)
 
     def shares(self, start: int) -> Iterator[pipeline.ReplicaShare]:
         step = start
         while True:
-            yield self.share(step % 2)
+            yield self.share(step % 2, step)
             step += 1
 
     def held_out(self) -> list[pipeline.ReplicaShare]:
@@ -258,7 +298,7 @@ def draw_trace(ctx: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"wrote {args.trace}: step {timeline.step_time * 1e3:.1f} ms, bubble {timeline.bubble:.0%}", flush=True)
 
 
-def resume(ctx: dict[str, Any], args: argparse.Namespace, source: Any) -> int:
+def resume(ctx: dict[str, Any], args: argparse.Namespace) -> int:
     """Load ``--resume`` (any layout; the data position too) and return the step to continue at."""
     if not args.resume:
         return 0
@@ -267,11 +307,15 @@ def resume(ctx: dict[str, Any], args: argparse.Namespace, source: Any) -> int:
         _say(f"no complete checkpoint under {args.save_dir}: starting at step 0")
         return 0
     parts = ctx["parts"]
-    info = pipeline.load_checkpoint(path, parts.modules, parts.optimizers)
+    # this run's --lr (and any other optimizer setting) applies from the resumed step, not the saved one
+    info = pipeline.load_checkpoint(path, parts.modules, parts.optimizers, hyperparameters="current")
+    ctx["run_id"] = info.get("run_id")
     extra = info["extra"]
-    source.load_state_dict(extra.get("data") or {}, int(info["step"]))
+    ctx["source"].load_state_dict(extra.get("data") or {}, int(info["step"]))
     _say(f"resumed from {path} (saved at pp={extra.get('pp')} x dp={extra.get('dp')}, "
          f"fsdp={extra.get('fsdp')}): continuing at step {info['step']}")
+    if info["hyperparameters_changed"]:
+        _say(f"optimizer settings of this run apply from step {info['step']}: {'; '.join(info['hyperparameters_changed'])}")
     return int(info["step"])
 
 
@@ -302,19 +346,22 @@ def train_one(ctx: dict[str, Any], args: argparse.Namespace, step: int, share: A
         pause = time.perf_counter()
         eval_loss = pipeline.eval_loss(parts, held_out())
         started += time.perf_counter() - pause
-    result = pipeline.train_step(parts, share)
+    result = pipeline.train_step(parts, share, step)
     return pipeline.step_record(step, loss=result.loss, tokens=share.num_valid_tokens, samples=share.samples,
                                 skipped=source.skipped, lr=lr, grad_norm=result.grad_norm,
-                                step_time_s=time.perf_counter() - started,
-                                padding_fraction=result.padding_fraction, eval_loss=eval_loss)
+                                step_time_s=time.perf_counter() - started, padding_fraction=result.padding_fraction,
+                                eval_loss=eval_loss, nonfinite=result.nonfinite)
 
 
-def run(args: argparse.Namespace, where: dict[str, Any], device: torch.device) -> None:
+def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
     """Build, resume, train (``where["step"]`` follows the step, for the failure message), export."""
-    ctx = build(args, device)
-    parts = ctx["parts"]
-    source = data_source(ctx, args)
-    start = where["step"] = resume(ctx, args, source)
+    ctx = build(args)
+    parts, source = ctx["parts"], ctx["source"]
+    start = where["step"] = resume(ctx, args)
+    if args.save_dir and args.save_every:  # the checkpoints of another run are not mixed with this one's
+        if start == 0:  # a fresh run (nothing resumed): a new identity, recorded in its checkpoints
+            ctx["run_id"] = pipeline.new_run_id()
+        pipeline.claim_save_dir(args.save_dir, ctx["run_id"], overwrite=args.overwrite)
     total = source.total_steps()
     held_out = source.held_out if args.eval_every else None
     rank0 = dist.get_rank() == 0
@@ -331,7 +378,8 @@ def run(args: argparse.Namespace, where: dict[str, Any], device: torch.device) -
             progress.update(record)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
             pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
-                "family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp, "data": source.state_dict()})
+                "family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp, "data": source.state_dict()},
+                run_id=ctx["run_id"])
     if progress is not None:
         progress.close()
     if parts.tracer is not None:
@@ -353,33 +401,19 @@ def export(ctx: dict[str, Any], args: argparse.Namespace) -> None:
     dist.barrier()
 
 
-def _cause(exc: BaseException) -> str:
-    """``Type: message`` of the innermost exception (what went wrong: e.g. gloo's "Connection closed
-    by peer"), and the outermost one's type and first line when it differs (where it surfaced)."""
-    def line(e: BaseException) -> str:
-        text = " ".join(str(e).split())
-        return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-    inner, seen = exc, {id(exc)}
-    while (inner.__cause__ or inner.__context__) is not None and id(inner.__cause__ or inner.__context__) not in seen:
-        inner = inner.__cause__ or inner.__context__  # type: ignore[assignment]
-        seen.add(id(inner))
-    return line(inner) if inner is exc else f"{line(inner)} (surfaced as {line(exc)[:200]})"
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # CPU processes sharing cores: one intra-op thread each
-    device, backend = pipeline.resolve_device(args.device)
+    _, backend = pipeline.resolve_device(args.device)
     dist.init_process_group(backend, timeout=timedelta(seconds=60))
     where: dict[str, Any] = {"step": None}
     try:
         if dist.get_world_size() != args.pp * args.dp:
             raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp = {args.pp * args.dp}")
-        run(args, where, device)
+        run(args, where)
     except BaseException as exc:  # a failed rank says so and exits non-zero, without waiting for its peers
         traceback.print_exc()
-        print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {_cause(exc)}", file=sys.stderr, flush=True)
+        print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {pipeline.failure_line(exc)}", file=sys.stderr, flush=True)
         os._exit(1)  # the process group may hang on a dead peer: skip its teardown
     dist.destroy_process_group()
 

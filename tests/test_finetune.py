@@ -207,7 +207,7 @@ def _train_script():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--data", "x.jsonl", "--steps", "2"], "--data is processed with --model's own processor: give --model"),
+    (["--data", str(ROOT / "README.md"), "--steps", "2"], "--data is processed with --model's own processor: give --model"),
     (["--epochs", "2"], "--epochs counts passes over --data"),
     (["--steps", "2", "--epochs", "2"], "argument --epochs: not allowed with argument --steps"),
     (["--freeze", "vision,audio"], "argument --freeze: got ['audio']; expected some of vision,projector,language"),

@@ -49,7 +49,8 @@ Around the stages: :func:`schedule_layout` / :func:`build_schedule` take any sch
 name (torch's ``get_schedule_class``) and place the stages as it wants (looped or V-shaped);
 :func:`shard_batch`, :func:`all_reduce_gradients` and :func:`clip_grad_norm` add data parallelism
 (``pp x dp``: each replica a full pipeline on its share of the batch, gradients summed over replicas)
-and global-norm clipping; :func:`sync_tied_gradients` sums a tied embedding's two copies.
+and global-norm clipping; :func:`stage_parameters` lists a rank's parameters for its optimizer,
+each once, and :func:`sync_tied_gradients` sums a tied embedding's two copies.
 
 The decoder layers run through the language model's own ``forward`` (called with
 ``inputs_embeds=``), so its masks and rotary embeddings are the model's own. That forward indexes
@@ -73,7 +74,10 @@ The package, one module per concern (every public name is importable from ``ppme
 ``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
 ``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
-``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
+``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...),
+                    a run's identity in them (:func:`claim_save_dir`)
+``guards``          a run's preconditions: options, ranks agreeing on a refusal, the same batch on
+                    every rank, finite losses (:func:`check_batch_agreement`, :class:`NonFiniteGuard`)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
 ``optim``           weight-decay groups, AdamW per stage, learning-rate schedules (:func:`stage_adamw`)
 ``finetune``        frozen parts, activation checkpointing, train mode, the device and its backend
@@ -84,10 +88,13 @@ The package, one module per concern (every public name is importable from ``ppme
 
 from .checkpoint import (
     CHECKPOINT_INFO,
+    HYPERPARAMETER_MODES,
     check_checkpoint,
     checkpoint_path,
+    claim_save_dir,
     latest_checkpoint,
     load_checkpoint,
+    new_run_id,
     save_checkpoint,
     stage_optimizers,
 )
@@ -97,6 +104,8 @@ from .evaluate import eval_step
 from .export import PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
 from .finetune import (MODEL_PARTS, PROJECTOR_NAMES, enable_activation_checkpointing, freeze, model_part,
                        resolve_device, train_mode)
+from .guards import (BatchMismatchError, NonFiniteError, NonFiniteGuard, agree, batch_fingerprint,
+                     check_batch_agreement, failure_line, option_problem)
 from .optim import LR_SCHEDULES, decay_groups, learning_rate, no_decay, set_learning_rate, stage_adamw
 from .progress import LossLog, Progress, format_step, step_record
 from .step import (PipelineParts, ReplicaShare, StepResult, batch_to, eval_loss, share_of_global_batch, share_of_replica_batch,
@@ -117,17 +126,21 @@ from .schedules import (
 )
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
 from .surgery import default_layer_split, find_language_model
-from .tied import TiedParameters, sync_tied_gradients, tied_parameters
+from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
 
 __all__ = [
+    "BatchMismatchError",
     "CHECKPOINT_INFO",
     "ENCODER_MODES",
     "EncoderSpread",
+    "HYPERPARAMETER_MODES",
     "IGNORE_INDEX",
     "LR_SCHEDULES",
     "LossLog",
     "MODEL_PARTS",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "PROCESSOR_FILE_PATTERNS",
     "PROJECTOR_NAMES",
     "PipelineParts",
@@ -143,16 +156,20 @@ __all__ = [
     "StepResult",
     "StepTracer",
     "TiedParameters",
+    "agree",
     "all_reduce_gradients",
     "apply_fsdp",
     "assign_encoders",
+    "batch_fingerprint",
     "batch_to",
     "build_schedule",
     "build_stage_modules",
+    "check_batch_agreement",
     "check_checkpoint",
     "check_fsdp_schedule",
     "checkpoint_dtype",
     "checkpoint_path",
+    "claim_save_dir",
     "clip_grad_norm",
     "copy_processor_files",
     "count_valid_tokens",
@@ -162,6 +179,7 @@ __all__ = [
     "encoder_spread_of",
     "eval_loss",
     "eval_step",
+    "failure_line",
     "find_language_model",
     "format_step",
     "freeze",
@@ -173,7 +191,9 @@ __all__ = [
     "make_labels",
     "make_pipeline_stages",
     "model_part",
+    "new_run_id",
     "no_decay",
+    "option_problem",
     "pipeline_loss",
     "resolve_device",
     "save_checkpoint",
@@ -188,6 +208,7 @@ __all__ = [
     "stage_adamw",
     "stage_indices_for_rank",
     "stage_optimizers",
+    "stage_parameters",
     "stages_from_pretrained",
     "static_stage_args",
     "step_record",

@@ -28,6 +28,7 @@ def step_record(
     step_time_s: float,
     padding_fraction: float,
     eval_loss: float | None = None,
+    nonfinite: bool = False,
 ) -> dict[str, Any]:
     """One step's record: ``step``, ``loss`` (the global batch's mean token loss), ``tokens`` (its label
     tokens), ``samples``, ``skipped`` (samples skipped so far), ``lr``, ``grad_norm`` (before clipping),
@@ -42,14 +43,17 @@ def step_record(
     }
     if eval_loss is not None:
         record["eval_loss"] = float(eval_loss)
+    if nonfinite:
+        record["nonfinite"] = True
     return record
 
 
 def format_step(record: dict[str, Any]) -> str:
     """The plain line of a record: ``step 3: loss 4.631234 lr 0.001 grad norm 1.4816 step 0.21 s
-    1234 tokens/s`` (and ``eval loss ...`` when evaluated)."""
+    1234 tokens/s`` (and ``eval loss ...`` when evaluated, ``skipped (not finite)`` for a skipped step)."""
     text = (f"step {record['step']}: loss {record['loss']:.6f} lr {record['lr']:.3g} grad norm "
             f"{record['grad_norm']:.4f} step {record['step_time_s']:.2f} s {record['tokens_per_s']:.0f} tokens/s")
+    text += " skipped (not finite)" if record.get("nonfinite") else ""
     return text + (f" eval loss {record['eval_loss']:.6f}" if "eval_loss" in record else "")
 
 

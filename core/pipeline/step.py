@@ -50,11 +50,13 @@ class ReplicaShare:
 @dataclass
 class StepResult:
     """What :func:`train_step` measured (equal on every rank): the global batch's mean token loss,
-    the gradient norm before clipping, and pad positions / all positions of the global batch's rows."""
+    the gradient norm before clipping, pad positions / all positions of the global batch's rows, and
+    whether the optimizer step was skipped (a non-finite loss or norm, :class:`~ppmedia.pipeline.NonFiniteGuard`)."""
 
     loss: float
     grad_norm: float
     padding_fraction: float
+    nonfinite: bool = False
 
 
 @dataclass
@@ -73,6 +75,8 @@ class PipelineParts:
         max_grad_norm: the global L2 norm gradients are clipped to.
         spread: the :class:`~ppmedia.pipeline.EncoderSpread` when every rank encodes a share.
         tracer: a :class:`~ppmedia.pipeline.StepTracer` to start at each step, or ``None``.
+        guard: a :class:`~ppmedia.pipeline.NonFiniteGuard` consulted before each optimizer step (a
+            non-finite loss or norm stops the run, or skips the step within its limit); ``None``: none.
     """
 
     schedule: Any
@@ -86,6 +90,7 @@ class PipelineParts:
     max_grad_norm: float = 1.0
     spread: Any = None
     tracer: Any = None
+    guard: Any = None
 
 
 def batch_to(batch: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -160,12 +165,13 @@ def _run_schedule(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor
                             loss_kwargs={"num_valid_tokens": share.num_valid_tokens})
 
 
-def train_step(parts: PipelineParts, share: ReplicaShare) -> StepResult:
+def train_step(parts: PipelineParts, share: ReplicaShare, step: int | None = None) -> StepResult:
     """One optimizer step (call it on every rank): zero the gradients, run the schedule with the
     share's media staged, sum tied gradients across the pipeline and (replicated) gradients across
-    the replicas, clip to the global norm, step every optimizer. One ``all_reduce`` over the world
-    then gives every rank the global loss (the last stages' shares) and the padding counts (each
-    replica's pipeline rank 0)."""
+    the replicas, clip to the global norm; one ``all_reduce`` over the world then gives every rank the
+    global loss (the last stages' shares) and the padding counts (each replica's pipeline rank 0); with
+    ``parts.guard``, a non-finite loss or norm raises or skips the optimizer step (``step`` names it);
+    else every optimizer steps."""
     from .parallel import all_reduce_gradients, clip_grad_norm
     from .tied import sync_tied_gradients
 
@@ -178,11 +184,16 @@ def train_step(parts: PipelineParts, share: ReplicaShare) -> StepResult:
     sync_tied_gradients(parts.modules, parts.tied, group=parts.pp_group)
     if not parts.sharded:  # FSDP2 reduce-scattered the sums over the replicas already
         all_reduce_gradients(parts.modules, group=parts.dp_group)
-    norm = clip_grad_norm(parts.modules, parts.max_grad_norm, tied=parts.tied, group=parts.pp_group)
-    for optimizer in parts.optimizers:
-        optimizer.step()
+    norm = float(clip_grad_norm(parts.modules, parts.max_grad_norm, tied=parts.tied, group=parts.pp_group))
     loss, fraction = _global_sums(parts, share, losses)
-    return StepResult(loss, float(norm), fraction)
+    skip = parts.guard is not None and parts.guard.should_skip(-1 if step is None else step, loss, norm)
+    if skip:
+        for optimizer in parts.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+    else:
+        for optimizer in parts.optimizers:
+            optimizer.step()
+    return StepResult(loss, norm, fraction, skip)
 
 
 def _global_sums(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]) -> tuple[float, float]:
