@@ -16,6 +16,8 @@ Each family module defines:
 * optionally ``ADAPTER``: the name of the adapter serving the model, when it is not the family's name
   (a variant: ``mistral_small4`` is served by ``mistral3``, ``llava_pixtral`` by ``llava``,
   ``kimi_k25_video`` by ``kimi_vl``);
+* optionally ``build_processor(image_backend="torchvision")``: the family's real processor around a
+  tiny tokenizer (:func:`ppmedia.testing.processors.build_tiny_processor`);
 * optionally ``MAX_PARITY_LR``: the largest SGD step the parity harness takes on the model (Gemma 4's
   tiny model is so curved that a larger one turns float32 rounding into gradient differences above
   the tolerance, in its own microbatched forward too).
