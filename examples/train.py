@@ -161,6 +161,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--data is processed with --model's own processor: give --model")
     if args.eval_data and not args.data:
         parser.error("--eval-data goes with --data")
+    if args.data and bool(args.eval_every) != bool(args.eval_data):
+        parser.error("with --data, --eval-every N evaluates --eval-data PATH: give both or neither")
     if args.epochs is not None and not args.data:
         parser.error("--epochs counts passes over --data: give --steps for the stand-in batches")
     if args.data and args.epochs is None and args.steps is None:
@@ -324,12 +326,77 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
+class DataSource:
+    """``--data`` through ``ppmedia.data``: the checkpoint's own processor (``AutoProcessor``) per sample,
+    this replica's share of every global batch, media read only on the rank holding stage 0."""
+
+    def __init__(self, ctx: dict[str, Any], args: argparse.Namespace) -> None:
+        import transformers
+
+        from ppmedia import data
+
+        self.ctx, self.args = ctx, args
+        self.processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(args.model),
+                                              max_length=args.max_length, config=ctx["config"])
+        self.loader = self._loader(args.data, shuffle=not args.no_shuffle)
+        self.per_epoch = len(self.loader.dataset) // args.batch_size
+        self._held_out: list[pipeline.ReplicaShare] | None = None
+        if self.per_epoch == 0:
+            raise ValueError(f"--data {args.data}: {len(self.loader.dataset)} usable samples, fewer than one global "
+                             f"batch (--batch-size {args.batch_size})")
+
+    def _loader(self, path: str, *, shuffle: bool) -> Any:
+        from ppmedia import data
+
+        ctx, args = self.ctx, self.args
+        dataset = data.open_dataset(path, media_dir=args.media_dir, skip_bad_samples=args.skip_bad_samples)
+        return data.ReplicaLoader(
+            dataset, self.processor, global_batch_size=args.batch_size, dp_rank=ctx["dp_rank"], dp_size=args.dp,
+            seed=args.seed, shuffle=shuffle, workers=args.workers, pp_group=ctx["parts"].pp_group,
+            reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples)
+
+    def _shares(self, loader: Any, epochs: int | None) -> Iterator[pipeline.ReplicaShare]:
+        ctx, parts = self.ctx, self.ctx["parts"]
+        return pipeline.loader_shares(loader, ctx["config"], ctx["adapter"], self.args.microbatches,
+                                      dp_group=parts.dp_group, stages_media=parts.first is not None,
+                                      device=ctx["device"], dtype=ctx["dtype"], epochs=epochs)
+
+    @property
+    def skipped(self) -> int:
+        return int(self.loader.skipped)
+
+    def shares(self, start: int) -> Iterator[pipeline.ReplicaShare]:
+        for share in self._shares(self.loader, None):
+            if not self.args.no_batch_check:  # the pipeline ranks of a replica must hold the same rows
+                pipeline.check_batch_agreement({"input_ids": share.input_ids, "attention_mask": share.attention_mask,
+                                                "labels": share.labels}, group=self.ctx["parts"].pp_group)
+            yield share
+
+    def held_out(self) -> list[pipeline.ReplicaShare]:
+        """``--eval-data`` in order, processed once, kept for every evaluation."""
+        if self._held_out is None:
+            self._held_out = list(self._shares(self._loader(self.args.eval_data, shuffle=False), 1))
+            if not self._held_out:
+                raise ValueError(f"--eval-data {self.args.eval_data}: fewer samples than one global batch "
+                                 f"(--batch-size {self.args.batch_size})")
+        return self._held_out
+
+    def total_steps(self) -> int:
+        return int(self.args.steps) if self.args.steps is not None else int(self.args.epochs) * self.per_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.loader.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        if not state:
+            raise ValueError(f"the checkpoint of step {step} holds no data loader position (saved without --data)")
+        self.loader.load_state_dict(state)
+
+
 def data_source(ctx: dict[str, Any], args: argparse.Namespace) -> Any:
     """Where the steps' shares come from: ``--data`` through ``ppmedia.data``, else the stand-in."""
     if args.data:
-        from ppmedia import data_train
-
-        return data_train.DataSource(ctx, args)
+        return DataSource(ctx, args)
     _say(f"no --data: training the tiny {args.family} model on its 2 fixed stand-in batches")
     return StandIn(ctx, args)
 

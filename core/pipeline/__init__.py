@@ -108,7 +108,7 @@ from .guards import (BatchMismatchError, NonFiniteError, NonFiniteGuard, agree, 
                      check_batch_agreement, failure_line, option_problem)
 from .optim import LR_SCHEDULES, decay_groups, learning_rate, no_decay, set_learning_rate, stage_adamw
 from .progress import LossLog, Progress, format_step, step_record
-from .step import (PipelineParts, ReplicaShare, StepResult, batch_to, eval_loss, share_of_global_batch, share_of_replica_batch,
+from .step import (PipelineParts, ReplicaShare, StepResult, batch_to, eval_loss, loader_shares, share_of_global_batch, share_of_replica_batch,
                    train_step)
 from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
@@ -188,6 +188,7 @@ __all__ = [
     "latest_checkpoint",
     "learning_rate",
     "load_checkpoint",
+    "loader_shares",
     "make_labels",
     "make_pipeline_stages",
     "model_part",

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["PipelineParts", "ReplicaShare", "StepResult", "batch_to", "eval_loss", "share_of_global_batch",
-           "share_of_replica_batch", "train_step"]
+__all__ = ["PipelineParts", "ReplicaShare", "StepResult", "batch_to", "eval_loss", "loader_shares",
+           "share_of_global_batch", "share_of_replica_batch", "train_step"]
 
 
 @dataclass
@@ -136,7 +136,9 @@ def share_of_replica_batch(batch: Mapping[str, Any], config: Any, adapter: Any, 
 
     Args:
         batch: the replica's collated batch: ``input_ids``, ``attention_mask``, ``labels`` ``[b, S]``
-            and, on the rank that stages them, the media keys.
+            and, on the rank that stages them, the media keys (and ``media_counts``: the counts
+            :func:`~ppmedia.split_media` takes; default ``adapter.media_counts``). Other keys that are
+            not tensors (a loader's statistics) are left out of the split.
         num_valid_tokens: the global batch's label tokens (all replicas).
         samples: the global batch's samples.
         stages_media: whether this rank splits and stages the media (stage 0's rank).
@@ -146,10 +148,38 @@ def share_of_replica_batch(batch: Mapping[str, Any], config: Any, adapter: Any, 
     ids, mask = batch["input_ids"], batch["attention_mask"]
     staged = None
     if stages_media:
-        media = {k: v for k, v in batch.items() if k != "labels"}
-        staged = split_media(media, n_microbatches, **adapter.media_counts(media, config))
+        media = {k: v for k, v in batch.items() if isinstance(v, Tensor) and k != "labels"}
+        counts = batch.get("media_counts") or adapter.media_counts(media, config)
+        staged = split_media(media, n_microbatches, **counts)
     pads, positions = _padding(mask)
     return ReplicaShare(ids, mask, batch["labels"], staged, int(num_valid_tokens), int(samples), pads, positions)
+
+
+def loader_shares(loader: Any, config: Any, adapter: Any, n_microbatches: int, *, dp_group: Any = None,
+                  stages_media: bool, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                  epochs: int | None = None) -> Iterator[ReplicaShare]:
+    """The shares of a per-replica loader's batches (a :class:`ppmedia.data.ReplicaLoader`: one dict per
+    global batch with ``n_label_tokens``, ``n_samples`` and ``skipped``), epoch after epoch
+    (``epochs=None``: without end; else until that many passes, counted from the loader's position).
+
+    Each batch goes to ``device`` (floating tensors in ``dtype``); one ``all_reduce`` over ``dp_group``
+    per batch sums the replicas' label tokens and samples (the loss's divisor and the logged count).
+    ``loader.skipped`` stays the loader's own count of skipped samples.
+    """
+    import torch.distributed as dist
+
+    done = 0
+    while epochs is None or done < epochs:
+        for batch in loader:
+            batch = batch_to(batch, device, dtype)
+            counts = torch.tensor([int(batch["n_label_tokens"]), int(batch["n_samples"])], dtype=torch.int64,
+                                  device=device)
+            if dp_group is not None:
+                dist.all_reduce(counts, group=dp_group)
+            tokens, samples = (int(c) for c in counts.tolist())
+            yield share_of_replica_batch(batch, config, adapter, n_microbatches, num_valid_tokens=tokens,
+                                         samples=samples, stages_media=stages_media)
+        done += 1
 
 
 def _run_schedule(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]) -> None:
