@@ -1,0 +1,18 @@
+"""The one error a bad record raises (:class:`DataError`), naming where the record is."""
+
+from __future__ import annotations
+
+__all__ = ["DataError"]
+
+
+class DataError(ValueError):
+    """A bad record: ``where`` is ``"FILE:LINE"`` (JSON Lines; ``FILE:ITEM`` for a JSON list, 1-based)
+    or ``"NAME[INDEX]"`` (a ``datasets`` dataset, 0-based); the message names it and the problem."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}")
+        self.where = where
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type[DataError], tuple[str, str]]:  # survives DataLoader workers
+        return (type(self), (self.where, self.problem))
