@@ -154,7 +154,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     problem = option_problem(args)
     if problem:
         parser.error(problem)
-    if args.model and not args.data and False:  # TODO(data merge): an error once --data exists
+    if args.model and not args.data:
         parser.error("--model fine-tunes a checkpoint on --data: give --data (the tiny stand-in batches only go "
                      "with --family)")
     if args.data and not args.model:

@@ -229,3 +229,13 @@ def test_train_py_refuses_cuda_where_there_is_none(capsys):
         _train_script().parse_args(["--device", "cuda"])
     assert exit_info.value.code == 2
     assert "--device cuda: torch.cuda.is_available() is False here" in capsys.readouterr().err
+
+
+def test_the_demo_ends_with_a_fine_tune_whose_loss_falls():
+    """``make demo``'s ending: the tiny Qwen2.5-VL with its real processor on generated images, through
+    ppmedia.data's loader and pipeline.train_step (2 stages in this process)."""
+    from ppmedia import demo
+
+    losses = demo.finetune(steps=4)
+    assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert 4.0 < losses[0] < 6.0  # about ln(128) = 4.85 from a random tiny model
