@@ -83,6 +83,7 @@ The package, one module per concern (every public name is importable from ``ppme
 ``finetune``        frozen parts, activation checkpointing, train mode, the device and its backend
 ``step``            one training step as pieces of a loop (:class:`ReplicaShare`, :func:`train_step`)
 ``progress``        the per-step record, the loss log and the progress display (:func:`step_record`)
+``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``
 ==================  ===========================================================================
 """
 
@@ -100,6 +101,7 @@ from .checkpoint import (
 )
 from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, interleave_encoders,
                       vision_replica)
+from .distributed import TORCHRUN_VARIABLES, init_distributed
 from .evaluate import eval_step
 from .export import PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
 from .finetune import (MODEL_PARTS, PROJECTOR_NAMES, enable_activation_checkpointing, freeze, model_part,
@@ -155,6 +157,7 @@ __all__ = [
     "StageModule",
     "StepResult",
     "StepTracer",
+    "TORCHRUN_VARIABLES",
     "TiedParameters",
     "agree",
     "all_reduce_gradients",
@@ -183,6 +186,7 @@ __all__ = [
     "find_language_model",
     "format_step",
     "freeze",
+    "init_distributed",
     "interleave_encoders",
     "is_sharded",
     "latest_checkpoint",

@@ -468,10 +468,39 @@ def make_pipeline_stages(
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
             inputs, outputs = static_stage_args(module, *static_microbatch, dtype=dtype, device=device)
             kwargs.update(input_args=inputs, output_args=outputs)
-        stages.append(PipelineStage(module, index, n_stages, device, group=group, **kwargs))
+        stage = PipelineStage(module, index, n_stages, device, group=group, **kwargs)
+        _restore_only_changed_buffers(stage)
+        stages.append(stage)
     if encoder != "stage0":
         _attach_spread(model, modules, stages, group, device)
     return stages
+
+
+def _restore_only_changed_buffers(stage: Any) -> None:
+    """Keep torch's shape-inference cleanup from bumping the version of buffers it did not change.
+
+    torch 2.14 backs up every buffer of a stage before the shape-inference forward and backward of an
+    inferred schedule's first step, then copies each back in place. The copy bumps a buffer's autograd
+    version even when its contents never changed, so a graph that saved the buffer earlier (an encode
+    of the encoder spread run before the schedule: CLIP's ``position_ids`` lookup saves them) fails in
+    its backward ("modified by an inplace operation"). Buffers equal to their backup are dropped from
+    the restore; a buffer the inference did change is still restored. A no-op on a torch without
+    that cleanup.
+    """
+    cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
+    if cleanup is None or not hasattr(stage, "_metadata_inference_buffer_backup"):
+        return
+
+    def restore_changed() -> None:
+        backup = stage._metadata_inference_buffer_backup
+        if backup is not None:
+            stage._metadata_inference_buffer_backup = [
+                (buffer, saved) for buffer, saved in backup
+                if buffer.shape != saved.shape or not torch.equal(buffer, saved)
+            ]
+        cleanup()
+
+    stage._post_metadata_inference_cleanup = restore_changed
 
 
 def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any], group: Any,

@@ -9,7 +9,7 @@
   in one process against the model's own logits and gradients (state that crosses stage boundaries);
 * :mod:`ppmedia.testing.goldens`: :func:`write_goldens` / :func:`check_goldens` (config, inputs and
   expected embeddings as safetensors; configs and inputs regenerate byte for byte, expected floats
-  within :data:`~ppmedia.testing.goldens.REGENERATION_ATOL`);
+  within :func:`~ppmedia.testing.goldens.regeneration_tolerance`, a bound that scales with the tensor);
 * :mod:`ppmedia.testing.parity`: the multi-process pipeline parity harness (real
   ``torch.distributed.pipelining`` schedules over gloo, compared with the model's own forward);
   :func:`check_pipeline_parity` wraps it for any family;

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import tiny_models
 from .checks import MicrobatchCheck, capture_reference, check_adapter
-from .goldens import REGENERATION_ATOL, check_goldens, write_goldens
+from .goldens import REGENERATION_ULPS, check_goldens, write_goldens
 
 if TYPE_CHECKING:
     from ..adapters.base import VlmAdapter
@@ -188,7 +188,7 @@ class FamilyKit:
 
     def check_goldens(
         self, folder: str | pathlib.Path, *, microbatches: Iterable[int] = (1, 2, 4), atol: float = 1e-5,
-        regeneration_atol: float = REGENERATION_ATOL, bit_identical: bool = False,
+        regeneration_atol: float | None = None, bit_identical: bool = False, regeneration_ulps: float = REGENERATION_ULPS,
     ) -> None:
         """:func:`~ppmedia.testing.goldens.check_goldens` (after writing them with ``write_goldens``)."""
         if self._write_goldens:
@@ -196,6 +196,7 @@ class FamilyKit:
         check_goldens(
             self.module, folder, adapter=self.adapter, microbatches=microbatches, seed=self.seed, atol=atol,
             regeneration_atol=regeneration_atol, bit_identical=bit_identical, layouts=self.registry.media_layouts(),
+            regeneration_ulps=regeneration_ulps,
         )
 
     def check_stage_splits(self, splits: Iterable[Sequence[int]], *, n_microbatches: int = 4, atol: float = 1e-5) -> list[StageSplitCheck]:
