@@ -15,7 +15,12 @@ Placeholders are expanded by the processor itself, as in training.
 chat template, then the processor on the texts and the media.
 
 A tiny-family module provides its processor with ``build_processor(image_backend: str) ->
-ProcessorMixin`` (optional in :data:`~ppmedia.testing.tiny_models.PROTOCOL`).
+ProcessorMixin`` (optional in :data:`~ppmedia.testing.tiny_models.PROTOCOL`), and, when the processor's
+media do not fit :func:`build_model`'s model (Gemma 4's 280 patches an image need a larger vision
+position table), ``build_processor_model(seed)``: :func:`build_tiny_processor_model` gives the model
+to run the processor's batches through either way. A module's ``PROCESSOR_CALL_KWARGS`` are what every
+call of the processor needs once saved and loaded back (:func:`processor_call_kwargs`): the Qwen Omni
+processor classes impose video sizes of their own over their video processor's, and do not save them.
 """
 
 from __future__ import annotations
@@ -28,7 +33,15 @@ import numpy as np
 
 from . import tiny_models
 
-__all__ = ["IMAGE_BACKENDS", "build_tiny_processor", "chat_batch", "has_tiny_processor", "save_tiny_processor"]
+__all__ = [
+    "IMAGE_BACKENDS",
+    "build_tiny_processor",
+    "build_tiny_processor_model",
+    "chat_batch",
+    "has_tiny_processor",
+    "processor_call_kwargs",
+    "save_tiny_processor",
+]
 
 #: the image-processor backends: ``"torchvision"`` (transformers 5's default classes) and ``"pil"``
 #: (the ``...Pil`` classes).
@@ -61,6 +74,20 @@ def build_tiny_processor(family: str | ModuleType, *, image_backend: str = "torc
     return build(image_backend=image_backend)
 
 
+def build_tiny_processor_model(family: str | ModuleType, seed: int = 0) -> Any:
+    """The tiny model that :func:`build_tiny_processor`'s batches fit: the module's
+    ``build_processor_model(seed)`` where it has one, else its ``build_model(seed)``."""
+    module = tiny_models.load(family)
+    build = getattr(module, "build_processor_model", None)
+    return build(seed) if callable(build) else module.build_model(seed)
+
+
+def processor_call_kwargs(family: str | ModuleType) -> dict[str, Any]:
+    """Keyword arguments every call of the family's saved-and-loaded tiny processor needs (the module's
+    ``PROCESSOR_CALL_KWARGS``; ``{}`` for most families)."""
+    return dict(getattr(tiny_models.load(family), "PROCESSOR_CALL_KWARGS", {}))
+
+
 def save_tiny_processor(family: str | ModuleType, directory: str | Path, *, image_backend: str = "torchvision") -> Path:
     """Write :func:`build_tiny_processor`'s processor to ``directory`` (created if needed) with
     ``save_pretrained``; ``AutoProcessor.from_pretrained(directory)`` loads it back. Returns the folder."""
@@ -71,11 +98,14 @@ def save_tiny_processor(family: str | ModuleType, directory: str | Path, *, imag
 
 
 #: a sample's parts for :func:`chat_batch`: ``int`` n (n text words), ``str`` (that text), or a media
-#: item ``("image", PIL image)``, ``("video", uint8 frames [T, H, W, 3])``, ``("audio", float [n])``.
+#: item ``("image", PIL image)``, ``("video", uint8 frames [T, H, W, 3])``, ``("audio", float [n])``,
+#: ``("video", frames, float [n])`` (a video with its audio track, for the Omni processors).
 Part = Any
 
 
 def _content(parts: Sequence[Part], words: Sequence[str], rng: np.random.Generator) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+    """One sample's chat content and media per kind; ``media["audio_from_video"]`` holds, per audio
+    clip, ``None`` or the index of the sample's video it is the track of, in prompt order."""
     content: list[dict[str, Any]] = []
     media: dict[str, list[Any]] = {}
     for part in parts:
@@ -84,10 +114,30 @@ def _content(parts: Sequence[Part], words: Sequence[str], rng: np.random.Generat
         elif isinstance(part, str):
             content.append({"type": "text", "text": part})
         else:
-            kind, item = part
+            kind, item, *track = part
             content.append({"type": kind})
             media.setdefault(kind, []).append(item)
+            if kind == "audio" or track:
+                media.setdefault("audio_from_video", []).append(len(media["video"]) - 1 if track else None)
+            if track:
+                media.setdefault("audio", []).append(track[0])
     return content, media
+
+
+def _media_arguments(per_sample: list[dict[str, list[Any]]], nested: bool, names: Mapping[str, str]) -> dict[str, Any]:
+    arguments: dict[str, Any] = {}
+    for kind in sorted({k for media in per_sample for k in media} - {"audio_from_video"}):
+        lists = [media.get(kind, []) for media in per_sample]
+        arguments[names[kind]] = lists if nested else [item for items in lists for item in items]
+    slots: list[int | None] = []
+    first_video = 0
+    for media in per_sample:
+        slots += [None if slot is None else first_video + slot for slot in media.get("audio_from_video", [])]
+        first_video += len(media.get("video", []))
+    if any(slot is not None for slot in slots):  # audio tracks of videos: the Omni processors' slots
+        arguments["audio_from_video_indices"] = slots
+        arguments["load_audio_from_video"] = True
+    return arguments
 
 
 def chat_batch(
@@ -105,7 +155,9 @@ def chat_batch(
     Args:
         processor: a tiny processor (:func:`build_tiny_processor`).
         samples: per sample its parts (:data:`Part`): text word counts (words drawn from ``seed``),
-            text, and media items in prompt order.
+            text, and media items in prompt order. A video with its audio track adds the track to the
+            audio clips at the video's place and calls the processor with ``audio_from_video_indices``
+            and ``load_audio_from_video=True``.
         nested: pass media as one list per sample (processors that want them so, e.g. Idefics3)
             instead of one flat list in prompt order.
         media_keys: the processor's argument per media kind (default ``images``, ``videos``, ``audio``).
@@ -124,9 +176,6 @@ def chat_batch(
         content, media = _content(parts, words, rng)
         texts.append(processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False))
         per_sample.append(media)
-    arguments: dict[str, Any] = {}
-    for kind in sorted({k for media in per_sample for k in media}):
-        lists = [media.get(kind, []) for media in per_sample]
-        arguments[names[kind]] = lists if nested else [item for items in lists for item in items]
+    arguments = _media_arguments(per_sample, nested, names)
     out = processor(text=texts, return_tensors="pt", padding=True, **arguments, **kwargs)
     return dict(out)

@@ -106,7 +106,9 @@ CHAT_STYLES: dict[str, tuple[str, str]] = {
     "gemma": ("<start_of_turn>{role}\n", "<end_of_turn>\n"),
     "llama": ("<|start_header_id|>{role}<|end_header_id|>\n\n", "<|eot_id|>"),
     "llama4": ("<|header_start|>{role}<|header_end|>\n\n", "<|eot|>"),
-    "plain": ("{role}: ", "\n"),  # LLaVA 1.5 / NeXT ("USER: <image>\n... ASSISTANT:"), Idefics, PaliGemma
+    "idefics": ("{role}\n", "<end_of_utterance>\n"),  # Idefics3, SmolVLM ("User:...<end_of_utterance>")
+    "inst": ("[INST] ", " [/INST]"),  # Mistral / LLaVA-NeXT (Mistral), Pixtral
+    "plain": ("{role}\n", "\n"),  # the role word on its own line (LLaVA 1.5 "USER: ...", Idefics "User:...")
 }
 
 
@@ -121,7 +123,9 @@ def chat_template(style: str, media: Mapping[str, str], *, bos: str = "", role_m
     """
     if style not in CHAT_STYLES:
         raise ValueError(f"chat style {style!r}: expected one of {sorted(CHAT_STYLES)}")
-    start, end = CHAT_STYLES[style]
+    # newlines as expressions: transformers renders templates with trim_blocks, which would drop a
+    # newline that follows a block tag
+    start, end = (part.replace("\n", "{{ '\\n' }}") for part in CHAT_STYLES[style])
     roles = dict(role_map or {})
 
     def role(expr: str) -> str:

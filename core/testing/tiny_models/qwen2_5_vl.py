@@ -54,7 +54,6 @@ __all__ = [
     "build_config",
     "build_model",
     "build_processor",
-    "qwen_tokenizer",
     "reference_inputs",
 ]
 
@@ -211,16 +210,6 @@ MIN_PIXELS = 8 * 8
 MAX_PIXELS = 32 * 32
 
 
-def qwen_tokenizer(vocab_size: int, ids: dict[str, int], image: str = "<|image_pad|>", video: str = "<|video_pad|>") -> Any:
-    """A word-level tokenizer with Qwen's special token names at the given ids (``"<|im_start|>"`` and
-    ``"<|im_end|>"`` the chat turns, ``"<|endoftext|>"`` pad, ``"<|im_end|>"`` eos)."""
-    from ..word_tokenizer import TokenizerSpec, word_tokenizer
-
-    spec = TokenizerSpec(vocab_size, ids, pad="<|endoftext|>", eos="<|im_end|>",
-                         attributes={"image_token": image, "video_token": video})
-    return word_tokenizer(spec)
-
-
 def build_processor(image_backend: str = "torchvision") -> Any:
     """A real ``Qwen2_5_VLProcessor``: ``Qwen2VLImageProcessor`` (``...Pil`` with ``image_backend="pil"``)
     and ``Qwen2VLVideoProcessor`` at patch 4, temporal patch 2, merge 2, 64..1024 pixels a frame; a
@@ -228,16 +217,13 @@ def build_processor(image_backend: str = "torchvision") -> Any:
     ``EOS_TOKEN_ID``, ``<|endoftext|>`` ``PAD_TOKEN_ID``); a chatml chat template."""
     import transformers
 
-    from ..word_tokenizer import chat_template
+    from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
 
     ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
            "<|vision_start|>": VISION_START_TOKEN_ID, "<|vision_end|>": VISION_END_TOKEN_ID,
            "<|image_pad|>": IMAGE_TOKEN_ID, "<|video_pad|>": VIDEO_TOKEN_ID}
     sizes = {"patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE, "merge_size": MERGE,
              "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
-    image_class = "Qwen2VLImageProcessor" + ("Pil" if image_backend == "pil" else "")
-    images = getattr(transformers, image_class)(**sizes)
+    images = image_processor_class("Qwen2VLImageProcessor", image_backend)(**sizes)
     videos = transformers.Qwen2VLVideoProcessor(**sizes, do_sample_frames=False, cap_pixels_per_frame=False)
-    media = {"image": "<|vision_start|><|image_pad|><|vision_end|>", "video": "<|vision_start|><|video_pad|><|vision_end|>"}
-    return transformers.Qwen2_5_VLProcessor(image_processor=images, video_processor=videos,
-                                            tokenizer=qwen_tokenizer(_VOCAB, ids), chat_template=chat_template("chatml", media))
+    return qwen_processor("Qwen2_5_VLProcessor", tokenizer=qwen_tokenizer(_VOCAB, ids), images=images, videos=videos)
