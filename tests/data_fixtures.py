@@ -52,7 +52,7 @@ def save_qwen_processor(folder: str, template: str = TEMPLATE) -> Any:
     sizes = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 8 * 8, "max_pixels": 32 * 32}
     processor = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(**sizes),
-        video_processor=Qwen2VLVideoProcessor(**sizes, fps=2.0, min_frames=2, max_frames=8, cap_pixels_per_frame=False),
+        video_processor=Qwen2VLVideoProcessor(**sizes, fps=2.0, min_frames=2, max_frames=8, do_sample_frames=True, cap_pixels_per_frame=False),
         tokenizer=tokenizer, chat_template=template)
     processor.save_pretrained(folder)
     return AutoProcessor.from_pretrained(folder)

@@ -170,3 +170,25 @@ def test_bad_record_found_when_processed(world, case, caplog):
     assert [b["skipped"] for b in batches] == [1, 1, 2, 2]
     named = [r.message for r in caplog.records if f"{path}:2" in r.message]
     assert len(named) == 1 and "skipped" in named[0]
+
+
+def test_audio_read_with_soundfile_at_the_extractors_rate(world):
+    import numpy as np
+    import soundfile
+
+    from ppmedia.testing.processors import processor_call_kwargs, save_tiny_processor
+
+    processor = fx.AutoProcessor_from(str(save_tiny_processor("qwen2_5_omni", world["root"] / "omni")))
+    assert processor.feature_extractor.sampling_rate == 16000
+    clip = np.random.default_rng(0).standard_normal(8000).astype(np.float32) * 0.1
+    soundfile.write(str(world["root"] / "clip.wav"), clip, 8000)  # 1 s at 8 kHz: resampled to 16 kHz
+    (world["root"] / "noise.wav").write_bytes(b"RIFF but not a wav")
+    lines = [json.dumps({"audio": name, "conversations": [{"from": "human", "value": "<audio> w1"}, {"from": "gpt", "value": "w2"}]})
+             for name in ("clip.wav", "noise.wav")]
+    ds = data.open_dataset(_bad(world, "audio.jsonl", lines))
+    proc = data.SampleProcessor(processor, processor_kwargs=processor_call_kwargs("qwen2_5_omni"))
+    sample = proc(ds[0])
+    # Whisper features: one frame per 160 samples at 16 kHz -> 100 frames of 1 s (of the 3000 padded)
+    assert sample["input_features"].shape == (1, 128, 3000) and int(sample["feature_attention_mask"].sum()) == 100
+    with pytest.raises(data.DataError, match="audio.jsonl:2: audio '.*noise.wav' cannot be read"):
+        proc(ds[1])

@@ -12,6 +12,7 @@ import data_fixtures as fx
 from ppmedia import data
 from ppmedia.pipeline import pipeline_loss
 from ppmedia.pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
+from ppmedia.testing.processors import save_tiny_processor
 from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,7 +32,9 @@ def world(tmp_path_factory):
     records.append({"conversations": [{"from": "system", "value": "w9 w8"}, {"from": "human", "value": "w1"},
                                       {"from": "gpt", "value": ""}]})  # an empty reply
     return {"root": root, "ds": data.open_dataset(fx.write_jsonl(str(root / "train.jsonl"), records)),
-            "plain": fx.save_qwen_processor(str(root / "plain")), "marked": fx.save_qwen_processor(str(root / "marked"), MARKED)}
+            "plain": fx.save_qwen_processor(str(root / "plain")), "marked": fx.save_qwen_processor(str(root / "marked"), MARKED),
+            # the testing kit's tiny Qwen2.5-VL processor (its own chatml template, no default system turn)
+            "kit": fx.AutoProcessor_from(str(save_tiny_processor("qwen2_5_vl", root / "kit")))}
 
 
 def expected_targets(tokens):
@@ -47,7 +50,7 @@ def expected_targets(tokens):
     return targets
 
 
-@pytest.mark.parametrize("template", ["plain", "marked"])
+@pytest.mark.parametrize("template", ["plain", "marked", "kit"])
 def test_labels_are_the_assistant_tokens_token_by_token(world, template):
     processor = world[template]
     assert data.labels.has_generation_markers(processor.chat_template) == (template == "marked")
@@ -76,9 +79,10 @@ def test_a_planted_off_by_one_is_caught(world):
     assert not torch.equal(late, want[1:])
 
 
-def test_model_loss_equals_pipeline_loss_on_the_labels(world):
+@pytest.mark.parametrize("template", ["plain", "kit"])
+def test_model_loss_equals_pipeline_loss_on_the_labels(world, template):
     model = tiny.build_model(0)
-    proc = data.SampleProcessor(world["plain"])
+    proc = data.SampleProcessor(world[template])
     batch = data.collate_samples([proc(world["ds"][i]) for i in range(len(world["ds"]))], proc.pad_id)
     labels = batch["labels"]
     unshifted = torch.full_like(labels, IGNORE_INDEX)

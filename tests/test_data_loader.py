@@ -86,3 +86,19 @@ def test_batch_stats_and_layout(world):
     assert (labels[:, -1] == data.processor.SHIFTED_MARK).all()
     assert labels.shape == batch["input_ids"].shape == batch["attention_mask"].shape
     assert batch["pixel_values"].shape[0] == int(batch["image_grid_thw"].prod(-1).sum())
+
+
+def test_batches_are_ready_for_split_media(world):
+    import ppmedia
+    from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
+
+    config = tiny.build_config()
+    adapter = ppmedia.get_adapter(config)
+    proc = data.SampleProcessor(world["proc"].processor, config=config)
+    loader = data.ReplicaLoader(world["ds"], proc, global_batch_size=4, shuffle=False, adapter=adapter)
+    batch = next(iter(loader))
+    images = int((batch["input_ids"] == tiny.IMAGE_TOKEN_ID).sum())
+    staged = ppmedia.split_media({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, 2, **batch["media_counts"])
+    assert images == int((batch["image_grid_thw"].prod(-1) // 4).sum()) > 0
+    per_sample = [int(((row == tiny.IMAGE_TOKEN_ID).long().diff() == 1).sum()) for row in batch["input_ids"]]  # runs = images
+    assert list(staged.images) == [sum(per_sample[:2]), sum(per_sample[2:])] and sum(staged.images) == len(batch["image_grid_thw"])

@@ -34,6 +34,8 @@ class SampleProcessor:
         config: the model's config: which tokens are media placeholders (via its adapter), so a
             truncation never cuts through them (without a config nothing is truncated).
         truncate: cut a too long sample at ``max_length`` when no media token is lost.
+        processor_kwargs: more keyword arguments for every processor call (e.g. ``videos_kwargs``
+            that a processor class needs and does not save).
 
     Calling it returns the processor's own output for the one sample (``input_ids`` /
     ``attention_mask`` ``[1, S]`` and the media keys in the processor's layout) plus ``labels``
@@ -42,7 +44,8 @@ class SampleProcessor:
     (the form :func:`ppmedia.pipeline.pipeline_loss` takes).
     """
 
-    def __init__(self, processor: Any, max_length: int | None = None, config: Any = None, truncate: bool = False) -> None:
+    def __init__(self, processor: Any, max_length: int | None = None, config: Any = None, truncate: bool = False,
+                 processor_kwargs: dict[str, Any] | None = None) -> None:
         if getattr(processor, "chat_template", None) is None:
             raise ValueError("the processor has no chat_template: save the checkpoint's processor with its template")
         self.processor = processor
@@ -50,6 +53,7 @@ class SampleProcessor:
         self.max_length = max_length
         self.config = config
         self.truncate = truncate
+        self.processor_kwargs = dict(processor_kwargs or {})
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def _media_kwargs(self, record: Record) -> dict[str, Any]:
@@ -64,7 +68,6 @@ class SampleProcessor:
             kwargs["videos"] = [v.frames for v in videos]
             kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v.frames), fps=v.fps, height=v.frames.shape[1],
                                                       width=v.frames.shape[2], duration=len(v.frames) / v.fps) for v in videos]
-            kwargs["do_sample_frames"] = True
         if record.media.get("audio"):
             extractor = getattr(self.processor, "feature_extractor", None)
             if extractor is None:
@@ -91,7 +94,7 @@ class SampleProcessor:
         text, spans, markers = render(self.processor, record.messages, record.where)
         kwargs = self._media_kwargs(record)
         try:
-            out = self.processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs)
+            out = self.processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs, **self.processor_kwargs)
         except (ValueError, TypeError, RuntimeError, IndexError) as e:
             raise DataError(record.where, f"the processor refuses this record ({type(e).__name__}: {e})") from None
         sample = {k: v for k, v in out.items() if isinstance(v, Tensor)}
