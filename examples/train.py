@@ -6,13 +6,17 @@ Run it with torchrun; the world is ``pp x dp`` processes (gloo on CPU here, nccl
         --fsdp --schedule 1f1b --steps 20 --save-dir ckpt --save-every 10
     torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen2_5_vl --pp 1 --dp 2 \\
         --fsdp --schedule 1f1b --steps 20 --save-dir ckpt --resume auto   # continues at step 10
-    torchrun --standalone --nproc-per-node 2 examples/train.py --model hf-ckpt --family qwen2_5_vl \\
-        --pp 2 --steps 20 --export trained-hf                    # from and to a Hugging Face checkpoint
+    torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl \\
+        --pp 2 --batch-size 4 --epochs 2 --lr 1e-3 --export trained   # fine-tune a checkpoint on data
     torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen3_vl --pp 2 \\
         --encoder spread --trace step.svg                        # vision spread over both ranks, timeline
 
-Every rank sees the same global batch; replica ``r`` trains on its share (its samples, their media
-only), split into ``--microbatches`` microbatches for its pipeline. With ``--fsdp`` every stage is
+With ``--model DIR --data PATH`` it fine-tunes a Hugging Face checkpoint on a data file or a
+``datasets`` folder (``ppmedia.data``: the checkpoint's own processor and chat template, assistant-only
+labels, each replica loading its share, media read only on the rank holding stage 0); without
+``--data`` the tiny ``--family`` model trains on its 2 fixed stand-in batches (every rank holds the
+global batch, replica ``r`` trains on its share). Each replica splits its rows into ``--microbatches``
+microbatches for its pipeline. With ``--fsdp`` every stage is
 sharded with FSDP2 over the replicas (gradients reduce-scattered as sums); without it every replica
 holds whole stages and gradients are summed with one all-reduce. Then: tied embeddings summed across
 the pipeline, gradients clipped to a global L2 norm, AdamW (one optimizer per stage module).
@@ -24,16 +28,21 @@ published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, 
 (``pipeline.EncoderSpread``; see docs/encoder-spread.md), ``--trace FILE.svg`` draws the last step's
 measured per-rank timeline. ``--eval-every N`` adds the loss of a held-out batch (forward only) to every N-th step's log line.
 
+Guards (``pipeline.guards``; docs/training.md "Guards"): every option is checked before anything starts
+(argparse's one line, exit 2); every step's global batch is compared across the ranks by a fingerprint
+(``--no-batch-check`` turns it off); a step whose loss or gradient norm is not finite stops the run before
+its optimizer step and before any checkpoint (``--skip-nonfinite N`` skips at most N such steps);
+``--resume`` applies this run's ``--lr`` from the resumed step and prints what changed; a fresh run
+refuses a ``--save-dir`` holding another run's checkpoints (``--overwrite`` deletes them).
+
 A rank that fails (an error, or a peer that died) prints ``train.py rank R: step S failed: ...`` and
 exits with status 1; a dead peer is noticed at the next communication with it, at the latest after the
 60 s process-group timeout.
 
-The models are ppmedia's tiny seeded ones (no download), or with ``--model`` a Hugging Face checkpoint
-directory, of which each rank reads only its stages' tensors (``pipeline.stages_from_pretrained``);
-``--export`` writes the trained model as a Hugging Face checkpoint at the end
-(``pipeline.save_pretrained_stages``, from sharded stages too). The batches stand in for your
-DataLoader (a processor's output: ``input_ids``, ``attention_mask`` and the media keys): ``--family``
-picks the tiny family's, which must match ``--model``'s model type.
+Everything here is a library call (``ppmedia.pipeline``: ``stage_adamw``, ``learning_rate``, ``freeze``,
+``train_step``, ``loader_shares``, ``step_record``, ...; docs/training.md "Fine-tuning with
+examples/train.py"); the script only wires the flags to them. ``--export`` writes the trained stages
+in their dtype with the processor's files.
 """
 
 from __future__ import annotations
@@ -126,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def option_problem(args: argparse.Namespace) -> str | None:
+def bad_option(args: argparse.Namespace) -> str | None:
     """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
     problem = pipeline.option_problem(
         {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
@@ -138,6 +147,11 @@ def option_problem(args: argparse.Namespace) -> str | None:
     )
     if problem is None and args.save_dir and not args.save_every and args.resume != "auto":
         problem = f"--save-dir {args.save_dir} needs --save-every N (or --resume auto, which reads it): nothing would be saved"
+    if problem is None:
+        try:
+            pipeline.schedule_layout(args.schedule)
+        except ValueError as exc:
+            problem = f"--schedule: {str(exc).removeprefix('schedule: ')}"
     for option, path in (("--model", args.model), ("--resume", None if args.resume == "auto" else args.resume)):
         if problem is None and path and not os.path.isdir(path):
             problem = f"{option} {path}: no such directory"
@@ -151,7 +165,7 @@ def option_problem(args: argparse.Namespace) -> str | None:
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Combinations of flags that cannot work: one ``parser.error`` (exit 2) before anything starts."""
-    problem = option_problem(args)
+    problem = bad_option(args)
     if problem:
         parser.error(problem)
     if args.model and not args.data:

@@ -112,7 +112,8 @@ from .optim import LR_SCHEDULES, decay_groups, learning_rate, no_decay, set_lear
 from .progress import LossLog, Progress, format_step, step_record
 from .step import (PipelineParts, ReplicaShare, StepResult, batch_to, eval_loss, loader_shares, share_of_global_batch, share_of_replica_batch,
                    train_step)
-from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
+from .fsdp import (SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, reshards_after_forward,
+                   splits_backward)
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
 from .pretrained import checkpoint_dtype, stages_from_pretrained
@@ -126,7 +127,7 @@ from .schedules import (
     schedule_names,
     stage_indices_for_rank,
 )
-from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
+from .stages import StageModule, build_stage_modules, make_pipeline_stages, refuse_router_loss, static_stage_args
 from .surgery import default_layer_split, find_language_model
 from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
@@ -200,6 +201,8 @@ __all__ = [
     "no_decay",
     "option_problem",
     "pipeline_loss",
+    "refuse_router_loss",
+    "reshards_after_forward",
     "resolve_device",
     "save_checkpoint",
     "save_pretrained_stages",

@@ -164,11 +164,23 @@ def stage_optimizers(
     stage with a tied embedding, without FSDP2) would be stepped twice; the later module gets its own
     copy first (equal values; :func:`~ppmedia.pipeline.sync_tied_gradients` sums the copies'
     gradients, so they stay equal). Call it after :func:`~ppmedia.pipeline.apply_fsdp`, if any.
+
+    Raises:
+        ValueError: a module without parameters (a stage given no decoder layer because there are more
+            stages than layers), instead of torch's bare "optimizer got an empty parameter list".
     """
     from .fsdp import _untie_across_modules
     from .tied import stage_parameters
 
     _untie_across_modules(modules)
+    for module in modules:
+        if not stage_parameters([module]):
+            index, n = getattr(module, "stage_index", "?"), getattr(module, "n_stages", "?")
+            raise ValueError(
+                f"stage_optimizers: stage {index} of {n} holds no parameters (no decoder layer, no embedding or head): "
+                f"more pipeline stages than the model has decoder layers to give them; use fewer stages (or "
+                f"layers_per_stage giving each stage a layer)"
+            )
     return [factory(stage_parameters([module])) for module in modules]
 
 
@@ -506,9 +518,15 @@ def check_checkpoint(
     """
     if hyperparameters not in HYPERPARAMETER_MODES:
         raise ValueError(f"hyperparameters: got {hyperparameters!r}; expected one of {', '.join(HYPERPARAMETER_MODES)}")
+    from .guards import agree
+
     folder = Path(path)
-    info = _read_info(folder)
-    saved = _saved_shapes(folder)
+    problem: Exception | None = None
+    try:  # each rank reads the files itself: agree before the gathers below, so none is left waiting
+        info, saved = _read_info(folder), _saved_shapes(folder)
+    except (OSError, ValueError) as exc:
+        problem = exc
+    agree(problem, process_group, what=f"reading checkpoint {folder}")
     wanted = _flat_shapes(_state(modules, optimizers))
     mine = _problems(wanted, saved)
     here_settings = _merge_hyperparameters(_gather(_hyperparameters(optimizers), process_group))
@@ -532,6 +550,31 @@ def check_checkpoint(
     return info
 
 
+def _non_finite(state: dict[str, Any]) -> list[str]:
+    """Names of the loaded floating tensors (this rank's pieces) holding a NaN or an infinity."""
+    import torch
+
+    bad = []
+    for name, value in state.items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    return bad
+
+
+def _refuse_non_finite(path: Path, state: dict[str, Any], process_group: Any) -> None:
+    """A checkpoint whose weights load as NaN / inf (damaged ``.distcp`` bytes: DCP keeps no checksums)
+    is refused on every rank, naming the tensors, instead of training on with NaN losses."""
+    bad = sorted(set().union(*_gather(_non_finite({k: v for k, v in state.items() if k != _OPTIMIZER}), process_group)))
+    if bad:
+        more = f" and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
+        raise ValueError(
+            f"checkpoint {path}: {len(bad)} tensor(s) hold NaN or infinite values after loading: "
+            f"{', '.join(bad[:_SHOWN])}{more} (a damaged .distcp file, or a run that diverged before saving); "
+            f"the stages now hold them: rebuild them before loading another checkpoint"
+        )
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     modules: Sequence[nn.Module],
@@ -549,6 +592,10 @@ def load_checkpoint(
     saved ``lr`` etc. come back; ``"current"``: this job's optimizers keep the values they were built
     with, e.g. a resumed run's new ``--lr``; ``"refuse"``: a difference is an error, nothing loaded).
 
+    Raises:
+        ValueError: what :func:`check_checkpoint` refuses; weights that load as NaN or infinity (named,
+            on every rank; DCP keeps no checksums, so damaged bytes are seen only this way).
+
     Returns:
         The checkpoint's ``ppmedia.json``: ``info["step"]``, ``info["run_id"]``, ``info["extra"]``,
         ``info["hyperparameters_changed"]`` (what differed; applied only with ``"current"``), ...
@@ -560,6 +607,7 @@ def load_checkpoint(
     kept = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers or ()]
     state = _state(modules, optimizers)
     dcp.load(state, checkpoint_id=str(path), process_group=process_group, no_dist=not _distributed())
+    _refuse_non_finite(Path(path), state, process_group)
     for module in modules:
         names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         names |= {name for name, _ in module.named_buffers()}

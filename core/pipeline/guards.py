@@ -80,7 +80,8 @@ def agree(problem: BaseException | None, group: Any = None, *, what: str = "refu
     Call it where a check can come out differently on different ranks (each holds other stages,
     other files, another part of the model) and a collective follows: the ranks' findings are
     gathered (``all_gather_object``, itself reached by every rank), and every rank raises the same
-    error, of the first refusing rank's exception type, naming every refusing rank. Without a
+    error, of the first refusing rank's exception type, naming every refusing rank (ranks with the
+    same message share it: ``rank 0, 1: ...``). Without a
     process group the ``problem`` is raised as it is.
     """
     import torch.distributed as dist
@@ -96,7 +97,10 @@ def agree(problem: BaseException | None, group: Any = None, *, what: str = "refu
     if not refusing:
         return
     kind = type(problem) if problem is not None else _exception_type(refusing[0][1][0])
-    messages = "; ".join(f"rank {rank}: {message}" for rank, (_, message) in refusing)
+    by_message: dict[str, list[int]] = {}
+    for rank, (_, message) in refusing:
+        by_message.setdefault(message, []).append(rank)
+    messages = "; ".join(f"rank {', '.join(map(str, ranks_))}: {message}" for message, ranks_ in by_message.items())
     ranks = ", ".join(str(rank) for rank, _ in refusing)
     raise kind(f"{what} on rank(s) {ranks} of {len(found)} (every rank raises this): {messages}")
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .fsdp import check_fsdp_schedule, is_sharded
+from .fsdp import check_fsdp_schedule
 from .loss import pipeline_loss
 
 __all__ = [
@@ -230,8 +230,7 @@ def build_schedule(
     schedule = _following_shapes(layout.schedule_class)(
         target, n_microbatches, loss_fn=loss_fn, scale_grads=False, **schedule_kwargs
     )
-    if any(is_sharded(getattr(st, "submod", st)) for st in stages):
-        check_fsdp_schedule(schedule, stages)
+    check_fsdp_schedule(schedule, stages)  # reads each module's FSDP2 state (sharded by anyone)
     mapping = getattr(schedule, "stage_index_to_group_rank", None) or {}
     wrong = [i for i in got if i in mapping and mapping[i] != pp_rank]
     if wrong:  # the class placed them elsewhere than schedule_layout predicted

@@ -14,7 +14,7 @@ from ..chunk import CURSOR_ATTRIBUTE, next_vlm_media_chunk
 from .surgery import _child_name, _get_path, _layer_ranges, _stage_children, find_language_model, find_output_head
 from .tied import TiedParameters, tied_parameters
 
-__all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "static_stage_args"]
+__all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "refuse_router_loss", "static_stage_args"]
 
 #: where :class:`ppmedia.pipeline.encoder.EncoderSpread` hangs a step's precomputed features on the
 #: first stage's module (an object with ``adapter_for(microbatch, chunk) -> VlmAdapter``)
@@ -210,6 +210,37 @@ class StageModule(nn.Module):
         return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]), state
 
 
+def _router_loss_configs(config: Any, where: str = "config") -> list[tuple[str, Any]]:
+    """``(path, config)`` of ``config`` and every sub-config (``text_config``, ``thinker_config``, ...)
+    that asks for the routers' auxiliary loss (``output_router_logits=True``)."""
+    found = [(where, config)] if getattr(config, "output_router_logits", False) is True else []
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and sub is not config and hasattr(sub, "to_dict"):
+            found += _router_loss_configs(sub, f"{where}.{key}")
+    return found
+
+
+def refuse_router_loss(config: Any) -> None:
+    """Refuse a config that asks for the MoE routers' auxiliary load-balancing loss.
+
+    With ``output_router_logits=True`` the model's own forward adds ``router_aux_loss_coef`` times the
+    load-balancing loss of all decoder layers' router logits (e.g. GLM-4.5V: 4.938794 against 4.938581
+    without it). That loss couples every layer (one mean over all of them), stages return logits only,
+    and :func:`~ppmedia.pipeline.pipeline_loss` would drop it without a word: refused instead.
+
+    Raises:
+        ValueError: naming the config key, its coefficient, and what to set.
+    """
+    for path, sub in _router_loss_configs(config):
+        coef = getattr(sub, "router_aux_loss_coef", None)
+        raise ValueError(
+            f"{path}.output_router_logits is True: the model's own loss adds router_aux_loss_coef ({coef}) x the MoE "
+            f"routers' load-balancing loss over all decoder layers, which ppmedia's pipeline stages do not carry "
+            f"(they return logits only); set output_router_logits=False on that config to train without it"
+        )
+
+
 def build_stage_modules(
     model: nn.Module,
     n_stages: int,
@@ -235,13 +266,19 @@ def build_stage_modules(
     Returns:
         The requested :class:`StageModule` objects in the order of ``stages``. They share parameters
         with ``model`` and hold only what their stages run.
+
+    Raises:
+        ValueError: a config asking for the MoE routers' auxiliary loss (:func:`refuse_router_loss`);
+            a stage index out of range.
     """
     if adapter is None:
         from ..registry import get_adapter
 
         adapter = get_adapter(model)
+    refuse_router_loss(model.config)
     lm_path, lm = find_language_model(model, adapter)
     num_layers = len(lm.layers)
+
     if isinstance(layers_per_stage, str):
         layers_per_stage = _auto_layers(model, n_stages, layers_per_stage, auto_split, adapter, num_layers)
     ranges = _layer_ranges(num_layers, n_stages, layers_per_stage)
@@ -503,15 +540,15 @@ def _restore_only_changed_buffers(stage: Any) -> None:
     stage._post_metadata_inference_cleanup = restore_changed
 
 
-def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
-                   device: torch.device) -> None:
-    """``encoder="spread"``: this rank's :class:`~ppmedia.pipeline.encoder.EncoderSpread` on every module."""
-    from .encoder import SPREAD_ATTRIBUTE, EncoderSpread, vision_replica
+def _spread_vision_side(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any],
+                        device: torch.device) -> nn.Module:
+    """The module whose vision side this rank's spread runs: its stage 0, or a copy cut from ``model``."""
+    from .encoder import vision_replica
 
     first = next((st for st in stages if st.is_first), None)
     if first is not None:
-        vision: nn.Module = modules[list(stages).index(first)]
-    elif isinstance(model, nn.Module) and not isinstance(model, StageModule):
+        return modules[list(stages).index(first)]
+    if isinstance(model, nn.Module) and not isinstance(model, StageModule):
         vision = vision_replica(model, modules[0].adapter)
         if any(t.is_meta for t in [*vision.parameters(), *vision.buffers()]):
             raise ValueError(
@@ -520,12 +557,33 @@ def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[S
                 "inv_freq, are in no checkpoint); build the model with real tensors on ranks without stage 0"
             )
         _to_device(vision, device)
-    else:
-        raise TypeError(
-            f"make_pipeline_stages(encoder='spread'): this rank holds stages {[m.stage_index for m in modules]} "
-            f"as prebuilt StageModule objects, but without stage 0 it needs its own copy of the vision side, "
-            f"cut from the full model; pass the model (build_stage_modules / stages_from_pretrained give none)"
-        )
+        return vision
+    raise TypeError(
+        f"make_pipeline_stages(encoder='spread'): this rank holds stages {[m.stage_index for m in modules]} "
+        f"as prebuilt StageModule objects, but without stage 0 it needs its own copy of the vision side, "
+        f"cut from the full model; pass the model (build_stage_modules / stages_from_pretrained give none)"
+    )
+
+
+def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
+                   device: torch.device) -> None:
+    """``encoder="spread"``: this rank's :class:`~ppmedia.pipeline.encoder.EncoderSpread` on every module.
+
+    Only ranks without stage 0 can find a problem (no vision side to copy), and the spread's set-up
+    is collective: the ranks agree first (:func:`~ppmedia.pipeline.agree`), so every rank raises the
+    same error instead of the others waiting for the refusing one in ``new_group`` forever."""
+    from .encoder import SPREAD_ATTRIBUTE, EncoderSpread
+    from .guards import agree
+
+    problem: Exception | None = None
+    vision: nn.Module | None = None
+    try:
+        vision = _spread_vision_side(model, modules, stages, device)
+    except (TypeError, ValueError) as exc:
+        problem = exc
+    agree(problem, group, what="make_pipeline_stages(encoder='spread') refused")
+    assert vision is not None
+    first = next((st for st in stages if st.is_first), None)
     spread = EncoderSpread(vision, modules[0].adapter, first_stage=first, group=group)
     for module in modules:
         module.__dict__[SPREAD_ATTRIBUTE] = spread
