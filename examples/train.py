@@ -270,8 +270,6 @@ class StandIn:
     """The tiny family's two fixed batches (seeds 0 and 1, alternating), the same global batch on every
     rank, each replica's share cut from it: a stand-in for a data loader."""
 
-    skipped = 0
-
     def __init__(self, ctx: dict[str, Any], args: argparse.Namespace) -> None:
         self.ctx, self.args, self.module = ctx, args, tiny_models.load(args.family)
 
@@ -375,10 +373,6 @@ class DataSource:
                                       dp_group=parts.dp_group, stages_media=parts.first is not None,
                                       device=ctx["device"], dtype=ctx["dtype"], epochs=epochs)
 
-    @property
-    def skipped(self) -> int:
-        return int(self.loader.skipped)
-
     def shares(self, start: int) -> Iterator[pipeline.ReplicaShare]:
         for share in self._shares(self.loader, None):
             if not self.args.no_batch_check:  # the pipeline ranks of a replica must hold the same rows
@@ -429,7 +423,7 @@ def train_one(ctx: dict[str, Any], args: argparse.Namespace, step: int, share: A
         started += time.perf_counter() - pause
     result = pipeline.train_step(parts, share, step)
     return pipeline.step_record(step, loss=result.loss, tokens=share.num_valid_tokens, samples=share.samples,
-                                skipped=source.skipped, lr=lr, grad_norm=result.grad_norm,
+                                skipped=share.skipped, lr=lr, grad_norm=result.grad_norm,
                                 step_time_s=time.perf_counter() - started, padding_fraction=result.padding_fraction,
                                 eval_loss=eval_loss, nonfinite=result.nonfinite)
 

@@ -7,7 +7,9 @@ folder in the messages style. The reference is the model itself in this process
 (``AutoModelForImageTextToText`` on the same processor output, ``labels=`` in transformers' form).
 
 1. pp=2 x dp=2, JSONL, ``--lr 0 --no-shuffle``: every step's loss is the model's own loss on that
-   step's global batch within 1e-5, and so is every evaluation of ``--eval-data``; the other log fields.
+   step's global batch within 1e-5, and so is every evaluation of ``--eval-data``; the other log fields;
+   with ``--skip-bad-samples`` a record with a missing image is left out, named and counted
+   (``skipped`` 1), and the batches are those of the file without it.
 2. pp=1 x dp=2, the ``save_to_disk`` folder, ``--lr 0 --no-shuffle``: the same, within 1e-5.
 3. the README quick start's three lines as written, in a scratch folder: a generated checkpoint and
    16 records, pp=2 x dp=1, shuffled, 2 epochs of 4 steps, checkpoints at steps 4 and 8, the export;
@@ -56,7 +58,7 @@ def _torchrun(nproc: int, *args: str, cwd: pathlib.Path = ROOT) -> str:
            "examples/train.py" if cwd != ROOT else str(ROOT / "examples" / "train.py"), *args]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return result.stdout
+    return result.stdout + result.stderr
 
 
 def _rows(path: pathlib.Path) -> dict[int, dict]:
@@ -105,7 +107,12 @@ def world(tmp_path_factory):
     with open(jsonl, "a") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in _extra_records(root / "data", words))
     held_out = write_image_chat_dataset(root / "data", B, words=words, seed=2, name="eval.jsonl")
-    return {"root": root, "ckpt": checkpoint, "jsonl": jsonl, "eval": held_out,
+    bad = root / "data" / "with_bad.jsonl"  # the same records and one whose image is missing, in the middle
+    lines = jsonl.read_text().splitlines(keepends=True)
+    missing = {"image": "no_such.png", "conversations": [{"from": "human", "value": f"<image>\n{words[6]}"},
+                                                         {"from": "gpt", "value": words[0]}]}
+    bad.write_text("".join(lines[:5]) + json.dumps(missing) + "\n" + "".join(lines[5:]))
+    return {"root": root, "ckpt": checkpoint, "jsonl": jsonl, "eval": held_out, "with_bad": bad,
             "disk": _save_to_disk(jsonl, root / "disk")}
 
 
@@ -139,23 +146,26 @@ def _common(world, log: pathlib.Path) -> list[str]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, source", [(("2", "2"), "jsonl"), (("1", "2"), "disk")], ids=["pp2xdp2-jsonl", "pp1xdp2-disk"])
+@pytest.mark.parametrize("layout, source", [(("2", "2"), "with_bad"), (("1", "2"), "disk")],
+                         ids=["pp2xdp2-jsonl", "pp1xdp2-disk"])
 def test_lr0_losses_are_the_models_own(world, tmp_path, layout, source):
     pp, dp = layout
     log = tmp_path / "loss.jsonl"
-    evaluate = ["--eval-data", str(world["eval"]), "--eval-every", "2"] if source == "jsonl" else []
-    _torchrun(int(pp) * int(dp), *_common(world, log), "--data", str(world[source]), "--pp", pp, "--dp", dp,
-              "--epochs", "1", "--lr", "0", "--no-shuffle", *evaluate)
+    jsonl = source == "with_bad"  # its missing image is skipped (and counted) when the file is opened
+    extra = ["--eval-data", str(world["eval"]), "--eval-every", "2", "--skip-bad-samples"] if jsonl else []
+    printed = _torchrun(int(pp) * int(dp), *_common(world, log), "--data", str(world[source]), "--pp", pp, "--dp", dp,
+                        "--epochs", "1", "--lr", "0", "--no-shuffle", *extra)
     rows = _rows(log)
     reference = _model_losses(world, world["jsonl"], shuffle=False, steps=N // B)
     assert sorted(rows) == list(range(N // B))
     for step, (loss, tokens) in enumerate(reference):
         row = rows[step]
         assert abs(row["loss"] - loss) <= TOL, (step, row["loss"], loss)
-        assert (row["tokens"], row["samples"], row["skipped"], row["lr"]) == (tokens, B, 0, 0.0)
+        assert (row["tokens"], row["samples"], row["skipped"], row["lr"]) == (tokens, B, int(jsonl), 0.0)
         assert 0 < row["padding_fraction"] < 1 and row["grad_norm"] > 0
         assert row["step_time_s"] > 0 and row["tokens_per_s"] == pytest.approx(tokens / row["step_time_s"])
-    if evaluate:
+    if jsonl:
+        assert "no_such.png" in printed  # named in the log (each rank's stderr)
         (held_out, _), = _model_losses(world, world["eval"], shuffle=False, steps=1)
         assert sorted(s for s, r in rows.items() if "eval_loss" in r) == [0, 2]
         assert all(abs(rows[s]["eval_loss"] - held_out) <= TOL for s in (0, 2))  # lr 0: the same weights

@@ -35,6 +35,7 @@ class ReplicaShare:
         num_valid_tokens: label tokens of the GLOBAL batch (all replicas): the loss's divisor.
         samples: samples of the global batch.
         pad_positions, positions: padded and all token positions of the replica's rows.
+        skipped: samples skipped so far over all replicas (a loader's count; 0 for fixed batches).
     """
 
     input_ids: Tensor
@@ -45,6 +46,7 @@ class ReplicaShare:
     samples: int
     pad_positions: int = 0
     positions: int = 0
+    skipped: int = 0
 
 
 @dataclass
@@ -163,22 +165,25 @@ def loader_shares(loader: Any, config: Any, adapter: Any, n_microbatches: int, *
     (``epochs=None``: without end; else until that many passes, counted from the loader's position).
 
     Each batch goes to ``device`` (floating tensors in ``dtype``); one ``all_reduce`` over ``dp_group``
-    per batch sums the replicas' label tokens and samples (the loss's divisor and the logged count).
-    ``loader.skipped`` stays the loader's own count of skipped samples.
+    per batch sums the replicas' label tokens, samples and skipped samples (``share.skipped``: the
+    records every replica's dataset left out when opened, counted once, plus each replica's own skips).
     """
     import torch.distributed as dist
 
+    opened = len(getattr(getattr(loader, "dataset", None), "skipped", ()) or ())  # the same on every replica
     done = 0
     while epochs is None or done < epochs:
         for batch in loader:
             batch = batch_to(batch, device, dtype)
-            counts = torch.tensor([int(batch["n_label_tokens"]), int(batch["n_samples"])], dtype=torch.int64,
-                                  device=device)
+            counts = torch.tensor([int(batch["n_label_tokens"]), int(batch["n_samples"]),
+                                   int(batch.get("skipped", opened)) - opened], dtype=torch.int64, device=device)
             if dp_group is not None:
                 dist.all_reduce(counts, group=dp_group)
-            tokens, samples = (int(c) for c in counts.tolist())
-            yield share_of_replica_batch(batch, config, adapter, n_microbatches, num_valid_tokens=tokens,
-                                         samples=samples, stages_media=stages_media)
+            tokens, samples, skipped = (int(c) for c in counts.tolist())
+            share = share_of_replica_batch(batch, config, adapter, n_microbatches, num_valid_tokens=tokens,
+                                           samples=samples, stages_media=stages_media)
+            share.skipped = opened + skipped
+            yield share
         done += 1
 
 
