@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--eval-every", type=int, default=0, help="every N steps, the held-out loss (forward only)")
     add("--encoder", default="stage0", choices=("stage0", "spread"),
         help="where the vision tower runs: on stage 0, or spread over the pipeline ranks")
+    add("--presplit", action="store_true",
+        help="feed the schedule pre-split microbatches (each one's media its own keyword input) instead of "
+             "staging the media on stage 0 (the stand-in batches)")
     add("--trace", metavar="FILE.svg", help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     return parser
 
@@ -184,6 +187,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.encoder == "spread" and args.model:
         parser.error("--encoder spread cuts each rank's copy of the vision tower from the full model; "
                      "--model loads only each rank's stages: drop one of them")
+    if args.presplit and args.data:
+        parser.error("--presplit hands every rank its microbatches' media; with --data only stage 0's rank reads "
+                     "them: drop --presplit")
     if args.resume == "auto" and not args.save_dir:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
     if args.bf16 and not args.fsdp:
@@ -257,7 +263,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         optimizers=pipeline.stage_adamw(modules, args.lr, args.weight_decay), tied=list(modules[0].tied),
         pp_group=pp_group, dp_group=dp_group, sharded=args.fsdp, max_grad_norm=args.max_grad_norm, spread=spread,
         tracer=pipeline.StepTracer(stages, spread) if args.trace else None,
-        guard=pipeline.NonFiniteGuard(args.skip_nonfinite),
+        guard=pipeline.NonFiniteGuard(args.skip_nonfinite), presplit=args.presplit,
     )
     ctx = {"parts": parts, "config": modules[0].config, "adapter": modules[0].adapter, "device": device,
            "dtype": model_dtype(args), "pp_rank": pp_rank, "dp_rank": dp_rank, "modules": modules,

@@ -12,6 +12,10 @@
   two schedule steps of different sequence lengths accumulated before one optimizer step.
 * the encoder spread (every pipeline rank encodes a share of the media): GPipe, 1F1B and ZBVZeroBubble
   at pp=2, and pp=2 x dp=2 with replicated and with FSDP2 stages; its planted bug (stale copies).
+* pre-split microbatches (``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=)``, each microbatch's
+  media its own ``media`` keyword input, nothing staged): every torch schedule, inferred and static
+  shapes, the encoder spread, evaluation (``schedule.eval``), FSDP2 at pp=2 x dp=2 and two sequence
+  lengths in one step; the same losses as the staging path and the model's own run.
 
 One spawn per process count runs every scenario (ppmedia.testing.parity); the tests read its report.
 """
@@ -43,9 +47,17 @@ DP_SCENARIOS = ("1f1b/static/dp2/clip", "gpipe/inferred/dp2", "ZBVZeroBubble/sta
 FSDP_SCHEDULES = ("Interleaved1F1B/static/dp2/fsdp", "LoopedBFS/static/dp2/fsdp", "InterleavedZeroBubble/static/dp2/fsdp",
                   "ZBVZeroBubble/static/dp2/fsdp", "DualPipeV/static/dp2/fsdp/mb4")
 VARLEN = ("gpipe/inferred/dp2/fsdp/varlen", "1f1b/static/dp2/fsdp/varlen", "1f1b/static/dp2/varlen")
+#: pre-split microbatches (Qwen2.5-VL: its mrope positions made on stage 0 from each chunk's grids),
+#: 2 processes: every torch schedule (V-shaped and interleaved ones give every stage of a rank the
+#: ``media`` keyword), inferred and static shapes, the spread, evaluation before every training step
+PRESPLIT_PP = ("GPipe/static/presplit", "1F1B/static/presplit", "Interleaved1F1B/static/presplit",
+               "LoopedBFS/static/presplit", "InterleavedZeroBubble/static/presplit", "ZBVZeroBubble/inferred/presplit",
+               "DualPipeV/inferred/presplit", "gpipe/inferred/spread/presplit", "Interleaved1F1B/inferred/eval/presplit")
+#: ... and 4 processes: FSDP2 at pp=2 x dp=2, and two sequence lengths accumulated into one step
+PRESPLIT_DP = ("1f1b/static/dp2/fsdp/clip/presplit", "gpipe/inferred/dp2/fsdp/varlen/presplit")
 #: single families' scenarios in the same 4-process spawn
 DP_FAMILY_SCENARIOS = {
-    "qwen2_5_vl": (*FSDP_SCHEDULES, *VARLEN, "1f1b/static/dp2/fsdp/bf16"),
+    "qwen2_5_vl": (*FSDP_SCHEDULES, *VARLEN, "1f1b/static/dp2/fsdp/bf16", *PRESPLIT_DP),
     "llava_next": ("1f1b/static/dp2/fsdp/bf16",),
     "qwen3_vl": ("1f1b/static/dp2/fsdp/text_only_replica",),  # default split: deepstack level 1 crosses
     "kimi_vl": ("1f1b/static/dp2/fsdp/clip", "ZBVZeroBubble/static/dp2/fsdp"),  # tied embedding
@@ -74,7 +86,7 @@ def _report(world: int):
         try:
             _reports[world] = run_parity(FAMILIES, scenarios, steps=2, n_microbatches=2 if world == 4 else 4,
                                          world_size=world, tolerance=TOL,
-                                         family_scenarios=DP_FAMILY_SCENARIOS if world == 4 else None)
+                                         family_scenarios=DP_FAMILY_SCENARIOS if world == 4 else {"qwen2_5_vl": PRESPLIT_PP})
         except ParityError as exc:
             _reports[world] = exc
     report = _reports[world]
@@ -428,3 +440,45 @@ def test_fsdp2_mixed_precision_stays_within_the_measured_tolerance(family):
         assert st.grad_diff_lm <= BF16_GRAD_RTOL * st.reference_grad_max_lm
         assert st.grad_diff_lm > TOL  # really computed in bfloat16
 
+
+
+# ----------------------------------------------------------------------------------------------
+# pre-split microbatches (the same spawns)
+
+
+def _staging_twin(family, result, world):
+    """The same scenario through the staging path, when the spawn ran it (names are case-insensitive)."""
+    name = result.name.replace("/presplit", "")
+    try:
+        return _report(world).family(family).scenario(name)
+    except KeyError:
+        return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scenario", (*PRESPLIT_PP, *PRESPLIT_DP))
+def test_presplit_microbatches_match_the_staging_path_and_the_model(scenario):
+    """``schedule.step(**microbatch_inputs(...).step_kwargs())``: loss and every gradient within 1e-5 of
+    the model's own run; each forward of stage 0 got the media of the microbatch whose rows it ran
+    (the shape-inference forward too), as views of the batch's tensors (the worker checks each view's
+    storage and rows); the losses equal the staging path's (measured: identical)."""
+    world = 4 if "/dp2" in scenario else 2
+    result = _report(world).family("qwen2_5_vl").scenario(scenario)
+    assert result.presplit
+    _assert_parity(result)
+    n = 2 if world == 4 else 4
+    for st in result.steps:
+        inference = result.shapes == "inferred" and (st.step == 0 or result.variant in ("varlen", "eval"))
+        assert st.chunk_trace == [0] * inference + list(range(n))  # varlen: of the step's own batch
+        assert st.media_rows, "stage 0 consumed media views"
+    twin = _staging_twin("qwen2_5_vl", result, world)
+    if result.variant == "eval":  # forward only, before the training step: the reference's loss
+        assert twin is None
+        assert all(abs(st.loss_eval - st.loss_reference) <= TOL for st in result.steps)
+    else:
+        assert twin is not None and not twin.presplit
+        for st, base in zip(result.steps, twin.steps):
+            assert abs(st.loss_pipeline - base.loss_pipeline) <= TOL
+            assert st.media_rows == base.media_rows  # the same views of the batch, microbatch by microbatch
+    if result.encoder == "spread":
+        _assert_spread_encoded_each_chunk_once("qwen2_5_vl", result)

@@ -83,6 +83,7 @@ The package, one module per concern (every public name is importable from ``ppme
 ``finetune``        frozen parts, activation checkpointing, train mode, the device and its backend
 ``step``            one training step as pieces of a loop (:class:`ReplicaShare`, :func:`train_step`)
 ``progress``        the per-step record, the loss log and the progress display (:func:`step_record`)
+``step_inputs``     a batch as one step's pre-split microbatches, labels and loss kwargs (:func:`presplit_batch`)
 ``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``
 ==================  ===========================================================================
 """
@@ -128,6 +129,7 @@ from .schedules import (
     stage_indices_for_rank,
 )
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, refuse_router_loss, static_stage_args
+from .step_inputs import presplit_batch
 from .surgery import default_layer_split, find_language_model
 from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
@@ -201,6 +203,7 @@ __all__ = [
     "no_decay",
     "option_problem",
     "pipeline_loss",
+    "presplit_batch",
     "refuse_router_loss",
     "reshards_after_forward",
     "resolve_device",

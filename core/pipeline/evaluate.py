@@ -22,6 +22,7 @@ def eval_step(
     num_valid_tokens: int,
     *,
     group: Any = None,
+    presplit: bool = False,
 ) -> Tensor:
     """One forward-only step of ``schedule`` (torch's ``schedule.eval``): the GLOBAL mean token loss.
 
@@ -43,23 +44,34 @@ def eval_step(
             losses add up to the batch's mean.
         group: the group over which the last stages' losses are summed: the world (default), which
             holds one last stage per replica.
+        presplit: feed the schedule pre-split microbatches (:func:`ppmedia.microbatch_inputs`: each
+            microbatch's media as its own ``media`` keyword input) instead of staging the media on
+            the first stage; ``staged`` is then required on every rank.
 
     Returns:
         A float32 scalar, equal on every rank: the global batch's mean token loss.
     """
     import torch.distributed as dist
 
+    from ..presplit import microbatch_inputs
     from ..stage import stage_media
 
-    staging: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if first_stage is not None:
-        if staged is None:
-            raise ValueError("eval_step: first_stage given without its staged media (split_media(...))")
-        staging = stage_media(first_stage, staged)
     losses: list[Tensor] = []
-    with torch.no_grad(), staging:
-        schedule.eval(input_ids, attention_mask, target=labels, losses=losses,
-                      loss_kwargs={"num_valid_tokens": num_valid_tokens})
+    loss_kwargs = {"num_valid_tokens": num_valid_tokens}
+    if presplit:
+        if staged is None:
+            raise ValueError("eval_step(presplit=True): staged is None; expected the replica's split_media(...) on every rank")
+        inputs = microbatch_inputs(staged, input_ids, attention_mask, target=labels, loss_kwargs=loss_kwargs)
+        with torch.no_grad():
+            schedule.eval(**inputs.step_kwargs(), losses=losses)
+    else:
+        staging: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if first_stage is not None:
+            if staged is None:
+                raise ValueError("eval_step: first_stage given without its staged media (split_media(...))")
+            staging = stage_media(first_stage, staged)
+        with torch.no_grad(), staging:
+            schedule.eval(input_ids, attention_mask, target=labels, losses=losses, loss_kwargs=loss_kwargs)
     total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros(())
     dist.all_reduce(total, group=group)
     _reshard(schedule)

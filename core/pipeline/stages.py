@@ -10,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from ..adapters.base import VlmAdapter, WireTensor, config_value
-from ..chunk import CURSOR_ATTRIBUTE, next_vlm_media_chunk
+from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk, next_vlm_media_chunk
+from ..presplit import MicrobatchMedia
 from .surgery import _child_name, _get_path, _layer_ranges, _stage_children, find_language_model, find_output_head
 from .tied import TiedParameters, tied_parameters
 
@@ -116,17 +117,26 @@ class StageModule(nn.Module):
         )
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, *args: Tensor) -> Tensor | tuple[Tensor, ...]:
+    def forward(self, *args: Tensor, media: MicrobatchMedia | None = None) -> Tensor | tuple[Tensor, ...]:
         """First stage: ``(input_ids [b, S], attention_mask [b, S])``; later stages: the previous
         stage's tuple ``(hidden, attention_mask, *wire_in)``. Returns ``(hidden, attention_mask,
-        *wire_out)`` for the next stage, or logits ``[b, S, vocab]`` on the last."""
+        *wire_out)`` for the next stage, or logits ``[b, S, vocab]`` on the last.
+
+        ``media``: the microbatch's pre-split media (:func:`ppmedia.microbatch_inputs`), which the first
+        stage merges; every other stage ignores it (torch hands keyword inputs to every stage of the
+        rank). Without it, the first stage takes the media staged on it (:func:`ppmedia.stage_media`)."""
+        if media is not None and not isinstance(media, MicrobatchMedia):
+            raise TypeError(
+                f"stage {self.stage_index}: media is a {type(media).__name__}; expected ppmedia.MicrobatchMedia "
+                f"(ppmedia.microbatch_inputs(...).kwarg_mbs)"
+            )
         if self.is_first:
             if len(args) != 2:
                 raise TypeError(
                     f"stage 0 takes (input_ids, attention_mask); got {len(args)} positional arguments"
                 )
             input_ids, attention_mask = args
-            hidden, wire = self._embed_and_merge(input_ids, attention_mask)
+            hidden, wire = self._embed_and_merge(input_ids, attention_mask, media)
         else:
             specs = self.wire_in
             if len(args) != 2 + len(specs):
@@ -159,12 +169,25 @@ class StageModule(nn.Module):
             out.append(tensor.clone(memory_format=torch.contiguous_format))
         return tuple(out)
 
-    def _embed_and_merge(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def _microbatch_media(self, media: MicrobatchMedia | None) -> tuple[int | None, VlmMediaChunk | None]:
+        """``(microbatch, chunk)``: the pre-split ``media``, else the next staged chunk (cursor moved)."""
+        if media is None:
+            k = self.__dict__.get(CURSOR_ATTRIBUTE)
+            return k, next_vlm_media_chunk(self)
+        if self.__dict__.get(CURSOR_ATTRIBUTE) is not None:
+            raise ValueError(
+                f"stage 0: got media= for microbatch {media.index} (pre-split) while media are also staged on "
+                f"the module (stage_media, cursor {self.__dict__[CURSOR_ATTRIBUTE]}); expected one of the two"
+            )
+        return media.index, media.chunk
+
+    def _embed_and_merge(
+        self, input_ids: Tensor, attention_mask: Tensor, media: MicrobatchMedia | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         lm = self.stage_language_model
         embeds = lm.get_input_embeddings()(input_ids)  # [b, S, H]
         features = self.__dict__.get(FEATURES_ATTRIBUTE)  # set for one step by an encoder spread
-        k = self.__dict__.get(CURSOR_ATTRIBUTE)
-        chunk = next_vlm_media_chunk(self)
+        k, chunk = self._microbatch_media(media)
         adapter = self.adapter if features is None else features.adapter_for(k, chunk)
         hidden, wire = adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
         if self.adapter.sample_inputs:

@@ -77,6 +77,9 @@ class PipelineParts:
         max_grad_norm: the global L2 norm gradients are clipped to.
         spread: the :class:`~ppmedia.pipeline.EncoderSpread` when every rank encodes a share.
         tracer: a :class:`~ppmedia.pipeline.StepTracer` to start at each step, or ``None``.
+        presplit: feed the schedule pre-split microbatches (:func:`ppmedia.microbatch_inputs`: each
+            microbatch's media its own ``media`` keyword) instead of staging them on stage 0; every
+            rank's share then needs its ``staged`` media.
         guard: a :class:`~ppmedia.pipeline.NonFiniteGuard` consulted before each optimizer step (a
             non-finite loss or norm stops the run, or skips the step within its limit); ``None``: none.
     """
@@ -93,6 +96,7 @@ class PipelineParts:
     spread: Any = None
     tracer: Any = None
     guard: Any = None
+    presplit: bool = False
 
 
 def batch_to(batch: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -190,14 +194,25 @@ def loader_shares(loader: Any, config: Any, adapter: Any, n_microbatches: int, *
 def _run_schedule(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]) -> None:
     from ..stage import stage_media
 
+    from ..presplit import microbatch_inputs
+
     staging: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if parts.spread is not None:  # every pipeline rank encodes a share; stage 0 also stages the chunks
-        staging = parts.spread.step(share.staged, share.input_ids)
-    elif parts.first is not None:
+        staging = parts.spread.step(share.staged, share.input_ids, stage=not parts.presplit)
+    elif parts.first is not None and not parts.presplit:
         staging = stage_media(parts.first, share.staged)
+    loss_kwargs = {"num_valid_tokens": share.num_valid_tokens}
     with staging:
-        parts.schedule.step(share.input_ids, share.attention_mask, target=share.labels, losses=losses,
-                            loss_kwargs={"num_valid_tokens": share.num_valid_tokens})
+        if parts.presplit:  # every rank: microbatch k's rows as its arguments, its media as its `media` keyword
+            if share.staged is None:
+                raise ValueError("train_step(presplit): this rank's share has no staged media; pre-split "
+                                 "microbatches need split_media(...) on every rank")
+            inputs = microbatch_inputs(share.staged, share.input_ids, share.attention_mask, target=share.labels,
+                                       loss_kwargs=loss_kwargs)
+            parts.schedule.step(**inputs.step_kwargs(), losses=losses)
+        else:
+            parts.schedule.step(share.input_ids, share.attention_mask, target=share.labels, losses=losses,
+                                loss_kwargs=loss_kwargs)
 
 
 def train_step(parts: PipelineParts, share: ReplicaShare, step: int | None = None) -> StepResult:
@@ -257,8 +272,9 @@ def eval_loss(parts: PipelineParts, shares: Sequence[ReplicaShare]) -> float:
         module.eval()
     try:
         for share in shares:
-            loss = eval_step(parts.schedule, parts.first, share.staged if parts.first is not None else None,
-                             share.input_ids, share.attention_mask, share.labels, share.num_valid_tokens)
+            staged = share.staged if parts.first is not None or parts.presplit else None
+            loss = eval_step(parts.schedule, parts.first, staged, share.input_ids, share.attention_mask, share.labels,
+                             share.num_valid_tokens, presplit=parts.presplit)
             total += float(loss) * share.num_valid_tokens
             tokens += share.num_valid_tokens
     finally:

@@ -93,7 +93,7 @@ __all__ = [
 #: the second step's loss and gradients differ.
 FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies")
 #: run variants that must still match (see :class:`Scenario`).
-VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica", "varlen")
+VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica", "varlen", "eval")
 _SHAPES = ("inferred", "static")
 #: extra padding columns of the ``varlen`` variant's first batch of a step.
 VARLEN_PAD = 3
@@ -139,7 +139,9 @@ class Scenario:
             replica 0 holds no media at all (its vision tower gets no gradient); ``varlen``
             accumulates two schedule steps before each optimizer step (and each comparison): another
             batch right-padded by :data:`VARLEN_PAD` columns (another sequence length ``S``), then the
-            step's batch; the reference accumulates the same two, and the stages are never rebuilt.
+            step's batch; the reference accumulates the same two, and the stages are never rebuilt;
+            ``eval`` runs :func:`~ppmedia.pipeline.eval_step` (``schedule.eval``, forward only) on the
+            step's batch before its training step, and its loss is compared with the reference's.
         balance: reorder the samples for an even vision load (``split_media(balance=...)`` with the
             adapter's ``image_costs``); the reference still runs the original order.
         encoder: ``stage0`` (the first stage runs the vision tower) or ``spread`` (every pipeline rank
@@ -158,6 +160,10 @@ class Scenario:
             in bfloat16 (gradients reduced in float32).
         microbatches: microbatches per step for this scenario (default: the run's ``n_microbatches``),
             e.g. ``mb4`` for DualPipeV, which needs at least as many microbatches as stages.
+        presplit: feed the schedule pre-split microbatches (token ``/presplit``:
+            ``schedule.step(**ppmedia.microbatch_inputs(staged, ...).step_kwargs())``, each
+            microbatch's media its own ``media`` keyword input) instead of staging the media on the
+            first stage (``stage_media``).
     """
 
     schedule: str
@@ -175,6 +181,7 @@ class Scenario:
     pretrained: bool = False
     fsdp: bool = False
     microbatches: int | None = None
+    presplit: bool = False
 
     def __post_init__(self) -> None:
         from ..pipeline import schedule_layout
@@ -199,6 +206,8 @@ class Scenario:
             raise ValueError("scenario lane=False (/nolane) is an option of the encoder spread: add /spread")
         if self.variant is not None and self.variant not in VARIANTS:
             raise ValueError(f"scenario variant: got {self.variant!r}; expected None or one of {', '.join(VARIANTS)}")
+        if self.presplit and self.fault == "bare_module":
+            raise ValueError("scenario /presplit stages nothing on a module: bare_module does not apply")
 
     @property
     def name(self) -> str:
@@ -207,7 +216,7 @@ class Scenario:
 
 
 def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
-    """``schedule/shapes[/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``."""
+    """``schedule/shapes[/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]...[/presplit]``."""
     parts = [sc.schedule, sc.shapes] + ([sc.fault] if sc.fault else [])
     parts += [f"dp{sc.dp}"] if sc.dp != 1 else []
     parts += ["fsdp"] * sc.fsdp
@@ -218,7 +227,8 @@ def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
     if sc.variant is not None:
         parts.append(sc.variant)
     return "/".join(parts + ["balanced"] * sc.balance + ["pretrained"] * sc.pretrained
-                    + ["spread"] * (getattr(sc, "encoder", "stage0") == "spread") + ["nolane"] * (not getattr(sc, "lane", True)))
+                    + ["spread"] * (getattr(sc, "encoder", "stage0") == "spread") + ["nolane"] * (not getattr(sc, "lane", True))
+                    + ["presplit"] * getattr(sc, "presplit", False))
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -230,7 +240,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -270,10 +280,12 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["encoder"] = "spread"
             elif token == "nolane":
                 kwargs["lane"] = False
+            elif token == "presplit":
+                kwargs["presplit"] = True
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane]"
+                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -337,6 +349,8 @@ class StepResult:
         media_rows: per replica, per chunk its first stage consumed: ``[dp_rank, chunk, field, start,
             stop]``, the rows of the GLOBAL batch's media tensor the staged view covers (checked
             in the worker against the replica's own samples).
+        loss_eval: with the ``eval`` variant: the global loss of ``eval_step`` on the step's batch,
+            before its training step (the same weights as ``loss_reference``); else ``None``.
     """
 
     step: int
@@ -360,6 +374,7 @@ class StepResult:
     vision_layer_calls: int = -1
     media_rows: list[list[Any]] = field(default_factory=list)
     encoded: list[list[int]] = field(default_factory=list)
+    loss_eval: float | None = None
 
     @property
     def loss_diff(self) -> float:
@@ -395,6 +410,7 @@ class ScenarioResult:
     pretrained: bool = False
     fsdp: bool = False
     microbatches: int | None = None
+    presplit: bool = False
 
     @property
     def name(self) -> str:
@@ -433,6 +449,7 @@ class ScenarioResult:
         )
         return (
             s.loss_diff <= loss_tol
+            and (s.loss_eval is None or abs(s.loss_eval - s.loss_reference) <= loss_tol)
             and s.grad_diff_vision <= vision_tol
             and s.grad_diff_lm <= lm_tol
             and s.first_stage_calls == s.expected_first_stage_calls
@@ -829,10 +846,16 @@ class _Probe:
         self.current: dict[str, Any] = {}
         self.handles: list[Any] = []
 
-        def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            cursor = module.__dict__.get(CURSOR_ATTRIBUTE)
+        def record(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            media = kwargs.get("media")  # pre-split: the microbatch's own input; else the staged lists
+            cursor = module.__dict__.get(CURSOR_ATTRIBUTE) if media is None else media.index
             self.trace.append((cursor, _microbatch_of(args[0], self.current["input_ids"], self.current["samples"])))
             for name, attribute in STAGED_ATTRIBUTES.items():
+                if media is not None:
+                    view = None if media.chunk is None else getattr(media.chunk, name)
+                    if view is not None:
+                        self.views.append((media.index, name, view))
+                    continue
                 staged = module.__dict__.get(attribute)
                 if cursor is not None and staged is not None and cursor < len(staged) and staged[cursor].numel():
                     self.views.append((cursor, name, staged[cursor]))
@@ -844,7 +867,7 @@ class _Probe:
             return hook
 
         if built.first is not None:
-            self.handles.append(built.first.submod.register_forward_pre_hook(record))
+            self.handles.append(built.first.submod.register_forward_pre_hook(record, with_kwargs=True))
         for module in built.modules:
             decoder = list(module.stage_language_model.layers)
             self.layers += len(decoder)
@@ -900,6 +923,7 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     """One schedule step on this replica's share, then the tied and data-parallel reductions
     (``accumulate``: keep the gradients already there, and leave the reductions to the next step)."""
     from ..pipeline import all_reduce_gradients, make_labels, sync_tied_gradients
+    from ..presplit import microbatch_inputs
     from ..stage import stage_media
 
     import torch.distributed as dist
@@ -922,17 +946,40 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
             spread.set_background(False)
         if scenario.fault == "stale_copies":  # the copies keep the weights of the first step
             spread.refresh = lambda everything=True: None  # type: ignore[method-assign]
-        staging = spread.step(staged, ids)
-    elif built.first is not None:
+        staging = spread.step(staged, ids, stage=not scenario.presplit)
+    elif built.first is not None and not scenario.presplit:
         staging = stage_media(built.first.submod if scenario.fault == "bare_module" else built.first, staged)
+    loss_kwargs = {"num_valid_tokens": num_valid}
     with staging:
-        built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
+        if scenario.presplit:  # every rank the same microbatches; each one's media its own `media` input
+            inputs = microbatch_inputs(staged, ids, mask, target=labels, loss_kwargs=loss_kwargs)
+            built.schedule.step(**inputs.step_kwargs(), losses=losses)
+        else:
+            built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs=loss_kwargs)
     if accumulate:
         return losses, time.perf_counter() - t0, staged
     sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
     if g.dp > 1 and not scenario.fsdp:  # FSDP2 has reduce-scattered them over the dp mesh
         all_reduce_gradients(built.modules, group=g.dp_group)
     return losses, time.perf_counter() - t0, staged
+
+
+def _eval_loss(built: _Built, scenario: Scenario, local: dict[str, Any], media_local: dict[str, Any], num_valid: int,
+               probe: _Probe, adapter: Any, config: Any, n: int) -> float | None:
+    """``eval``: the global loss of ``eval_step`` on this replica's share (staged or pre-split as the
+    scenario says), before the step's training step; ``None`` for other variants."""
+    if scenario.variant != "eval":
+        return None
+    from ..pipeline import eval_step, make_labels
+
+    staged = _split(adapter, config, dict(media_local), n)
+    ids, mask = local["input_ids"], local["attention_mask"]
+    labels = make_labels(ids, config, adapter, attention_mask=mask)
+    probe.reset(ids, staged.samples)  # its calls are not counted: the training step resets again
+    first = built.first
+    loss = eval_step(built.schedule, first, staged if (first is not None or scenario.presplit) else None,
+                     ids, mask, labels, num_valid, presplit=scenario.presplit)
+    return float(loss)
 
 
 def _encoded_rows(built: _Built, scenario: Scenario, staged: Any, g: _Groups, where: str) -> list[list[int]]:
@@ -1029,8 +1076,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _check_calls(probe: _Probe, built: _Built, scenario: Scenario, step: int, n: int, where: str) -> tuple[int, int]:
     """Stage 0 ran once per microbatch (plus the shape-inference forward) on its own chunk; returns
     the decoder layers' calls and the expected number."""
-    # varlen: every schedule step has another S than the previous one, so shapes are inferred again
-    inference = scenario.shapes == "inferred" and (step == 0 or scenario.variant == "varlen")
+    # varlen: every schedule step has another S than the previous one, so shapes are inferred again;
+    # eval: every step follows an eval() (a switch from training and back)
+    inference = scenario.shapes == "inferred" and (step == 0 or scenario.variant in ("varlen", "eval"))
     expected_calls = n + inference
     if built.first is not None:
         if len(probe.trace) != expected_calls:
@@ -1083,6 +1131,7 @@ def _run_scenario(
             )
             if scenario.variant == "varlen":
                 _accumulate_padded(built, scenario, g, job.seed + 500 + step, probe, tiny_module, n)
+            loss_eval = _eval_loss(built, scenario, local, media_local, num_valid, probe, adapter, config, n)
             losses, wall_pipeline, staged = _pipeline_step(built, scenario, g, local, media_local, num_valid, probe, adapter, config, n)
             targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
             out, wall_reference = _reference_step(built, tiny_module, batch, targets, accumulate=scenario.variant == "varlen")
@@ -1114,6 +1163,7 @@ def _run_scenario(
                     # a balanced split copies the media in the new order: nothing to locate in the batch
                     "media_rows": [] if scenario.balance else _media_rows(probe, media_batch, global_split, g, n, where),
                     "encoded": _encoded_rows(built, scenario, staged, g, where),
+                    "loss_eval": loss_eval,
                 }
             )
             built.optimizer.step()
@@ -1221,6 +1271,7 @@ def _merge_step(k: int, rows: list[dict[str, Any]]) -> StepResult:
         vision_layer_calls=sum(r["vision_layer_calls"] for r in rows),
         media_rows=[row for r in rows for row in r["media_rows"]],
         encoded=[row for r in rows for row in r.get("encoded", [])],
+        loss_eval=rows[0].get("loss_eval"),
     )
 
 
@@ -1250,6 +1301,7 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         pretrained=sc.get("pretrained", False),
         fsdp=sc.get("fsdp", False),
         microbatches=sc.get("microbatches"),
+        presplit=sc.get("presplit", False),
         stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0],
     )
 
