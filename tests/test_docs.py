@@ -827,8 +827,11 @@ def test_every_page_is_listed_in_the_index():
 
 # ------------------------------------------------------------------------------------ README
 def test_quick_start_is_make_demo_then_make_test():
-    (block,) = [b for b in read_blocks(README, section(README.read_text(), "Quick start")) if b.lang in SHELL]
+    # then the three lines from a data file to an exported model (tests/test_train_data.py runs them)
+    block, data = [b for b in read_blocks(README, section(README.read_text(), "Quick start")) if b.lang in SHELL]
     assert [line.split("#")[0].strip() for line in command_lines(block)] == ["make demo", "make test"]
+    lines = command_lines(data)
+    assert len(lines) == 3 and "examples/train.py --model" in lines[1] and "--data" in lines[1] and "--export" in lines[1]
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^demo: .*\n\t\$\(BIN\)/ppmedia demo$", makefile, flags=re.M)
     assert re.search(r"^test: .*\n\t\$\(BIN\)/pytest$", makefile, flags=re.M)

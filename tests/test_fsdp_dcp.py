@@ -80,7 +80,11 @@ def _reference() -> dict[str, dict[int, float]]:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     model = module.build_model(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # train.py's AdamW: weight decay 0.01, none on biases, norm weights (1-D) and the embedding table
+    plain = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed_tokens" in n]
+    decayed = [p for p in model.parameters() if all(p is not q for q in plain)]
+    optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}],
+                                  lr=1e-3)
 
     def loss_of(batch):
         targets = pipeline.make_labels(batch["input_ids"], model.config, attention_mask=batch["attention_mask"], shift=False)

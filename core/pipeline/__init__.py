@@ -79,6 +79,10 @@ The package, one module per concern (every public name is importable from ``ppme
 ``guards``          a run's preconditions: options, ranks agreeing on a refusal, the same batch on
                     every rank, finite losses (:func:`check_batch_agreement`, :class:`NonFiniteGuard`)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
+``optim``           weight-decay groups, AdamW per stage, learning-rate schedules (:func:`stage_adamw`)
+``finetune``        frozen parts, activation checkpointing, train mode, the device and its backend
+``step``            one training step as pieces of a loop (:class:`ReplicaShare`, :func:`train_step`)
+``progress``        the per-step record, the loss log and the progress display (:func:`step_record`)
 ``step_inputs``     a batch as one step's pre-split microbatches, labels and loss kwargs (:func:`presplit_batch`)
 ``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``
 ==================  ===========================================================================
@@ -100,14 +104,20 @@ from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders,
                       vision_replica)
 from .distributed import TORCHRUN_VARIABLES, init_distributed
 from .evaluate import eval_step
-from .export import save_pretrained_stages
+from .export import PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
+from .finetune import (MODEL_PARTS, PROJECTOR_NAMES, enable_activation_checkpointing, freeze, model_part,
+                       resolve_device, train_mode)
 from .guards import (BatchMismatchError, NonFiniteError, NonFiniteGuard, agree, batch_fingerprint,
                      check_batch_agreement, failure_line, option_problem)
+from .optim import LR_SCHEDULES, decay_groups, learning_rate, no_decay, set_learning_rate, stage_adamw
+from .progress import LossLog, Progress, format_step, step_record
+from .step import (PipelineParts, ReplicaShare, StepResult, batch_to, eval_loss, loader_shares, share_of_global_batch, share_of_replica_batch,
+                   train_step)
 from .fsdp import (SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, reshards_after_forward,
                    splits_backward)
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
-from .pretrained import stages_from_pretrained
+from .pretrained import checkpoint_dtype, stages_from_pretrained
 from .schedules import (
     SCHEDULE_ALIASES,
     SCHEDULES,
@@ -125,10 +135,22 @@ from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_pa
 from .trace import StepTracer
 
 __all__ = [
+    "BatchMismatchError",
     "CHECKPOINT_INFO",
     "ENCODER_MODES",
     "EncoderSpread",
+    "HYPERPARAMETER_MODES",
     "IGNORE_INDEX",
+    "LR_SCHEDULES",
+    "LossLog",
+    "MODEL_PARTS",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "PROCESSOR_FILE_PATTERNS",
+    "PROJECTOR_NAMES",
+    "PipelineParts",
+    "Progress",
+    "ReplicaShare",
     "SCHEDULES",
     "SCHEDULE_ALIASES",
     "SPLIT_BACKWARD_RESHARD_REASON",
@@ -136,58 +158,75 @@ __all__ = [
     "ShapeFollowingSchedule",
     "SpreadPlan",
     "StageModule",
+    "StepResult",
     "StepTracer",
     "TORCHRUN_VARIABLES",
     "TiedParameters",
+    "agree",
     "all_reduce_gradients",
     "apply_fsdp",
     "assign_encoders",
+    "batch_fingerprint",
+    "batch_to",
     "build_schedule",
     "build_stage_modules",
+    "check_batch_agreement",
     "check_checkpoint",
     "check_fsdp_schedule",
+    "checkpoint_dtype",
     "checkpoint_path",
+    "claim_save_dir",
     "clip_grad_norm",
+    "copy_processor_files",
     "count_valid_tokens",
+    "decay_groups",
     "default_layer_split",
+    "enable_activation_checkpointing",
     "encoder_spread_of",
-    "interleave_encoders",
+    "eval_loss",
     "eval_step",
+    "failure_line",
     "find_language_model",
+    "format_step",
+    "freeze",
     "init_distributed",
     "find_merge_module",
+    "interleave_encoders",
     "is_sharded",
     "latest_checkpoint",
+    "learning_rate",
     "load_checkpoint",
+    "loader_shares",
     "make_labels",
     "make_pipeline_stages",
+    "model_part",
+    "new_run_id",
+    "no_decay",
+    "option_problem",
     "pipeline_loss",
     "presplit_batch",
-    "save_pretrained_stages",
-    "save_checkpoint",
-    "schedule_layout",
-    "schedule_names",
-    "shard_batch",
-    "splits_backward",
-    "stage_indices_for_rank",
-    "stage_parameters",
-    "stages_from_pretrained",
-    "stage_optimizers",
-    "static_stage_args",
-    "sync_tied_gradients",
-    "tied_parameters",
-    "vision_replica",
-    "HYPERPARAMETER_MODES",
-    "claim_save_dir",
-    "new_run_id",
-    "BatchMismatchError",
-    "NonFiniteError",
-    "NonFiniteGuard",
-    "agree",
-    "batch_fingerprint",
-    "check_batch_agreement",
-    "failure_line",
-    "option_problem",
     "refuse_router_loss",
     "reshards_after_forward",
+    "resolve_device",
+    "save_checkpoint",
+    "save_pretrained_stages",
+    "schedule_layout",
+    "schedule_names",
+    "set_learning_rate",
+    "shard_batch",
+    "share_of_global_batch",
+    "share_of_replica_batch",
+    "splits_backward",
+    "stage_adamw",
+    "stage_indices_for_rank",
+    "stage_optimizers",
+    "stage_parameters",
+    "stages_from_pretrained",
+    "static_stage_args",
+    "step_record",
+    "sync_tied_gradients",
+    "tied_parameters",
+    "train_mode",
+    "train_step",
+    "vision_replica",
 ]

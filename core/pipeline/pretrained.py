@@ -46,7 +46,26 @@ from .safetensors_files import CheckpointFiles, open_tensors, read_checkpoint_fi
 from .stages import StageModule, build_stage_modules
 from .tied import TiedParameters
 
-__all__ = ["build_meta_model", "load_pretrained_config", "stages_from_pretrained", "tied_groups"]
+__all__ = ["build_meta_model", "checkpoint_dtype", "load_pretrained_config", "stages_from_pretrained", "tied_groups"]
+
+
+def checkpoint_dtype(path: str | os.PathLike[str]) -> torch.dtype:
+    """The dtype a checkpoint was saved in: ``config.json``'s ``dtype`` (or the older ``torch_dtype``),
+    of the text config when the top level has none; float32 when it names none.
+
+    Raises:
+        ValueError: the name is not a floating torch dtype.
+    """
+    import json
+
+    with open(os.path.join(os.fspath(path), "config.json")) as fh:
+        config = json.load(fh)
+    text = config.get("text_config") or {}
+    name = next((c.get(k) for c in (config, text) for k in ("dtype", "torch_dtype") if c.get(k)), "float32")
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{path}/config.json: dtype {name!r}; expected a floating torch dtype such as 'bfloat16'")
+    return dtype
 
 
 def load_pretrained_config(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Any:
