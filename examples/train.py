@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # CPU processes sharing cores: one intra-op thread each
     _, backend = pipeline.resolve_device(args.device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=60))
+    pipeline.init_distributed(backend, timeout=timedelta(seconds=60))  # torchrun's ranks, or one process
     where: dict[str, Any] = {"step": None}
     try:
         if dist.get_world_size() != args.pp * args.dp:

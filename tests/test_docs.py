@@ -552,9 +552,18 @@ NOT_RUN: dict[str, NotRun] = {
     "torchrun --standalone --nproc-per-node 4 step.py": NotRun(
         "4 processes, and the page's output block is the one-process run's (the page states what the 4 print)",
         "`python step.py` runs here, its output compared; pp x dp = 2 x 2 with the same calls (shard_batch, "
-        "all_reduce_gradients, clip_grad_norm) is examples/train.py's, which tests/test_fsdp_dcp.py runs on 4 processes",
-        lambda line: (_torchrun_parses(line), _test_source_has("examples/train.py", "shard_batch", "all_reduce_gradients",
+        "all_reduce_gradients, clip_grad_norm) is examples/train.py's (through core/pipeline/step.py), which "
+        "tests/test_fsdp_dcp.py runs on 4 processes",
+        lambda line: (_torchrun_parses(line), _test_source_has("core/pipeline/step.py", "shard_batch", "all_reduce_gradients",
                                                               "clip_grad_norm")("python examples/train.py"))),
+    command_key("torchrun --standalone --nproc-per-node 4 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
+                "--pp 2 --dp 2 --fsdp --batch-size 8 --max-length 512 --epochs 3 --lr 2e-5 --weight-decay 0.01 "
+                "--warmup-steps 10 --lr-schedule cosine --freeze vision --activation-checkpointing "
+                "--save-dir runs --save-every 50 --loss-log loss.jsonl --export trained"): NotRun(
+        "it shows every flag on placeholder folders (demo-ckpt, demo-data) and 3 epochs on 4 processes",
+        "tests/test_train_data.py runs the README's data lines as "
+        "written (checkpoint, data file, export) and --data runs at pp2 x dp2 with FSDP2",
+        _test_source_has("tests/test_train_data.py", "--data")),
     **{command_key(line): _FSDP_DCP for line in [
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp "
         "--steps 6 --save-dir ckpt --save-every 2 --eval-every 2 --loss-log straight.jsonl",

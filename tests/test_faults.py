@@ -214,8 +214,8 @@ def _one_rank():
     sys.path.insert(0, str(ROOT / "tests"))
     from test_docs import as_a_script
 
-    with as_a_script():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    with as_a_script():  # no torchrun variables: one process, as a plain `python train.py` gets
+        pipeline.init_distributed("gloo", timeout=timedelta(seconds=60))
         yield
 
 
