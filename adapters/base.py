@@ -186,6 +186,11 @@ class SampleInput:
             ``every_stage``), e.g. ERNIE 4.5 VL's ``moe_mm_token_type_ids``; ``None``: not passed
             (the adapter's ``decoder_kwargs`` reads ``wire[key]`` itself).
         floating: travels in the hidden states' dtype with a gradient (else int64, as sent).
+
+    A batch without ``key`` stages nothing for it (:meth:`VlmAdapter.sample_input_values` leaves it
+    out): with ``every_stage`` the first stage then raises ``ValueError`` naming the key and the
+    microbatch (:meth:`VlmAdapter.add_sample_inputs`); otherwise ``chunk.extras`` simply lacks it and
+    the adapter's ``encode`` decides.
     """
 
     key: str
@@ -327,7 +332,17 @@ class VlmAdapter(abc.ABC):
             the model, e.g. ``"language_model.model"`` (Llama 4) or ``"model.text_model"``
             (Idefics3); ``None`` (default): the first of
             :data:`ppmedia.pipeline.surgery.LANGUAGE_MODEL_PATHS` that holds a ``layers`` list. The
-            output head is found wherever it sits (``model.get_output_embeddings()``).
+            output head is found wherever it sits (``model.get_output_embeddings()``). A module of
+            the decoder stack other than its layers, embedding and norm is on every stage unless
+            :meth:`prune_stage` drops it (or :attr:`merge_path` names it).
+        merge_path: where the family merges, as the dotted path inside the model of the module whose
+            OUTPUT is the merged embeddings ``[B, S, hidden]``, e.g. ``"model.embed_tokens_extend"``
+            (Phi-4-multimodal: both encoders and the merge sit inside the decoder stack); ``None``
+            (default): the merge is the decoder stack's input (the ``inputs_embeds`` its ``forward``
+            gets). Everything of ppmedia that needs the merge reads it here: the testing kit's reference
+            (``check_adapter``, goldens, stage check), the stage cutter (the module and everything under
+            it on the first stage only, its parameters on the vision side) and the encoder spread's
+            :func:`~ppmedia.pipeline.vision_replica`.
 
     A subclass implements :meth:`media_per_sample`, :meth:`placeholder_masks`,
     :meth:`feature_counts` and :meth:`encode`; it may override :meth:`host_inputs` (integer metadata
@@ -340,6 +355,7 @@ class VlmAdapter(abc.ABC):
     layout: ClassVar[str]
     sample_inputs: ClassVar[tuple[SampleInput, ...]] = ()
     language_model_path: ClassVar[str | None] = None
+    merge_path: ClassVar[str | None] = None
 
     # -- token side -------------------------------------------------------------------------
     @abc.abstractmethod

@@ -18,6 +18,9 @@ _EXPORTS = {
     "HostReadCounter": "hostreads",
     "IMAGE_GRID_KEYS": "split",
     "MEDIA_KEYS": "split",
+    "MEDIA_KWARG": "presplit",
+    "MicrobatchInputs": "presplit",
+    "MicrobatchMedia": "presplit",
     "PipelineBatch": "collate",
     "STAGED_ATTRIBUTES": "chunk",
     "StagedMedia": "split",
@@ -28,6 +31,7 @@ _EXPORTS = {
     "hookimpl": "registry",
     "list_adapters": "registry",
     "microbatch_bounds": "split",
+    "microbatch_inputs": "presplit",
     "next_vlm_media_chunk": "chunk",
     "register_adapter": "registry",
     "restore_order": "balance",
@@ -41,6 +45,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES, VlmMediaChunk, next_vlm_media_chunk
     from .collate import PipelineBatch, collate_for_pipeline
     from .hostreads import HostReadCounter
+    from .presplit import MEDIA_KWARG, MicrobatchInputs, MicrobatchMedia, microbatch_inputs
     from .registry import get_adapter, hookimpl, list_adapters, register_adapter
     from .split import IMAGE_GRID_KEYS, MEDIA_KEYS, StagedMedia, microbatch_bounds, split_media
     from .stage import stage_media
@@ -52,6 +57,9 @@ __all__ = [
     "HostReadCounter",
     "IMAGE_GRID_KEYS",
     "MEDIA_KEYS",
+    "MEDIA_KWARG",
+    "MicrobatchInputs",
+    "MicrobatchMedia",
     "PipelineBatch",
     "STAGED_ATTRIBUTES",
     "StagedMedia",
@@ -62,6 +70,7 @@ __all__ = [
     "hookimpl",
     "list_adapters",
     "microbatch_bounds",
+    "microbatch_inputs",
     "next_vlm_media_chunk",
     "register_adapter",
     "restore_order",

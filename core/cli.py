@@ -60,9 +60,10 @@ def family_argument(value: str) -> str:
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--family", default="all", type=family_argument, metavar="FAMILY",
+        "--family", action="append", type=family_argument, metavar="FAMILY",
         help="model family: all (default), a built-in one (see 'ppmedia adapters'), or the dotted name of a "
-             "plugin's tiny-family module (my_plugin.tiny; its plugin installed, or named in PPMEDIA_PLUGINS)",
+             "plugin's tiny-family module (my_plugin.tiny; its plugin installed, or named in PPMEDIA_PLUGINS); "
+             "repeatable: --family A --family B runs both, in that order",
     )
     parser.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per step (default 4)")
     from .demo import schedule_argument, schedule_choices
@@ -114,6 +115,12 @@ def run_adapters(args: argparse.Namespace) -> int:
     aliases = default_registry().aliases()
     if aliases:
         print("\naliases: " + ", ".join(f"{a} -> {t}" for a, t in sorted(aliases.items())))
+    layouts = [(layout.name, layout.modality, "; ".join(
+                    part for part in (", ".join(layout.requires), layout.optional and f"optional: {', '.join(layout.optional)}")
+                    if part), provider)
+               for layout, provider in default_registry().list_layouts()]
+    print("\nmedia layouts (what split_media selects by the batch's keys):")
+    print(format_table(("layout", "modality", "keys", "provider"), layouts))
     return 0
 
 

@@ -55,6 +55,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """``argparse`` type: a finite number >= 0 (``--vision-share -1`` is an argparse error, exit 2)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number >= 0") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"got {value:g}; expected a finite number >= 0")
+    return value
+
+
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 
 #: Python names a command-line user never set, and what they are called on the command line.

@@ -25,7 +25,7 @@ import json
 import pathlib
 from typing import Any
 
-from .cli_base import positive_int
+from .cli_base import UsageError, non_negative_float, positive_int
 
 __all__ = ["add_arguments", "plan_batch", "run"]
 
@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     path, batch, model = load_inputs(args)
     check_microbatches(path, batch, model, args.microbatches)
     adapter, config = model.adapter, model.config
+    check_stages(args.stages, config)
     plan = plan_batch(batch, args.microbatches, adapter, config)
     n, unit = args.microbatches, plan["unit"]
     rows = [(k, f"{plan['images'][k]:.0f}", f"{plan['loads'][k]:.3g}", f"{plan['balanced_images'][k]:.0f}",
@@ -136,6 +137,18 @@ def _as_calibration(costs: Any, config: Any, n_stages: int) -> Any:
                 for s, n in enumerate(layers)]
     ratio = [b / f if f > 0 else 2.0 for f, b in zip(forward, backward)]
     return Calibration([f * 1e3 for f in forward], costs.vision_forward * 1e3, ratio, costs.latency * 1e3)
+
+
+def check_stages(n_stages: int, config: Any) -> None:
+    """``--stages`` against the model's decoder layers: with more than ``layers + 2`` stages some stage
+    between the first (embedding, vision) and the last (head) holds nothing at all, whatever the split
+    (and an optimizer over it fails). Refused before anything is printed (exit 2)."""
+    layers = _num_layers(config)
+    if layers is not None and n_stages > layers + 2:
+        raise UsageError(
+            f"argument --stages: got {n_stages} for a model of {layers} decoder layers; expected at most {layers + 2} "
+            f"(the first and last stage besides one stage per layer: more leave a stage with nothing to run)"
+        )
 
 
 def _num_layers(config: Any) -> int | None:
@@ -203,5 +216,5 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--config", help="model config.json (default: config.json beside FILE, if any)")
     plan.add_argument("--calibration", help="JSON calibration in ms (text_forward, vision_per_unit, backward_ratio, latency)")
     plan.add_argument("--timeline", metavar="FILE.svg", help="draw the predicted timelines of the vision placements here")
-    plan.add_argument("--vision-share", type=float, default=1.0,
+    plan.add_argument("--vision-share", type=non_negative_float, default=1.0,
                       help="uncalibrated: mean microbatch vision forward / one stage's text forward (default 1)")

@@ -1,21 +1,28 @@
-"""Train a vision-language model with pipeline x data parallelism and ppmedia's staged media.
+"""Train a vision-language model with pipeline x data (x tensor) parallelism and ppmedia's staged media.
 
-Run it with torchrun; the world is ``pp x dp`` processes (gloo on CPU here, nccl on GPUs)::
+Run it with torchrun; the world is ``pp x dp x tp`` processes (gloo on CPU here, nccl on GPUs)::
 
     torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 \\
         --fsdp --schedule 1f1b --steps 20 --save-dir ckpt --save-every 10
     torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen2_5_vl --pp 1 --dp 2 \\
         --fsdp --schedule 1f1b --steps 20 --save-dir ckpt --resume auto   # continues at step 10
-    torchrun --standalone --nproc-per-node 2 examples/train.py --model hf-ckpt --family qwen2_5_vl \\
-        --pp 2 --steps 20 --export trained-hf                    # from and to a Hugging Face checkpoint
+    torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl \\
+        --pp 2 --batch-size 4 --epochs 2 --lr 1e-3 --export trained   # fine-tune a checkpoint on data
     torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen3_vl --pp 2 \\
         --encoder spread --trace step.svg                        # vision spread over both ranks, timeline
+    torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2   # tensor parallel
 
-Every rank sees the same global batch; replica ``r`` trains on its share (its samples, their media
-only), split into ``--microbatches`` microbatches for its pipeline. With ``--fsdp`` every stage is
+With ``--model DIR --data PATH`` it fine-tunes a Hugging Face checkpoint on a data file or a
+``datasets`` folder (``ppmedia.data``: the checkpoint's own processor and chat template, assistant-only
+labels, each replica loading its share, media read only on the rank holding stage 0); without
+``--data`` the tiny ``--family`` model trains on its 2 fixed stand-in batches (every rank holds the
+global batch, replica ``r`` trains on its share). Each replica splits its rows into ``--microbatches``
+microbatches for its pipeline. With ``--fsdp`` every stage is
 sharded with FSDP2 over the replicas (gradients reduce-scattered as sums); without it every replica
 holds whole stages and gradients are summed with one all-reduce. Then: tied embeddings summed across
 the pipeline, gradients clipped to a global L2 norm, AdamW (one optimizer per stage module).
+``--tp N`` splits every stage's language model over N ranks (``pipeline.apply_tensor_parallel``,
+before FSDP2; the ranks laid out by ``pipeline.pipeline_mesh``; docs/tensor-parallel.md).
 
 Checkpoints are torch.distributed.checkpoint folders ``--save-dir/step{N}/`` under full-model names,
 published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, with or without
@@ -24,25 +31,29 @@ published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, 
 (``pipeline.EncoderSpread``; see docs/encoder-spread.md), ``--trace FILE.svg`` draws the last step's
 measured per-rank timeline. ``--eval-every N`` adds the loss of a held-out batch (forward only) to every N-th step's log line.
 
+Guards (``pipeline.guards``; docs/training.md "Guards"): every option is checked before anything starts
+(argparse's one line, exit 2); every step's global batch is compared across the ranks by a fingerprint
+(``--no-batch-check`` turns it off); a step whose loss or gradient norm is not finite stops the run before
+its optimizer step and before any checkpoint (``--skip-nonfinite N`` skips at most N such steps);
+``--resume`` applies this run's ``--lr`` from the resumed step and prints what changed; a fresh run
+refuses a ``--save-dir`` holding another run's checkpoints (``--overwrite`` deletes them).
+
 A rank that fails (an error, or a peer that died) prints ``train.py rank R: step S failed: ...`` and
 exits with status 1; a dead peer is noticed at the next communication with it, at the latest after the
 60 s process-group timeout.
 
-The models are ppmedia's tiny seeded ones (no download), or with ``--model`` a Hugging Face checkpoint
-directory, of which each rank reads only its stages' tensors (``pipeline.stages_from_pretrained``);
-``--export`` writes the trained model as a Hugging Face checkpoint at the end
-(``pipeline.save_pretrained_stages``, from sharded stages too). The batches stand in for your
-DataLoader (a processor's output: ``input_ids``, ``attention_mask`` and the media keys): ``--family``
-picks the tiny family's, which must match ``--model``'s model type.
+Everything here is a library call (``ppmedia.pipeline``: ``stage_adamw``, ``learning_rate``, ``freeze``,
+``train_step``, ``loader_shares``, ``step_record``, ...; docs/training.md "Fine-tuning with
+examples/train.py"); the script only wires the flags to them. ``--export`` writes the trained stages
+in their dtype with the processor's files.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Iterator
@@ -50,198 +61,292 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-import ppmedia
 from ppmedia import pipeline
 from ppmedia.testing import tiny_models
 
 #: the seed of the held-out batch ``--eval-every`` evaluates (the training batches use seeds 0 and 1).
 HELD_OUT_SEED = 1000
+#: the stand-in run's length when neither --steps nor --epochs is given.
+DEFAULT_STEPS = 4
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated integers such as 2,3") from None
+
+
+def _parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(pipeline.MODEL_PARTS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"got {unknown}; expected some of {','.join(pipeline.MODEL_PARTS)}")
+    return parts
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="qwen2_5_vl", choices=tiny_models.FAMILIES)
-    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp)")
-    parser.add_argument("--tp", type=int, default=1,
-                        help="tensor-parallel ranks per stage (world = pp x dp x tp; pipeline.apply_tensor_parallel)")
-    parser.add_argument("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
-    parser.add_argument("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
-    parser.add_argument("--microbatches", type=int, default=2, help="microbatches per replica and step")
-    parser.add_argument("--steps", type=int, default=4, help="train until this step (exclusive)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save-dir", help="write DCP checkpoints under this folder (step{N}/)")
-    parser.add_argument("--save-every", type=int, default=0, help="checkpoint after every N steps")
-    parser.add_argument("--resume", help="a checkpoint folder (step{N}) to continue from, or 'auto' (newest under --save-dir)")
-    parser.add_argument("--loss-log", help="append one JSON line per step (global loss, grad norm) here (rank 0)")
-    parser.add_argument("--model", help="a Hugging Face checkpoint directory to train (instead of the tiny family's model)")
-    parser.add_argument("--export", help="write the trained model as a Hugging Face checkpoint in this directory")
-    parser.add_argument("--eval-every", type=int, default=0, help="every N steps, the held-out batch's loss (forward only)")
-    parser.add_argument("--encoder", default="stage0", choices=("stage0", "spread"),
-                        help="where the vision tower runs: on stage 0, or spread over the pipeline ranks")
-    parser.add_argument("--trace", metavar="FILE.svg",
-                        help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
-    args = parser.parse_args(argv)
+    add = parser.add_argument
+    add("--family", default="qwen2_5_vl", choices=tiny_models.FAMILIES, metavar="FAMILY",
+        help="the tiny seeded model and its stand-in batches (without --model / --data)")
+    add("--model", help="a Hugging Face checkpoint directory to fine-tune (its processor too); needs --data")
+    add("--data", help="training data: a JSON / JSONL file (LLaVA or messages style) or a datasets save_to_disk folder")
+    add("--eval-data", help="held-out data in the same formats, evaluated every --eval-every steps")
+    add("--media-dir", help="where relative media paths of the data point (default: the data file's folder)")
+    add("--batch-size", type=int, default=8, help="the global batch in samples (split over the replicas)")
+    add("--max-length", type=int, default=2048, help="the longest sample in tokens (longer ones are skipped)")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, help="train this many passes over --data")
+    length.add_argument("--steps", type=int, help="train until this step (exclusive)")
+    add("--no-shuffle", action="store_true", help="global batch i holds samples [i*B, (i+1)*B) in order")
+    add("--seed", type=int, default=0, help="the shuffle's seed (and the tiny model's)")
+    add("--workers", type=int, default=0, help="DataLoader worker processes per rank that reads media")
+    add("--skip-bad-samples", action="store_true", help="skip (and count) bad records instead of stopping")
+    add("--lr", type=float, default=1e-3, help="the peak learning rate")
+    add("--weight-decay", type=float, default=0.01, help="AdamW's, not on norms, biases and embeddings")
+    add("--warmup-steps", type=int, default=0, help="linear warm-up from 0 over this many steps")
+    add("--lr-schedule", default="constant", choices=pipeline.LR_SCHEDULES, help="after the warm-up")
+    add("--max-grad-norm", type=float, default=1.0)
+    add("--dtype", choices=("float32", "bfloat16"), help="the parameters' dtype (default: the checkpoint's)")
+    add("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (nccl, one GPU per rank)")
+    add("--activation-checkpointing", action="store_true", help="recompute layer activations in the backward")
+    add("--freeze", type=_parts, default=[], metavar="PARTS", help="comma-separated: vision,projector,language")
+    add("--layers-per-stage", type=_int_list, metavar="N,N,...", help="decoder layers per stage (default: even)")
+    add("--pp", type=int, default=2, help="pipeline ranks")
+    add("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp x tp)")
+    add("--tp", type=int, default=1, help="tensor-parallel ranks per stage (pipeline.apply_tensor_parallel)")
+    add("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
+    add("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
+    add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
+    add("--microbatches", type=int, default=2, help="microbatches per replica and step")
+    add("--save-dir", help="write DCP checkpoints under this folder (step{N}/)")
+    add("--save-every", type=int, default=0, help="checkpoint after every N steps")
+    add("--overwrite", action="store_true",
+        help="a fresh run may delete another run's checkpoints under --save-dir (refused otherwise)")
+    add("--resume", help="a checkpoint folder (step{N}) to continue from, or 'auto' (newest under --save-dir)")
+    add("--skip-nonfinite", type=int, default=0, metavar="N",
+        help="skip at most N steps whose loss or gradient norm is not finite (default: stop at the first)")
+    add("--no-batch-check", action="store_true",
+        help="do not compare a fingerprint of every step's batch across the ranks that must hold it")
+    add("--loss-log", help="append one JSON line per step here (rank 0)")
+    add("--export", help="write the trained model (and the processor) as a Hugging Face checkpoint here")
+    add("--eval-every", type=int, default=0, help="every N steps, the held-out loss (forward only)")
+    add("--encoder", default="stage0", choices=("stage0", "spread"),
+        help="where the vision tower runs: on stage 0, or spread over the pipeline ranks")
+    add("--presplit", action="store_true",
+        help="feed the schedule pre-split microbatches (each one's media its own keyword input) instead of "
+             "staging the media on stage 0 (the stand-in batches)")
+    add("--trace", metavar="FILE.svg", help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
+    return parser
+
+
+def bad_option(args: argparse.Namespace) -> str | None:
+    """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
+    problem = pipeline.option_problem(
+        {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
+        positive=("--pp", "--dp", "--tp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
+                  "--max-grad-norm"),
+        non_negative=("--lr", "--weight-decay", "--warmup-steps", "--workers", "--save-every", "--eval-every",
+                      "--skip-nonfinite"),
+        together=(("--save-every", "--save-dir"), ("--overwrite", "--save-dir")),
+    )
+    if problem is None and args.save_dir and not args.save_every and args.resume != "auto":
+        problem = f"--save-dir {args.save_dir} needs --save-every N (or --resume auto, which reads it): nothing would be saved"
+    if problem is None:
+        try:
+            pipeline.schedule_layout(args.schedule)
+        except ValueError as exc:
+            problem = f"--schedule: {str(exc).removeprefix('schedule: ')}"
+    for option, path in (("--model", args.model), ("--resume", None if args.resume == "auto" else args.resume)):
+        if problem is None and path and not os.path.isdir(path):
+            problem = f"{option} {path}: no such directory"
+    for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if problem is None and path and not os.path.exists(path):
+            problem = f"{option} {path}: no such file or directory"
+    if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):
+        problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
+    return problem
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations of flags that cannot work: one ``parser.error`` (exit 2) before anything starts."""
+    problem = bad_option(args)
+    if problem:
+        parser.error(problem)
+    if args.model and not args.data:
+        parser.error("--model fine-tunes a checkpoint on --data: give --data (the tiny stand-in batches only go "
+                     "with --family)")
+    if args.data and not args.model:
+        parser.error("--data is processed with --model's own processor: give --model")
+    if args.eval_data and not args.data:
+        parser.error("--eval-data goes with --data")
+    if args.data and bool(args.eval_every) != bool(args.eval_data):
+        parser.error("with --data, --eval-every N evaluates --eval-data PATH: give both or neither")
+    if args.epochs is not None and not args.data:
+        parser.error("--epochs counts passes over --data: give --steps for the stand-in batches")
+    if args.data and args.epochs is None and args.steps is None:
+        parser.error("give --epochs or --steps")
     if args.encoder == "spread" and args.model:
         parser.error("--encoder spread cuts each rank's copy of the vision tower from the full model; "
                      "--model loads only each rank's stages: drop one of them")
+    if args.presplit and args.data:
+        parser.error("--presplit hands every rank its microbatches' media; with --data only stage 0's rank reads "
+                     "them: drop --presplit")
     if args.resume == "auto" and not args.save_dir:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
-    if args.tp > 1 and (args.encoder == "spread" or args.export):
-        parser.error("--tp splits stage 0's encoding over its tp ranks; --encoder spread and --export do not go with it")
     if args.bf16 and not args.fsdp:
         parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
+    untested = [flag for flag, on in (("--encoder spread", args.encoder == "spread"), ("--data", args.data),
+                                      ("--presplit", args.presplit), ("--export", args.export)) if on]
+    if args.tp > 1 and untested:
+        parser.error(f"--tp {args.tp} with {', '.join(untested)}: not supported (docs/tensor-parallel.md); "
+                     f"drop one of them")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
+                     f"use --device cpu")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    if args.steps is None and args.epochs is None:
+        args.steps = DEFAULT_STEPS
     return args
 
 
-def batches(family: str, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
-    """The global batch of every step from ``start`` (a stand-in for a DataLoader: 2 fixed batches)."""
-    module = tiny_models.load(family)
-    step = start
-    while True:
-        yield step, module.build_batch(step % 2)
-        step += 1
+def model_dtype(args: argparse.Namespace) -> torch.dtype:
+    """``--dtype``, else the checkpoint's own (``--model``), else float32."""
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    return pipeline.checkpoint_dtype(args.model) if args.model else torch.float32
 
 
-def replica_share(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """This replica's rows, labels and staged media, and the GLOBAL batch's valid-token count."""
-    config, adapter = ctx["config"], ctx["adapter"]
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    # the loss is normalised by the valid tokens of the GLOBAL batch: replicas' gradients then add up
-    num_valid = pipeline.count_valid_tokens(pipeline.make_labels(ids, config, adapter, attention_mask=mask))
-    # counts from the tokens (and, where tokens cannot tell, the batch's metadata: Qwen3-VL videos)
-    local = pipeline.shard_batch(batch, ctx["dp_rank"], args.dp, **adapter.media_counts(batch, config))
-    ids, mask = local["input_ids"], local["attention_mask"]
-    labels = pipeline.make_labels(ids, config, adapter, attention_mask=mask)
-    staged = ppmedia.split_media(local, args.microbatches, **adapter.media_counts(local, config))
-    return {"ids": ids, "mask": mask, "labels": labels, "staged": staged, "num_valid": num_valid}
-
-
-def train_step(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namespace) -> tuple[float, float]:
-    """One optimizer step on the global ``batch``; returns (global loss, grad norm before clipping)."""
-    share, first = replica_share(ctx, batch, args), ctx["first"]
-    for optimizer in ctx["optimizers"]:
-        optimizer.zero_grad(set_to_none=True)
-    losses: list[torch.Tensor] = []
-    if ctx["tracer"] is not None:
-        ctx["tracer"].start(group=ctx["pp_group"])
-    if args.encoder == "spread":  # every pipeline rank encodes a share; stage 0 also stages the chunks
-        staging = pipeline.encoder_spread_of(ctx["stages"]).step(share["staged"], share["ids"])
-    else:
-        staging = ppmedia.stage_media(first, share["staged"]) if first is not None else contextlib.nullcontext()
-    with staging:
-        ctx["schedule"].step(share["ids"], share["mask"], target=share["labels"], losses=losses,
-                             loss_kwargs={"num_valid_tokens": share["num_valid"]})
-    modules = ctx["modules"]
-    if args.tp > 1:  # the tower's (and per-head norms') gradients, each tp rank holding a share
-        pipeline.reduce_tensor_parallel_gradients(modules)
-    pipeline.sync_tied_gradients(modules, ctx["tied"], group=ctx["pp_group"])
-    if not args.fsdp:  # FSDP2 reduce-scattered the sums over the replicas already
-        pipeline.all_reduce_gradients(modules, group=ctx["dp_group"])
-    norm = pipeline.clip_grad_norm(modules, args.max_grad_norm, tied=ctx["tied"], group=ctx["pp_group"])
-    for optimizer in ctx["optimizers"]:
-        optimizer.step()
-
-    # one last stage per replica holds its share of the global mean (its tp peers the same share)
-    loss = torch.stack(losses).sum().detach().float() if losses and ctx["tp_rank"] == 0 else torch.zeros(())
-    dist.all_reduce(loss)
-    return float(loss), float(norm)
-
-
-def evaluate(ctx: dict[str, Any], batch: dict[str, Any], args: argparse.Namespace) -> float:
-    """The global loss of ``batch``, forward only (no gradients; media staged and consumed once)."""
-    share, first = replica_share(ctx, batch, args), ctx["first"]
-    loss = pipeline.eval_step(ctx["schedule"], first, share["staged"] if first is not None else None,
-                              share["ids"], share["mask"], share["labels"], share["num_valid"])
-    return float(loss) / args.tp  # summed over every last stage: each replica's tp peers hold one loss
-
-
-def stage_modules(args: argparse.Namespace, n_stages: int, indices: list[int]) -> list[Any]:
-    """This rank's stage modules (``module.tied``: the model's tied parameter groups, the same on every
-    rank).
-
-    From ``--model``: built on the meta device, only these stages loaded, from only the shards that
-    hold them. Else the tiny family's seeded model (the same weights on every rank), cut.
-    """
+def stage_modules(args: argparse.Namespace, n_stages: int, indices: list[int], device: torch.device) -> list[Any]:
+    """This rank's stage modules: from ``--model`` only these stages (built on meta, loaded from only
+    the shards that hold them), else the tiny family's seeded model cut (the same weights everywhere)."""
+    dtype, layers = model_dtype(args), args.layers_per_stage
     if args.model:
-        modules = pipeline.stages_from_pretrained(args.model, n_stages, stages=indices)
-        expected = tiny_models.load(args.family).MODEL_TYPE
-        if modules[0].config.model_type != expected:
-            raise ValueError(f"--model is a {modules[0].config.model_type} checkpoint; --family {args.family}'s "
-                             f"stand-in batches are for {expected}")
-        return modules
-    model = tiny_models.load(args.family).build_model(args.seed)
-    return pipeline.build_stage_modules(model, n_stages, stages=indices)  # the rest of the model is dropped
+        return pipeline.stages_from_pretrained(args.model, n_stages, stages=indices, layers_per_stage=layers,
+                                               dtype=dtype, device=device)
+    model = tiny_models.load(args.family).build_model(args.seed).to(device=device, dtype=dtype)
+    return pipeline.build_stage_modules(model, n_stages, stages=indices, layers_per_stage=layers)
 
 
-def spread_stages(args: argparse.Namespace, n_stages: int, indices: list[int], pp_group: Any) -> list[Any]:
-    """``--encoder spread``: this rank's stages cut from the full tiny model, which also gives a rank
-    without stage 0 its copy of the vision side (``make_pipeline_stages(..., encoder="spread")``)."""
-    model = tiny_models.load(args.family).build_model(args.seed)
-    return pipeline.make_pipeline_stages(model, n_stages, indices, "cpu", group=pp_group, encoder="spread")
-
-
-def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any) -> dict[str, Any]:
-    """The model's config, adapter, tied names and this rank's pipeline stages (each rank holds only
-    its stages)."""
+def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any, device: torch.device) -> list[Any]:
+    """This rank's ``PipelineStage`` objects (``--encoder spread``: cut from the full tiny model, which
+    also gives a rank without stage 0 its copy of the vision side)."""
     layout = pipeline.schedule_layout(args.schedule)  # stages per rank and their placement (loop / V)
     n_stages, indices = layout.n_stages(args.pp), layout.stage_indices(pp_rank, args.pp)
     if args.encoder == "spread":
-        stages = spread_stages(args, n_stages, indices, pp_group)
-        modules = [stage.submod for stage in stages]
-    else:
-        modules = stage_modules(args, n_stages, indices)
-        stages = pipeline.make_pipeline_stages(modules, n_stages, indices, "cpu", group=pp_group)
-    return {"config": modules[0].config, "adapter": modules[0].adapter, "tied": list(modules[0].tied), "stages": stages}
+        model = tiny_models.load(args.family).build_model(args.seed).to(device=device, dtype=model_dtype(args))
+        return pipeline.make_pipeline_stages(model, n_stages, indices, device, group=pp_group, encoder="spread",
+                                             layers_per_stage=args.layers_per_stage)
+    modules = stage_modules(args, n_stages, indices, device)
+    return pipeline.make_pipeline_stages(modules, n_stages, indices, device, group=pp_group)
 
 
 def build(args: argparse.Namespace) -> dict[str, Any]:
-    """Process groups, this rank's stages (sharded with --fsdp), the schedule and the optimizers."""
-    mesh = pipeline.pipeline_mesh(args.pp, args.dp, args.tp)  # (dp, pp, tp): rank = (d * pp + p) * tp + t
+    """Process groups, this rank's stages (frozen parts, checkpointing, train mode, FSDP2), the
+    schedule and the optimizers (:class:`pipeline.PipelineParts` under ``ctx["parts"]``), and where
+    the steps' batches come from (``ctx["source"]``)."""
+    device, _ = pipeline.resolve_device(args.device)
+    mesh = pipeline.pipeline_mesh(args.pp, args.dp, args.tp, device_type=device.type)  # rank = (d*pp + p)*tp + t
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    ctx = build_stages(args, pp_rank, mesh["pp"].get_group())
-    stages = ctx["stages"]
-    if args.tp > 1:
+    pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+    stages = build_stages(args, pp_rank, pp_group, device)
+    if args.tp > 1:  # before FSDP2 and the optimizers: DTensor shards over tp
         pipeline.apply_tensor_parallel(stages, mesh["tp"])
+    modules = [stage.submod for stage in stages]
+    if args.freeze:
+        pipeline.freeze(modules, args.freeze)
+    if args.activation_checkpointing:
+        pipeline.enable_activation_checkpointing(modules)
+    pipeline.train_mode(modules)
     if args.fsdp:
         pipeline.apply_fsdp(stages, mesh["dp"], mixed_precision=torch.bfloat16 if args.bf16 else None)
-    modules = [stage.submod for stage in stages]
-    ctx.update(
-        pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=mesh["tp"].get_local_rank(), pp_group=mesh["pp"].get_group(), dp_group=mesh["dp"].get_group(),
-        modules=modules, first=next((s for s in stages if s.is_first), None),
+    spread = pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None
+    parts = pipeline.PipelineParts(
         schedule=pipeline.build_schedule(args.schedule, stages, args.microbatches),
-        optimizers=pipeline.stage_optimizers(modules, lambda params: torch.optim.AdamW(params, lr=args.lr)),
-        tracer=None if not args.trace else pipeline.StepTracer(
-            stages, pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None),
+        first=next((s for s in stages if s.is_first), None), modules=modules,
+        optimizers=pipeline.stage_adamw(modules, args.lr, args.weight_decay), tied=list(modules[0].tied),
+        pp_group=pp_group, dp_group=dp_group, sharded=args.fsdp, max_grad_norm=args.max_grad_norm, spread=spread,
+        tracer=pipeline.StepTracer(stages, spread) if args.trace else None,
+        guard=pipeline.NonFiniteGuard(args.skip_nonfinite), presplit=args.presplit,
+        tp_group=mesh["tp"].get_group() if args.tp > 1 else None,
     )
+    ctx = {"parts": parts, "config": modules[0].config, "adapter": modules[0].adapter, "device": device,
+           "dtype": model_dtype(args), "pp_rank": pp_rank, "dp_rank": dp_rank, "modules": modules,
+           "optimizers": parts.optimizers, "run_id": None}
+    ctx["source"] = data_source(ctx, args)
     return ctx
+
+
+class StandIn:
+    """The tiny family's two fixed batches (seeds 0 and 1, alternating), the same global batch on every
+    rank, each replica's share cut from it: a stand-in for a data loader."""
+
+    def __init__(self, ctx: dict[str, Any], args: argparse.Namespace) -> None:
+        self.ctx, self.args, self.module = ctx, args, tiny_models.load(args.family)
+
+    def share(self, seed: int, step: int | None = None) -> pipeline.ReplicaShare:
+        ctx = self.ctx
+        batch = pipeline.batch_to(self.module.build_batch(seed), ctx["device"], ctx["dtype"])
+        if step is not None and not self.args.no_batch_check:  # every rank must hold the same global batch
+            pipeline.check_batch_agreement(batch, step=step)
+        return pipeline.share_of_global_batch(batch, ctx["config"], ctx["adapter"], ctx["dp_rank"], self.args.dp,
+                                              self.args.microbatches)
+
+    def shares(self, start: int) -> Iterator[pipeline.ReplicaShare]:
+        step = start
+        while True:
+            yield self.share(step % 2, step)
+            step += 1
+
+    def held_out(self) -> list[pipeline.ReplicaShare]:
+        return [self.share(HELD_OUT_SEED)]
+
+    def total_steps(self) -> int:
+        return int(self.args.steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        return None
 
 
 def draw_trace(ctx: dict[str, Any], args: argparse.Namespace) -> None:
     """The last step's measured timeline of replica 0's pipeline, as an SVG (written by its rank 0)."""
     from ppmedia.timeline import write_svg
 
+    parts = ctx["parts"]
     title = f"measured: {args.family}, {args.schedule}, pp={args.pp}, vision {args.encoder}"
-    timeline = ctx["tracer"].timeline(title, group=ctx["pp_group"])  # collective over the pipeline
+    timeline = parts.tracer.timeline(title, group=parts.pp_group)  # collective over the pipeline
     if ctx["dp_rank"] == 0 and ctx["pp_rank"] == 0:
         write_svg(args.trace, [[timeline]], f"examples/train.py --encoder {args.encoder}: one step")
         print(f"wrote {args.trace}: step {timeline.step_time * 1e3:.1f} ms, bubble {timeline.bubble:.0%}", flush=True)
 
 
 def resume(ctx: dict[str, Any], args: argparse.Namespace) -> int:
-    """Load ``--resume`` (any layout) and return the step to continue at (0: nothing to resume)."""
+    """Load ``--resume`` (any layout; the data position too) and return the step to continue at."""
     if not args.resume:
         return 0
     path = pipeline.latest_checkpoint(args.save_dir) if args.resume == "auto" else args.resume
     if path is None:
         _say(f"no complete checkpoint under {args.save_dir}: starting at step 0")
         return 0
-    info = pipeline.load_checkpoint(path, ctx["modules"], ctx["optimizers"])
-    _say(f"resumed from {path} (saved at pp={info['extra'].get('pp')} x dp={info['extra'].get('dp')}, "
-         f"fsdp={info['extra'].get('fsdp')}): continuing at step {info['step']}")
+    parts = ctx["parts"]
+    # this run's --lr (and any other optimizer setting) applies from the resumed step, not the saved one
+    info = pipeline.load_checkpoint(path, parts.modules, parts.optimizers, hyperparameters="current")
+    ctx["run_id"] = info.get("run_id")
+    extra = info["extra"]
+    ctx["source"].load_state_dict(extra.get("data") or {}, int(info["step"]))
+    _say(f"resumed from {path} (saved at pp={extra.get('pp')} x dp={extra.get('dp')} x tp={extra.get('tp', 1)}, "
+         f"fsdp={extra.get('fsdp')}): continuing at step {info['step']}")
+    if info["hyperparameters_changed"]:
+        _say(f"optimizer settings of this run apply from step {info['step']}: {'; '.join(info['hyperparameters_changed'])}")
     return int(info["step"])
 
 
@@ -250,67 +355,159 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-def _log(args: argparse.Namespace, row: dict[str, Any]) -> None:
-    if dist.get_rank() != 0:
-        return
-    text = f"step {row['step']}: loss {row['loss']:.6f} grad norm {row['grad_norm']:.4f}"
-    print(text + (f" eval loss {row['eval_loss']:.6f}" if "eval_loss" in row else ""), flush=True)
-    if args.loss_log:
-        with open(args.loss_log, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+class DataSource:
+    """``--data`` through ``ppmedia.data``: the checkpoint's own processor (``AutoProcessor``) per sample,
+    this replica's share of every global batch, media read only on the rank holding stage 0."""
+
+    def __init__(self, ctx: dict[str, Any], args: argparse.Namespace) -> None:
+        import transformers
+
+        from ppmedia import data
+
+        self.ctx, self.args = ctx, args
+        self.processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(args.model),
+                                              max_length=args.max_length, config=ctx["config"])
+        self.loader = self._loader(args.data, shuffle=not args.no_shuffle)
+        self.per_epoch = len(self.loader.dataset) // args.batch_size
+        self._held_out: list[pipeline.ReplicaShare] | None = None
+        if self.per_epoch == 0:
+            raise ValueError(f"--data {args.data}: {len(self.loader.dataset)} usable samples, fewer than one global "
+                             f"batch (--batch-size {args.batch_size})")
+
+    def _loader(self, path: str, *, shuffle: bool) -> Any:
+        from ppmedia import data
+
+        ctx, args = self.ctx, self.args
+        dataset = data.open_dataset(path, media_dir=args.media_dir, skip_bad_samples=args.skip_bad_samples)
+        return data.ReplicaLoader(
+            dataset, self.processor, global_batch_size=args.batch_size, dp_rank=ctx["dp_rank"], dp_size=args.dp,
+            seed=args.seed, shuffle=shuffle, workers=args.workers, pp_group=ctx["parts"].pp_group,
+            reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples)
+
+    def _shares(self, loader: Any, epochs: int | None) -> Iterator[pipeline.ReplicaShare]:
+        ctx, parts = self.ctx, self.ctx["parts"]
+        return pipeline.loader_shares(loader, ctx["config"], ctx["adapter"], self.args.microbatches,
+                                      dp_group=parts.dp_group, stages_media=parts.first is not None,
+                                      device=ctx["device"], dtype=ctx["dtype"], epochs=epochs)
+
+    def shares(self, start: int) -> Iterator[pipeline.ReplicaShare]:
+        for share in self._shares(self.loader, None):
+            if not self.args.no_batch_check:  # the pipeline ranks of a replica must hold the same rows
+                pipeline.check_batch_agreement({"input_ids": share.input_ids, "attention_mask": share.attention_mask,
+                                                "labels": share.labels}, group=self.ctx["parts"].pp_group)
+            yield share
+
+    def held_out(self) -> list[pipeline.ReplicaShare]:
+        """``--eval-data`` in order, processed once, kept for every evaluation."""
+        if self._held_out is None:
+            self._held_out = list(self._shares(self._loader(self.args.eval_data, shuffle=False), 1))
+            if not self._held_out:
+                raise ValueError(f"--eval-data {self.args.eval_data}: fewer samples than one global batch "
+                                 f"(--batch-size {self.args.batch_size})")
+        return self._held_out
+
+    def total_steps(self) -> int:
+        return int(self.args.steps) if self.args.steps is not None else int(self.args.epochs) * self.per_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.loader.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        if not state:
+            raise ValueError(f"the checkpoint of step {step} holds no data loader position (saved without --data)")
+        self.loader.load_state_dict(state)
+
+
+def data_source(ctx: dict[str, Any], args: argparse.Namespace) -> Any:
+    """Where the steps' shares come from: ``--data`` through ``ppmedia.data``, else the stand-in."""
+    if args.data:
+        return DataSource(ctx, args)
+    _say(f"no --data: training the tiny {args.family} model on its 2 fixed stand-in batches")
+    return StandIn(ctx, args)
+
+
+def train_one(ctx: dict[str, Any], args: argparse.Namespace, step: int, share: Any, source: Any,
+              held_out: Any, started: float) -> dict[str, Any]:
+    """One step: the learning rate, the held-out loss when due, the optimizer step; its record."""
+    parts = ctx["parts"]
+    lr = pipeline.learning_rate(step, args.lr, schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+                                total_steps=source.total_steps())
+    pipeline.set_learning_rate(parts.optimizers, lr)
+    eval_loss = None
+    if held_out is not None and step % args.eval_every == 0:  # the weights this step trains from
+        pause = time.perf_counter()
+        eval_loss = pipeline.eval_loss(parts, held_out())
+        started += time.perf_counter() - pause
+    result = pipeline.train_step(parts, share, step)
+    return pipeline.step_record(step, loss=result.loss, tokens=share.num_valid_tokens, samples=share.samples,
+                                skipped=share.skipped, lr=lr, grad_norm=result.grad_norm,
+                                step_time_s=time.perf_counter() - started, padding_fraction=result.padding_fraction,
+                                eval_loss=eval_loss, nonfinite=result.nonfinite)
 
 
 def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
-    """Build, resume, train (``where["step"]`` follows the step, for the failure message)."""
+    """Build, resume, train (``where["step"]`` follows the step, for the failure message), export."""
     ctx = build(args)
-    held_out = tiny_models.load(args.family).build_batch(HELD_OUT_SEED) if args.eval_every else None
+    parts, source = ctx["parts"], ctx["source"]
     start = where["step"] = resume(ctx, args)
-    for step, batch in batches(args.family, start):
-        if step >= args.steps:
-            break
+    if args.save_dir and args.save_every:  # the checkpoints of another run are not mixed with this one's
+        if start == 0:  # a fresh run (nothing resumed): a new identity, recorded in its checkpoints
+            ctx["run_id"] = pipeline.new_run_id()
+        pipeline.claim_save_dir(args.save_dir, ctx["run_id"], overwrite=args.overwrite)
+    total = source.total_steps()
+    held_out = source.held_out if args.eval_every else None
+    rank0 = dist.get_rank() == 0
+    progress = pipeline.Progress(total, start) if rank0 else None
+    log = pipeline.LossLog(args.loss_log) if rank0 and args.loss_log else None
+    shares = source.shares(start)
+    for step in range(start, total):
         where["step"] = step
-        row: dict[str, Any] = {"step": step}
-        if held_out is not None and step % args.eval_every == 0:  # the weights this step trains from
-            row["eval_loss"] = evaluate(ctx, held_out, args)
-        row["loss"], row["grad_norm"] = train_step(ctx, batch, args)
-        _log(args, row)
+        started = time.perf_counter()
+        record = train_one(ctx, args, step, next(shares), source, held_out, started)
+        if log is not None:
+            log.write(record)
+        if progress is not None:
+            progress.update(record)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
-            pipeline.save_checkpoint(args.save_dir, step + 1, ctx["modules"], ctx["optimizers"],
-                                     extra={"family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp,
-                                            "tp": args.tp})
-    if ctx["tracer"] is not None:
+            pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
+                "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "fsdp": args.fsdp,
+                "data": source.state_dict()},
+                run_id=ctx["run_id"])
+    if progress is not None:
+        progress.close()
+    if parts.tracer is not None:
         draw_trace(ctx, args)
-    if args.export and (args.fsdp or ctx["dp_rank"] == 0):
+    if args.export:
+        export(ctx, args)
+
+
+def export(ctx: dict[str, Any], args: argparse.Namespace) -> None:
+    """``--export``: the stages as a Hugging Face checkpoint in their dtype, and ``--model``'s processor
+    files, so that ``AutoProcessor`` and ``AutoModelForImageTextToText`` load it."""
+    parts = ctx["parts"]
+    if args.fsdp or ctx["dp_rank"] == 0:
         # each pipeline rank writes its stages' shards (FSDP2: every replica gathers, the first writes)
-        pipeline.save_pretrained_stages(ctx["modules"], args.export, group=ctx["pp_group"])
-
-
-def _cause(exc: BaseException) -> str:
-    """``Type: message`` of the innermost exception (what went wrong: e.g. gloo's "Connection closed
-    by peer"), and the outermost one's type and first line when it differs (where it surfaced)."""
-    def line(e: BaseException) -> str:
-        text = " ".join(str(e).split())
-        return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-    inner, seen = exc, {id(exc)}
-    while (inner.__cause__ or inner.__context__) is not None and id(inner.__cause__ or inner.__context__) not in seen:
-        inner = inner.__cause__ or inner.__context__  # type: ignore[assignment]
-        seen.add(id(inner))
-    return line(inner) if inner is exc else f"{line(inner)} (surfaced as {line(exc)[:200]})"
+        pipeline.save_pretrained_stages(parts.modules, args.export, group=parts.pp_group)
+    if args.model and dist.get_rank() == 0:
+        copied = pipeline.copy_processor_files(args.model, args.export)
+        print(f"exported {args.export} ({', '.join(copied) or 'no processor files'})", flush=True)
+    dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # CPU processes sharing cores: one intra-op thread each
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    _, backend = pipeline.resolve_device(args.device)
+    pipeline.init_distributed(backend, timeout=timedelta(seconds=60))  # torchrun's ranks, or one process
     where: dict[str, Any] = {"step": None}
     try:
         if dist.get_world_size() != args.pp * args.dp * args.tp:
-            raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp x --tp = {args.pp * args.dp * args.tp}")
+            raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp x --tp = "
+                             f"{args.pp * args.dp * args.tp}")
         run(args, where)
     except BaseException as exc:  # a failed rank says so and exits non-zero, without waiting for its peers
         traceback.print_exc()
-        print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {_cause(exc)}", file=sys.stderr, flush=True)
+        print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {pipeline.failure_line(exc)}", file=sys.stderr, flush=True)
         os._exit(1)  # the process group may hang on a dead peer: skip its teardown
     dist.destroy_process_group()
 

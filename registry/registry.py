@@ -156,7 +156,7 @@ def _validated(adapter: Any, provider: str) -> AdapterInfo:
 
 
 def _check_family_shape(adapter: VlmAdapter, cls: str, provider: str) -> None:
-    """``sample_inputs`` and ``language_model_path``: what the adapter declares about its family."""
+    """``sample_inputs``, ``language_model_path`` and ``merge_path``: what the adapter declares about its family."""
     inputs = getattr(adapter, "sample_inputs", ())
     if not isinstance(inputs, tuple) or not all(isinstance(i, SampleInput) for i in inputs):
         raise PluginError(provider, f"{cls}.sample_inputs is {inputs!r}; expected a tuple of ppmedia.adapters.base.SampleInput")
@@ -170,6 +170,9 @@ def _check_family_shape(adapter: VlmAdapter, cls: str, provider: str) -> None:
     path = getattr(adapter, "language_model_path", None)
     if path is not None and (not isinstance(path, str) or not all(part.isidentifier() for part in path.split("."))):
         raise PluginError(provider, f"{cls}.language_model_path is {path!r}; expected None or a dotted module path such as 'language_model.model'")
+    merge = getattr(adapter, "merge_path", None)
+    if merge is not None and (not isinstance(merge, str) or not all(part.isidentifier() for part in merge.split("."))):
+        raise PluginError(provider, f"{cls}.merge_path is {merge!r}; expected None or a dotted module path such as 'model.embed_tokens_extend'")
 
 
 def _check_paths(paths: Any, provider: str) -> dict[str, str]:

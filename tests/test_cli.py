@@ -73,6 +73,12 @@ def test_adapters_lists_builtins_with_layouts_and_providers(capsys):
         line = next(l for l in out.splitlines() if l.startswith(name + " "))
         assert types in line and "ppmedia (built-in)" in line
     assert "flat patch rows" in out and "qwen2_5_vl_text -> qwen2_5_vl" in out
+    layouts = out[out.index("media layouts"):].splitlines()
+    from ppmedia.registry import default_registry
+
+    for layout, _ in default_registry().list_layouts():  # every registered one, with its keys
+        line = next(l for l in layouts if l.startswith(layout.name + " "))
+        assert layout.modality in line and all(key in line for key in layout.requires)
 
 
 def test_inspect_fixture_prints_per_microbatch_table(capsys):

@@ -1,29 +1,34 @@
 """README.md and every page in docs/ against the code: what a user copies from them must be true.
 
 Every fenced block of every page (README.md and docs/*.md, so a page added later is covered too) is
-run or checked by its tag:
+run or checked by its tag. "A clean environment" is a user's shell: this process's environment without
+torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``TORCHELASTIC_*``, ...: TORCHRUN_VARIABLES),
+the virtual environment's ``bin`` first on ``PATH``; "the sandbox" is a temporary folder that looks like
+the repository root (its folders linked, its files copied, ``.venv`` linked) and keeps what runs there writes.
 
-* ``python``: run as it is, in this process, as one process under ``torchrun`` would run it (in a
-  temporary folder that links the repository's folders, so ``fixtures/...`` resolves and what the
-  block writes stays there; ``RANK=0``, ``WORLD_SIZE=1``, a free ``MASTER_PORT``, one thread; a
-  fresh adapter registry; the environment, working directory and process group restored after).
-  An ``output`` block right after it is what it must print, exactly. A python block under a
-  ``<!-- file: PATH -->`` comment is not run: it must equal that file (which the suite runs itself).
-* ``sh`` / ``bash`` / ``shell``: every command line is parsed by the program it calls (``ppmedia``'s
-  own parser, ``torchrun``'s, the ``argparse`` parser of a script or ``-m`` module), ``make`` targets
-  must be in the Makefile, paths must exist; ``ppmedia adapters``, ``inspect`` and ``plan`` are run
-  and must succeed.
-* ``console``: a transcript; each ``$ ppmedia ...`` command is run (in that folder, which also holds
-  the two bad batch files the command-line page shows) and must print exactly the lines after it
-  and exit with 2 for a command-line error, 1 for another error, else 0; another program's command
-  line is checked as in an ``sh`` block.
+* ``python`` that the paragraph above has the user save and run as a file (an inline ``python NAME.py``
+  or ``torchrun ... NAME.py``; "save it as X" without such a command is refused): written to NAME.py in
+  the sandbox and run with each command the page shows, in a subprocess, clean environment; what it prints
+  must be its ``output`` block exactly.
+* other ``python``: run in this process, as a plain script (none of torchrun's variables set, one
+  thread, a fresh adapter registry; environment, working directory and process group restored after),
+  in the sandbox; an ``output`` block right after it is what it must print, exactly. A python block
+  under a ``<!-- file: PATH -->`` comment is not run: it must equal that file (which the suite runs).
+* ``sh`` / ``bash`` / ``shell``: every command line runs as written, in order, in one sandbox, in a
+  subprocess (``bash``), clean environment, and must exit 0. The same lines on two pages run once
+  (``_RUNS``). The few that cannot run here are in ONE table, NOT_RUN, each with why and what runs or
+  checks it instead (that check is asserted, and the line is parsed by its program's parser).
+* ``console``: a transcript; each ``$ ppmedia ...`` command runs in this process (in the sandbox, which
+  also holds the two bad batch files the command-line page shows) and must print exactly the lines after
+  it and exit with 2 for a command-line error, 1 for another error, else 0; another program's command
+  runs as an ``sh`` line and must print exactly the lines shown.
 * ``toml``: parses. ``text``, ``output`` and other tags: not run (measured figures, diagrams); an
   untagged block that holds command lines is refused, so none goes unchecked.
 
 Across pages: every ``ppmedia.x.y`` name exists, every relative link reaches a file and heading, every
 page is listed in docs/index.md, headings that show a signature show the real one, and the tables of
 adapters, chunk fields, adapter methods and schedules match the code. ``test_planted_*`` shows the
-checks fail on planted errors.
+checks fail on planted errors, each reported with its page and line.
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ import os
 import pathlib
 import re
 import shlex
-import socket
+import shutil
+import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -53,6 +60,7 @@ from ppmedia.adapters.base import VlmAdapter
 from ppmedia.cli import build_parser, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+BIN = pathlib.Path(sys.executable).parent  # the virtual environment's bin (not resolved: a venv's python is a link)
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 
@@ -77,6 +85,7 @@ class Block:
     text: str
     file: str | None = None  # PATH of a `<!-- file: PATH -->` comment right above the fence
     output: Block | None = None  # the `output` block right after a python block
+    intro: str = ""  # the paragraph right above the fence, its lines joined by spaces
 
     @property
     def where(self) -> str:
@@ -105,7 +114,14 @@ def read_blocks(page: pathlib.Path, text: str | None = None) -> list[Block]:
         assert j < len(lines), f"{_rel(page)}:{i + 1}: the block opened here is never closed"
         above = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
         marker = _FILE_MARKER.match(above)
-        found.append(Block(page, i + 1, lang, "\n".join(body) + "\n" if body else "", marker and marker.group(1)))
+        paragraph, k = [], i - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        while k >= 0 and lines[k].strip() and not _FENCE.match(lines[k]):
+            paragraph.insert(0, lines[k].strip())
+            k -= 1
+        found.append(Block(page, i + 1, lang, "\n".join(body) + "\n" if body else "", marker and marker.group(1),
+                           intro=" ".join(paragraph)))
         i = j + 1
     blocks: list[Block] = []
     for block in found:
@@ -170,24 +186,38 @@ def tables(text: str) -> list[list[list[str]]]:
 
 
 # ------------------------------------------------------------------------------------ python blocks
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+#: what ``torchrun`` sets in its workers' environment; a user's shell has none of them, so the pages'
+#: commands and blocks run without them (a block that needs one fails here as it fails for the user)
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
+                      "OMP_NUM_THREADS")
+
+
+def _torchrun_variable(name: str) -> bool:
+    return name in TORCHRUN_VARIABLES or name.startswith("TORCHELASTIC_")
+
+
+def clean_environment() -> dict[str, str]:
+    """A user's shell in the project's environment: this process's variables without torchrun's, the
+    virtual environment's ``bin`` first on ``PATH`` (``python``, ``torchrun``, ``ppmedia`` are its)."""
+    env = {name: value for name, value in os.environ.items() if not _torchrun_variable(name)}
+    env["PATH"] = os.pathsep.join([str(BIN), *([env["PATH"]] if env.get("PATH") else [])])
+    return env
 
 
 @contextlib.contextmanager
 def as_a_script(cwd: pathlib.Path = ROOT):
-    """Run code as ``torchrun --nproc-per-node 1`` would (one thread), then put this process back as it was."""
+    """Run code in this process as a plain ``python`` script would run (none of torchrun's variables set;
+    one thread, to share the machine), then put this process back as it was."""
     import torch.distributed as dist
 
     import ppmedia.registry as registry
 
     environ, here, path = dict(os.environ), os.getcwd(), list(sys.path)
     threads, dtype, default = torch.get_num_threads(), torch.get_default_dtype(), registry._default
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1
+    for name in [name for name in os.environ if _torchrun_variable(name)]:
+        del os.environ[name]
+    torch.set_num_threads(1)
     registry._default = None  # the block gets a registry of its own: what it registers stays there
     os.chdir(cwd)
     try:
@@ -223,7 +253,8 @@ def check_file_block(block: Block) -> None:
     assert block.text == path.read_text(), f"{block.where}: the block is not {block.file} as it is"
 
 
-# ------------------------------------------------------------------------------------ command lines
+# ------------------------------------------------------------------------------------ parsing a command line
+# Only for the commands of NOT_RUN (which cannot run here): the program's own parser takes the line.
 class _Parsed(Exception):
     pass
 
@@ -268,23 +299,13 @@ def _parse_with(program: str, entry, argv: list[str]) -> None:
     raise AssertionError(f"{program} {shlex.join(argv)} returned without parsing its arguments with argparse")
 
 
-#: ``ppmedia`` subcommands cheap enough to run for real (the others are parsed only)
-RUN_SUBCOMMANDS = {"adapters", "inspect", "plan"}
-
-
 def check_ppmedia(argv: list[str]) -> None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            args = build_parser().parse_args(argv)
+            build_parser().parse_args(argv)
     except SystemExit as exc:
         assert exc.code == 0, f"ppmedia refuses {shlex.join(argv)}: {err.getvalue().strip()}"
-        return
-    if getattr(args, "command", argv[0] if argv else None) in RUN_SUBCOMMANDS:
-        out = io.StringIO()
-        with as_a_script(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            code = main(argv)
-        assert code == 0, f"ppmedia {shlex.join(argv)} exited {code}: {out.getvalue().strip()}"
 
 
 def _check_program(program: str, argv: list[str], *, module: bool) -> None:
@@ -340,28 +361,34 @@ def _check_torchrun(argv: list[str]) -> None:
     _check_program(args.training_script, list(args.training_script_args), module=args.module)
 
 
-def _make_targets() -> set[str]:
-    return set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+def _torchrun_parses(line: str) -> None:
+    """torchrun's own flags (for a line whose program is a file the page has the user save)."""
+    argv = shlex.split(line, comments=True)
+    _check_torchrun([*argv[1:-1], "-m", "ppmedia", "adapters"])
 
 
-#: shell commands around the checked ones, taken as they are
-SHELL_UTILITIES = {"cd", "export", "echo", "mkdir", "ls", "cat", "rm", "cp", "git", "unset"}
+def make_recipes() -> dict[str, list[str]]:
+    """The Makefile's targets and their recipe lines."""
+    recipes: dict[str, list[str]] = {}
+    target = None
+    for line in (ROOT / "Makefile").read_text().splitlines():
+        match = re.match(r"^([\w.-]+):", line)
+        if match:
+            target = recipes.setdefault(match.group(1), [])
+        elif line.startswith("\t") and target is not None:
+            target.append(line.strip())
+        elif not line.strip():
+            target = None
+    return recipes
 
 
 def check_command(line: str) -> None:
-    """One shell command line of a page (continuations joined, comments removed)."""
+    """Parse one command line with the program's own parser (``ppmedia``'s, ``torchrun``'s, a script's or
+    ``-m`` module's ``argparse``), ``make`` targets in the Makefile: for the lines that do not run here."""
     argv = shlex.split(line, comments=True)
-    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", argv[0]):  # VAR=value prefixes
-        argv = argv[1:]
-    if not argv:
-        return
-    program, rest = argv[0], argv[1:]
-    if program.startswith((".venv/bin/", "$(BIN)/")):
-        program = program.rsplit("/", 1)[1]
-    if program in ("python", "python3") and rest[:2] == ["-m", "pytest"]:
-        program, rest = "pytest", rest[2:]
+    program, rest = argv[0].rsplit("/", 1)[-1], argv[1:]
     if program == "make":
-        missing = [t for t in rest if not t.startswith("-") and t not in _make_targets()]
+        missing = [t for t in rest if not t.startswith("-") and t not in make_recipes()]
         assert not missing, f"make: no target {missing} in the Makefile"
     elif program == "ppmedia":
         check_ppmedia(rest)
@@ -369,14 +396,11 @@ def check_command(line: str) -> None:
         _check_python(rest)
     elif program == "torchrun":
         _check_torchrun(rest)
-    elif program in ("pip", "pytest"):
-        paths = [a.split("::")[0] for a in rest if a.startswith((".", "/", "tests", "examples"))]
-        missing = [p for p in paths if not (ROOT / p).exists()]
-        assert not missing, f"{program}: {missing} do not exist"
-    elif program not in SHELL_UTILITIES:
-        raise AssertionError(f"no check for a {program!r} command (known: make, ppmedia, python, torchrun, pip, pytest)")
+    else:
+        raise AssertionError(f"no parser for a {program!r} command (known: make, ppmedia, python, torchrun)")
 
 
+# ------------------------------------------------------------------------------------ running commands
 def command_lines(block: Block) -> list[str]:
     lines = []
     for line in block.text.replace("\\\n", " ").splitlines():
@@ -385,14 +409,223 @@ def command_lines(block: Block) -> list[str]:
     return lines
 
 
-def check_shell(block: Block) -> None:
+def command_key(line: str) -> str:
+    """A command line as the shell reads it: comment dropped, spaces normalised."""
+    return shlex.join(shlex.split(line, comments=True))
+
+
+#: how long one documented command may take (a 4-process examples/train.py run: ~90 s on the busy 2-core VM)
+COMMAND_TIMEOUT_S = 600
+
+#: a line whose effect on the shell (not on the folder) the block's later lines need
+_SHELL_STATE = re.compile(r"^(cd|export|unset|source|\.)\s|^[A-Za-z_]\w*=\S*$")
+
+
+def run_command(line: str, folder: pathlib.Path, state: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``line`` as a user types it into ``bash`` in ``folder``: the clean environment, after the block's
+    earlier ``cd`` / ``export`` lines (``state``)."""
+    script = "\n".join(["set -e", *state, line])
+    try:
+        return subprocess.run(["bash", "-c", script], cwd=folder, env=clean_environment(), capture_output=True,
+                              text=True, timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{line}\n  did not finish within {COMMAND_TIMEOUT_S} s") from exc
+
+
+#: results of command lines run from a fresh sandbox, keyed by the lines run there before and the line:
+#: the same commands on two pages (README.md and docs/training.md show the same two) run once
+_RUNS: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
+
+
+def _failure(where: str, line: str, result: subprocess.CompletedProcess) -> str:
+    tail = (result.stdout[-1500:] + result.stderr[-3000:]).rstrip()
+    return f"{where}: {line}\n  exited {result.returncode} (run in a clean environment, from the sandbox):\n{tail}"
+
+
+def run_lines(where: str, lines: list[str], folder: pathlib.Path) -> list[subprocess.CompletedProcess]:
+    """Run ``lines`` in order in ``folder`` (a fresh sandbox); each must exit 0. A line whose result is
+    cached for the same earlier lines is not run again, unless a later uncached line needs its files."""
+    done: list[str] = []
+    state: list[str] = []
+    skipped: list[tuple[tuple[str, ...], str]] = []  # cached lines not run in this folder yet
+    results = []
+    for line in lines:
+        key = (*done, command_key(line))
+        result = _RUNS.get(key)
+        if result is None:
+            for earlier_state, earlier in skipped:  # the folder as the cached run had it
+                run_command(earlier, folder, earlier_state)
+            skipped = []
+            result = _RUNS[key] = run_command(line, folder, tuple(state))
+        else:
+            skipped.append((tuple(state), line))
+        if result.returncode != 0:
+            raise AssertionError(_failure(where, line, result))
+        results.append(result)
+        done.append(command_key(line))
+        if _SHELL_STATE.match(line):
+            state.append(line)
+    return results
+
+
+@dataclasses.dataclass(frozen=True)
+class NotRun:
+    """A documented command the suite cannot run as written: why, and what runs or checks it instead
+    (``check`` asserts that other check is in place, given the line)."""
+
+    why: str
+    instead: str
+    check: Callable[[str], None]
+
+
+def _recipe_is(target: str, recipe: str) -> Callable[[str], None]:
+    def check(line: str) -> None:
+        check_command(line)
+        assert make_recipes().get(target) == [recipe], f"the Makefile's {target} target is not {recipe!r}"
+    return check
+
+
+def _test_source_has(path: str, *fragments: str) -> Callable[[str], None]:
+    def check(line: str) -> None:
+        check_command(line)
+        source = (ROOT / path).read_text()
+        missing = [f for f in fragments if f not in source]
+        assert not missing, f"{path} no longer has {missing}: the check named for this command is gone"
+    return check
+
+
+def _every_family_in(*paths: str) -> Callable[[str], None]:
+    def check(line: str) -> None:
+        from ppmedia.testing.tiny_models import FAMILIES
+
+        check_command(line)
+        text = "".join((ROOT / p).read_text() for p in paths)
+        assert [f for f in FAMILIES if f'"{f}"' not in text] == [], f"a family's parity is in none of {paths}"
+    return check
+
+
+def _run_by_fsdp_tests(line: str) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        fsdp = importlib.import_module("test_fsdp_dcp")
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    assert shlex.split(line, comments=True) in fsdp._doc_commands(), "tests/test_fsdp_dcp.py does not run it"
+    assert "for argv in _doc_commands():" in inspect.getsource(fsdp.docs_runs)
+    assert "subprocess.run([str(TORCHRUN), *argv[1:]]" in inspect.getsource(fsdp.docs_runs)
+
+
+_PARITY_SPAWNS = ("tests/test_pipeline_mp.py", "tests/test_families18_mp.py", "tests/test_families_more_mp.py",
+                  "tests/test_state_families_mp.py", "tests/test_audio_families_mp.py")
+_DEMO = NotRun(
+    "every family through a 2-process pipeline: over a minute of the suite's CPU",
+    "the demo's path runs here as docs/cli.md writes it for one family (`ppmedia demo --family llava_next "
+    "--schedule DualPipeV --steps 1`); every family's pipeline parity runs in the shared spawns of "
+    + ", ".join(_PARITY_SPAWNS), _every_family_in(*_PARITY_SPAWNS))
+_BENCH = NotRun("the benchmarks take minutes; `make bench` is their own target, not part of the suite",
+                "the line is parsed by tests/bench/run.py's own parser; the Makefile's bench target runs it",
+                lambda line: (check_command(line), _recipe_is("bench", "$(BIN)/python tests/bench/run.py")("make bench")))
+_FSDP_DCP = NotRun("4 + 2 + 2 processes of 6 steps: the suite's longest commands, run once already",
+                   "tests/test_fsdp_dcp.py's docs_runs fixture runs them as written (read from the page) in a "
+                   "scratch folder and checks their losses against the model's", _run_by_fsdp_tests)
+
+#: The ONE table of documented commands not run as written here (keys: ``command_key`` of the line).
+#: Every other command line of every page runs.
+NOT_RUN: dict[str, NotRun] = {
+    "make test": NotRun("the suite itself: running it from the suite recurses",
+                        "the Makefile's test target is `$(BIN)/pytest`, this suite", _recipe_is("test", "$(BIN)/pytest")),
+    "make demo": dataclasses.replace(_DEMO, check=lambda line: (_DEMO.check(line), _recipe_is("demo", "$(BIN)/ppmedia demo")(line))),
+    "ppmedia demo": _DEMO,
+    "python tests/bench/run.py": _BENCH,
+    "make fixtures": NotRun(
+        "it rewrites the committed goldens",
+        "tests/test_goldens.py::test_goldens_regenerate runs fixtures/generate.py (the target's program) into a "
+        "temporary folder and compares every file with the committed one",
+        lambda line: (_recipe_is("fixtures", "$(BIN)/python fixtures/generate.py")(line),
+                      _test_source_has("tests/test_goldens.py", '_generator().main(["--out", str(tmp_path)])')(line))),
+    "torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m ppmedia demo": NotRun(
+        "HOST stands for the first node's address: it takes two machines (or two agents)",
+        "tests/test_train_example.py::test_pipeline_across_two_torchrun_agents_matches_the_model runs two "
+        "torchrun agents with these flags on 127.0.0.1 (the parity harness in place of the demo)",
+        _test_source_has("tests/test_train_example.py", '"--nnodes", "2", "--nproc-per-node", "1", '
+                         '"--rdzv-backend", "c10d"')),
+    "torchrun --standalone --nproc-per-node 4 step.py": NotRun(
+        "4 processes, and the page's output block is the one-process run's (the page states what the 4 print)",
+        "`python step.py` runs here, its output compared; pp x dp = 2 x 2 with the same calls (shard_batch, "
+        "all_reduce_gradients, clip_grad_norm) is examples/train.py's (through core/pipeline/step.py), which "
+        "tests/test_fsdp_dcp.py runs on 4 processes",
+        lambda line: (_torchrun_parses(line), _test_source_has("core/pipeline/step.py", "shard_batch", "all_reduce_gradients",
+                                                              "clip_grad_norm")("python examples/train.py"))),
+    command_key("torchrun --standalone --nproc-per-node 4 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
+                "--pp 2 --dp 2 --fsdp --batch-size 8 --max-length 512 --epochs 3 --lr 2e-5 --weight-decay 0.01 "
+                "--warmup-steps 10 --lr-schedule cosine --freeze vision --activation-checkpointing "
+                "--save-dir runs --save-every 50 --loss-log loss.jsonl --export trained"): NotRun(
+        "it shows every flag on placeholder folders (demo-ckpt, demo-data) and 3 epochs on 4 processes",
+        "tests/test_train_data.py runs the README's data lines as "
+        "written (checkpoint, data file, export) and --data runs at pp2 x dp2 with FSDP2",
+        _test_source_has("tests/test_train_data.py", "--data")),
+    **{command_key(line): _FSDP_DCP for line in [
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp "
+        "--steps 6 --save-dir ckpt --save-every 2 --eval-every 2 --loss-log straight.jsonl",
+        "torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen2_5_vl --pp 1 --dp 2 --fsdp "
+        "--steps 6 --resume ckpt/step2 --eval-every 2 --loss-log pp1xdp2.jsonl",
+        "torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen2_5_vl --pp 2 --dp 1 "
+        "--steps 6 --resume ckpt/step4 --eval-every 2 --loss-log pp2xdp1.jsonl"]},
+}
+
+
+def check_not_run(where: str, line: str) -> bool:
+    """True for a NOT_RUN line (its check done instead), False for a line to run."""
+    entry = NOT_RUN.get(command_key(line))
+    if entry is None:
+        return False
+    try:
+        entry.check(line)
+    except AssertionError as exc:
+        raise AssertionError(f"{where}: {line}\n  (not run here: {entry.why}) {exc}") from exc
+    return True
+
+
+def check_shell(block: Block, folder: pathlib.Path) -> None:
+    """Every line of an ``sh`` / ``bash`` block, in order, in one sandbox (NOT_RUN lines checked instead)."""
     lines = command_lines(block)
     assert lines, f"{block.where}: an empty {block.lang} block"
-    for line in lines:
-        try:
-            check_command(line)
-        except AssertionError as exc:
-            raise AssertionError(f"{block.where}: {line}\n  {exc}") from exc
+    run_lines(block.where, [line for line in lines if not check_not_run(block.where, line)], folder)
+
+
+# ------------------------------------------------------------------------------------ python files
+#: an inline ``python NAME.py`` / ``torchrun ... NAME.py`` in the paragraph above a python block
+_RUN_AS = re.compile(r"`((?:python3?|torchrun)(?:\s[^`]*?)?\s([\w-]+\.py))`")
+_SAVE_AS = re.compile(r"\bsave (?:it|this|the block) as `([^`]+)`", flags=re.I)
+
+
+def script_commands(block: Block) -> tuple[str, list[str]] | None:
+    """``(NAME.py, commands)`` when the paragraph above the block has the user run it as a file, else None."""
+    intro = re.sub(r"\s+", " ", block.intro)
+    runs = _RUN_AS.findall(intro)
+    saved = _SAVE_AS.findall(intro)
+    if not runs:
+        assert not saved, f"{block.where}: the page says to save the block as {saved[0]} but shows no command running it"
+        return None
+    names = sorted({name for _, name in runs})
+    assert len(names) == 1, f"{block.where}: the paragraph above runs {names}: one file per block"
+    assert saved in ([], names), f"{block.where}: the page saves the block as {saved[0]} but runs {names[0]}"
+    return names[0], [command for command, _ in runs]
+
+
+def run_script(block: Block, name: str, commands: list[str], folder: pathlib.Path) -> None:
+    """Save the block as ``name`` in the sandbox and run it with each command the page shows (clean
+    environment: no torchrun variables); what it prints must be its ``output`` block, exactly."""
+    (folder / name).write_text(block.text)
+    for command in commands:
+        if check_not_run(block.where, command):
+            continue
+        result = run_command(command, folder)
+        if result.returncode != 0:
+            raise AssertionError(_failure(f"{block.where} (saved as {name})", command, result))
+        if block.output is not None and result.stdout != block.output.text:
+            raise AssertionError(f"{block.where}: {command} printed\n{result.stdout}but its output block "
+                                 f"({block.output.where}) shows\n{block.output.text}")
 
 
 # ------------------------------------------------------------------------------------ transcripts
@@ -409,35 +642,44 @@ def transcript(block: Block) -> list[tuple[str, str]]:
 
 
 def sandbox(folder: pathlib.Path) -> pathlib.Path:
-    """Where python blocks and transcripts run: a folder that looks like the repository root (its
-    folders and files linked in, so ``fixtures/...`` resolves) and keeps what a block writes
+    """Where blocks, command lines and transcripts run: a folder that looks like the repository root (its
+    folders linked in, so ``fixtures/...`` resolves, its files copied, ``.venv`` the running one) and keeps what a block writes
     (checkpoints, ...), with the two bad batch files docs/cli.md shows the errors for."""
     for entry in ROOT.iterdir():
-        if not entry.name.startswith(".") and not entry.name.endswith(".egg-info"):
+        if entry.name.startswith(".") or entry.name.endswith(".egg-info"):
+            continue
+        if entry.is_dir():
             (folder / entry.name).symlink_to(entry)
+        else:  # a copy: a command writing plan.svg there must not write the repository's
+            shutil.copy(entry, folder / entry.name)
+    (folder / ".venv").symlink_to(sys.prefix)  # `.venv/bin/python ...` lines
     (folder / "notes.pt").write_text("hello world\n")
     torch.save({"input_ids": torch.zeros(2, 3, dtype=torch.int64), "f": fractions.Fraction(1, 3)}, folder / "untrusted.pt")
     return folder
 
 
 def run_transcript(block: Block, folder: pathlib.Path) -> None:
+    """Each ``$ `` command in ``folder``, printing exactly the lines after it: ``ppmedia`` in this process
+    (as a plain script: no torchrun variables), another program as a user's shell runs it (exit 0)."""
     for command, expected in transcript(block):
         argv = shlex.split(command)
         if argv[:3] in (["python", "-m", "ppmedia"], ["python3", "-m", "ppmedia"]):
             argv = ["ppmedia", *argv[3:]]
-        if argv[0] != "ppmedia":  # another program's transcript: its command line is checked, not run
-            try:
-                check_command(command)
-            except AssertionError as exc:
-                raise AssertionError(f"{block.where}: $ {command}\n  {exc}") from exc
-            continue
-        out, err = io.StringIO(), io.StringIO()
-        with as_a_script(folder), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv[1:])
-        if out.getvalue() + err.getvalue() != expected:
-            raise AssertionError(f"{block.where}: $ {command}\nprints\n{out.getvalue() + err.getvalue()}but the page shows\n{expected}")
-        status = 2 if "ppmedia: error: argument " in expected else 1 if "ppmedia: error: " in expected else 0
-        assert code == status, f"{block.where}: $ {command} exited {code}; expected {status}"
+        if argv[0] != "ppmedia":
+            if check_not_run(block.where, command):
+                continue
+            (result,) = run_lines(f"{block.where}: $", [command], folder)
+            printed = result.stdout + result.stderr
+        else:
+            out, err = io.StringIO(), io.StringIO()
+            with as_a_script(folder), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(argv[1:])
+            printed = out.getvalue() + err.getvalue()
+        if printed != expected:
+            raise AssertionError(f"{block.where}: $ {command}\nprints\n{printed}but the page shows\n{expected}")
+        if argv[0] == "ppmedia":
+            status = 2 if "ppmedia: error: argument " in expected else 1 if "ppmedia: error: " in expected else 0
+            assert code == status, f"{block.where}: $ {command} exited {code}; expected {status}"
 
 
 # ------------------------------------------------------------------------------------ one block
@@ -450,9 +692,13 @@ def check_block(block: Block, folder: pathlib.Path) -> None:
     if block.file is not None:
         check_file_block(block)
     elif block.lang == "python":
-        run_python(block, folder)
+        script = script_commands(block)
+        if script is None:
+            run_python(block, folder)
+        else:
+            run_script(block, *script, folder)
     elif block.lang in SHELL:
-        check_shell(block)
+        check_shell(block, folder)
     elif block.lang == "console":
         run_transcript(block, folder)
     elif block.lang == "toml":
@@ -467,9 +713,37 @@ def check_block(block: Block, folder: pathlib.Path) -> None:
 ALL_BLOCKS = [block for page in pages() for block in read_blocks(page)]
 
 
-@pytest.mark.parametrize("block", ALL_BLOCKS, ids=[f"{b.where}-{b.lang or 'untagged'}" for b in ALL_BLOCKS])
+def _runs_programs(block: Block) -> bool:
+    return block.lang in SHELL or (block.lang == "python" and block.file is None and script_commands(block) is not None)
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, marks=[pytest.mark.multiprocess] if _runs_programs(b) else [])
+                                   for b in ALL_BLOCKS], ids=[f"{b.where}-{b.lang or 'untagged'}" for b in ALL_BLOCKS])
 def test_code_block(block, tmp_path):
     check_block(block, sandbox(tmp_path))
+
+
+def test_every_not_run_command_is_on_a_page():
+    shown = {command_key(line) for b in ALL_BLOCKS if b.lang in SHELL for line in command_lines(b)}
+    shown |= {command_key(command) for b in ALL_BLOCKS if b.lang == "console" for command, _ in transcript(b)}
+    shown |= {command_key(command) for b in ALL_BLOCKS if b.lang == "python" and b.file is None
+              for command in (script_commands(b) or ("", []))[1]}
+    assert sorted(set(NOT_RUN) - shown) == [], "NOT_RUN lists commands no page shows any more"
+
+
+def test_a_command_shown_on_two_pages_runs_once(tmp_path):
+    log = tmp_path / "log"
+    first, again, more = (tmp_path / name for name in ("first", "again", "more"))
+    for folder in (first, again, more):
+        folder.mkdir()
+    lines = [f"echo ran >> {log}", "touch made"]
+    run_lines("a.md:1", lines, first)
+    run_lines("b.md:9", lines, again)  # the same lines from a fresh folder: their results are reused
+    assert log.read_text() == "ran\n" and not (again / "made").exists()
+    run_lines("c.md:5", [*lines, "test -f made"], more)  # a new line after them: they run there first
+    assert log.read_text() == "ran\nran\n"
+    with pytest.raises(AssertionError, match=r"d.md:2: test -f made\n  exited 1"):
+        run_lines("d.md:2", ["test -f made"], first.parent)
 
 
 def test_pages_have_the_blocks_they_should():
@@ -562,8 +836,11 @@ def test_every_page_is_listed_in_the_index():
 
 # ------------------------------------------------------------------------------------ README
 def test_quick_start_is_make_demo_then_make_test():
-    (block,) = [b for b in read_blocks(README, section(README.read_text(), "Quick start")) if b.lang in SHELL]
+    # then the three lines from a data file to an exported model (tests/test_train_data.py runs them)
+    block, data = [b for b in read_blocks(README, section(README.read_text(), "Quick start")) if b.lang in SHELL]
     assert [line.split("#")[0].strip() for line in command_lines(block)] == ["make demo", "make test"]
+    lines = command_lines(data)
+    assert len(lines) == 3 and "examples/train.py --model" in lines[1] and "--data" in lines[1] and "--export" in lines[1]
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^demo: .*\n\t\$\(BIN\)/ppmedia demo$", makefile, flags=re.M)
     assert re.search(r"^test: .*\n\t\$\(BIN\)/pytest$", makefile, flags=re.M)
@@ -580,7 +857,7 @@ def test_readme_is_short_and_points_to_every_page():
 def test_readme_training_step_is_a_runnable_python_block():
     blocks = [b for b in read_blocks(README) if b.lang == "python"]
     assert blocks and blocks[0].output is not None  # run by test_code_block, its output compared
-    for call in ("split_media", "stage_media", "schedule.step", "make_pipeline_stages", "build_schedule"):
+    for call in ("presplit_batch", "schedule.step(**inputs.step_kwargs()", "make_pipeline_stages", "build_schedule"):
         assert call in blocks[0].text, call
 
 
@@ -735,15 +1012,20 @@ torch.zeros(2, 3) @ torch.zeros(2, 3)
 ```
 
 ```sh
-ppmedia inspect fixtures/qwen2_5_vl/inputs.safetensors --microbatches 4 --no-such-flag
+python -c "import sys; sys.exit(3)"
 ```
 
-```sh
-torchrun --standalone --nproc-per-node 2 examples/train.py --pp 2 --steps-typo 3
+Save it as `step.py` and run `python step.py`, as a user would: no torchrun, no RANK.
+
+```python
+import torch.distributed as dist
+dist.init_process_group("gloo")
 ```
 
-```sh
-python -m ppmedia.testing.parity qwen2_5_vl --scenarios gpipe
+Save it as `forgotten.py`.
+
+```python
+print("a file the page never runs")
 ```
 
 ```sh
@@ -769,13 +1051,15 @@ an output block after no python block
 ```
 
 ```console
-$ torchrun --standalone --nproc-per-node 2 examples/train.py --bogus
-step 0: ...
+$ python -c "print('two')"
+three
 ```
 
 ```bash
-export PPMEDIA_PLUGINS=my_plugin
-docker run ppmedia
+export GREETING=hello
+cd docs
+test "$GREETING" = hello && test -f index.md && test -z "$RANK$MASTER_PORT"
+no-such-program --version
 ```
 
 See [the API](api.md#no-such-heading), [nothing](no-such-page.md) and `ppmedia.no_such_name`.
@@ -789,7 +1073,10 @@ See [the API](api.md#no-such-heading), [nothing](no-such-page.md) and `ppmedia.n
 '''
 
 
-def test_planted_errors_are_reported(tmp_path):
+def test_planted_errors_are_reported(tmp_path, monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                        "TORCHELASTIC_RUN_ID": "x"}.items():
+        monkeypatch.setenv(name, value)  # as if pytest ran under torchrun: a page's commands must not see them
     page = tmp_path / "planted.md"
     page.write_text(PLANTED)
     blocks = read_blocks(page)
@@ -799,16 +1086,16 @@ def test_planted_errors_are_reported(tmp_path):
         None,  # the first python block prints what its output block shows: no error
         "printed\ntwo microbatches\nbut its output block",
         "the python block raised RuntimeError",
-        "ppmedia refuses inspect",
-        "unrecognized arguments: --steps-typo",
-        "unrecognized arguments: --scenarios",
-        "make: no target ['deploy']",
+        'python -c "import sys; sys.exit(3)"\n  exited 3 (run in a clean environment',
+        "environment variable RANK expected, but not set",  # saved as step.py, run as python step.py
+        "the page says to save the block as forgotten.py but shows no command running it",
+        "make deploy\n  exited 2",
         "but the page shows\nppmedia: error: argument --microbatches: got 0; expected a positive integer",
         "the block is not tests/plugin/tests/test_llava_plugin.py as it is",
         "an untagged block with command lines",
         "an output block must follow a python block",
-        "unrecognized arguments: --bogus",
-        "no check for a 'docker' command",
+        "prints\ntwo\nbut the page shows\nthree",
+        "no-such-program --version\n  exited 127",  # after the lines before it ran (cd, export) in its shell
     ]
     assert len(blocks) == len(expected)
     for block, message in zip(blocks, expected):
@@ -845,7 +1132,8 @@ def test_planted_python_block_runs_in_a_sandbox_with_a_fresh_registry_and_leaves
         "from ppmedia.adapters.qwen2_5_vl import Qwen2_5_VLAdapter\n"
         "class Mine(Qwen2_5_VLAdapter):\n    name = 'mine'\n    model_types = ('mine_vl',)\n"
         "ppmedia.register_adapter(Mine)\n"
-        "dist.init_process_group('gloo')\nos.environ['PPMEDIA_PLUGINS'] = 'no.such.module'\n"
+        "assert 'RANK' not in os.environ and 'MASTER_PORT' not in os.environ  # as under plain python\n"
+        "ppmedia.pipeline.init_distributed('gloo')\nos.environ['PPMEDIA_PLUGINS'] = 'no.such.module'\n"
         "open('written_by_a_block.txt', 'w').write(str(len(open('fixtures/qwen2_5_vl/config.json').read()) > 0))\n"
         "print(dist.get_world_size(), ppmedia.get_adapter('mine_vl').name)\n```\n\n```output\n1 mine\n```\n"
     )

@@ -1,7 +1,7 @@
 """docs/checkpoints.md runs: its Python blocks execute as they are (the one-process flow checks itself;
 the training-script functions are then called in a one-rank process group), and its shell lines are
 the real command lines (``examples/train.py``'s parser takes the arguments; the Python one-liner
-compiles). The torchrun line itself runs in test_train_example.py with the same flags."""
+the dataset writer's too). tests/test_train_data.py runs the same command (the README's quick start)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pathlib
 import re
 import shlex
 
+import pytest
 import torch
 import transformers
 
@@ -39,11 +40,15 @@ def test_the_pages_python_blocks_run(tmp_path, world_of_one):
 def test_the_pages_command_lines_are_real():
     (block,) = _blocks("bash")
     writer, runner = [shlex.split(line) for line in block.strip().splitlines()]
-    assert writer[:2] == [".venv/bin/python", "-c"]
-    compile(writer[2], "<python -c>", "exec")
+    assert writer[:3] == [".venv/bin/python", "-m", "ppmedia.testing.datasets"]
+    from ppmedia.testing import datasets
+
+    with pytest.raises(SystemExit) as exit_info:  # its parser takes the arguments (--help: nothing written)
+        datasets.main([*writer[3:], "--help"])
+    assert exit_info.value.code == 0
     assert runner[0] == ".venv/bin/torchrun" and runner[4] == "examples/train.py"
     spec = importlib.util.spec_from_file_location("train_example", ROOT / "examples" / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
-    args = train.parse_args(runner[5:])
-    assert (args.model, args.family, args.pp, args.export) == ("hf-tiny", "gemma3", 2, "hf-trained")
+    args = train.build_parser().parse_args(runner[5:])  # the paths exist once the first line ran
+    assert (args.model, args.data, args.pp, args.export) == ("hf-tiny", "hf-data/train.jsonl", 2, "hf-trained")

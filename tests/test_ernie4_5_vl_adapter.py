@@ -3,8 +3,8 @@ from the model's ``get_rope_index``, and ``moe_mm_token_type_ids`` carried to ev
 route vision tokens to their own experts).
 
 Real ``Ernie4_5_VLMoeImageProcessorPil`` output (its text and token types as the processor's own methods
-write them) goes through split -> stage -> merge; the video processor needs torchvision, so videos are
-hand-built in its layout.
+write them) goes through split -> stage -> merge; the whole real processor, videos included, is tested
+in tests/test_processors.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ shapes), two training steps, loss and every gradient against the model's own ful
 What crosses the stage boundary besides the hidden states: PaliGemma's prefix-LM ``token_type_ids``
 (``tests/test_paligemma_adapter.py`` shows a later stage given wrong ones fails); Idefics3 and SmolVLM
 run their language model at ``model.text_model``; their text-only microbatch 2 carries padding crops
-that never reach the encoder (SmolVLM's own would invent a crop).
+that never reach the encoder (SmolVLM's own would invent a crop). In the same spawn, PaliGemma with
+pre-split microbatches under the V-shaped ZBVZeroBubble: its ``token_type_ids`` reach stage 0 per
+microbatch in the ``media`` keyword (a per-sample input) and every later stage over the wire.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from conftest import assert_pipeline_matches, parity_once
 TOL = 1e-5
 FAMILIES = ("llava_onevision", "idefics3", "smolvlm", "paligemma", "aya_vision")
 SCENARIOS = ("gpipe/inferred", "1f1b/static")
-_run = parity_once(FAMILIES, SCENARIOS, tolerance=TOL)
+PRESPLIT = "ZBVZeroBubble/static/presplit"
+_run = parity_once(FAMILIES, SCENARIOS, tolerance=TOL, family_scenarios={"paligemma": (PRESPLIT,)})
 
 
 @pytest.mark.multiprocess
@@ -35,3 +38,16 @@ def test_microbatch_2_has_no_placeholders(family):
     assert [m.placeholder_tokens > 0 for m in micro] == [True, True, False, True]
     # samples on axis 0 (Idefics3, SmolVLM): microbatch 2 still stages its samples' padding crops
     assert micro[2].text_only == (family not in ("idefics3", "smolvlm"))
+
+
+@pytest.mark.multiprocess
+def test_paligemma_presplit_carries_its_token_type_ids_per_microbatch():
+    """Stages 0 and 3 on rank 0 both get each microbatch's ``media`` keyword (stage 3 ignores it); the
+    loss and every gradient match the model's own run and the staging path's loss."""
+    report = _run().family("paligemma")
+    result = report.scenario(PRESPLIT)
+    assert result.presplit and result.stage_indices == [[0, 3], [1, 2]]
+    assert result.passed(TOL) and result.missing_params == []
+    for st, staged in zip(result.steps, report.scenario("1f1b/static").steps):
+        assert st.chunk_trace == [0, 1, 2, 3] and st.media_rows
+        assert abs(st.loss_pipeline - staged.loss_pipeline) <= TOL

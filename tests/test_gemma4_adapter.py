@@ -299,18 +299,21 @@ def test_real_image_processor_and_audio_feature_extractor(adapter):
             assert (hidden - reference[a:b]).abs().max() <= ATOL
 
 
-def test_video_processor_needs_torchvision():
-    """Gemma 4's video processor is torchvision-only: where torchvision is missing it refuses to
-    load (what docs/audio-families.md says); frames from elsewhere stage as the tiny batch's do."""
-    import importlib.util
+def test_real_video_processor():
+    """Gemma4VideoProcessor (torchvision) in the tiny Gemma4Processor: videos of 1 and 3 frames become
+    padded patch rows per frame with ``video_position_ids`` and ``num_frames_per_video``, and the
+    processor writes one timestamped block per frame (the merges: tests/test_processors.py)."""
+    from ppmedia.testing.processors import build_tiny_processor, chat_batch
 
-    if importlib.util.find_spec("torchvision") is not None:  # pragma: no cover - not on this machine
-        return
-    from transformers import Gemma4VideoProcessor
-
-    with pytest.raises(ImportError, match="(?i)torchvision"):
-        Gemma4VideoProcessor()
-
+    processor = build_tiny_processor("gemma4")
+    assert type(processor.video_processor).__name__ == "Gemma4VideoProcessor"
+    rng = np.random.default_rng(2)
+    clips = [("video", rng.integers(0, 256, (t, 8, 16, 3), dtype=np.uint8)) for t in (1, 3)]
+    batch = chat_batch(processor, [[2, clips[0]], [clips[1], 1]], nested=True)
+    assert batch["num_frames_per_video"].tolist() == [1, 3]
+    assert batch["pixel_values_videos"].shape[0] == 4 and batch["video_position_ids"].shape[:2] == batch["pixel_values_videos"].shape[:2]
+    blocks = (batch["input_ids"] == tiny.BOI_TOKEN_ID).sum(-1).tolist()
+    assert blocks == [1, 3]
 
 def test_inspect_shows_the_audio_clips_per_microbatch(capsys):
     """``ppmedia inspect`` on the golden batch (config.json beside it) counts the clips per microbatch."""

@@ -8,8 +8,8 @@ token: "Image features and image tokens do not match"). Mixed batches are theref
 placeholders turned into text), shown below to equal the model's single forward wherever that runs.
 
 Real ``Glm4vImageProcessorPil`` output (its text as ``Glm4vProcessor``'s own methods write it) goes
-through split -> stage -> merge; the video processor needs torchvision, so videos are hand-built in its
-layout.
+through split -> stage -> merge; the whole real processor, videos included, is tested in
+tests/test_processors.py.
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 ``pixel_values``, in prompt order, 16 image tokens a row (256 in the released models).
 
 Real ``GotOcr2ImageProcessorPil`` tiles go through split -> stage -> merge, with the text InternVL's
-processor writes for them (its own ``replace_image_token``; ``InternVLProcessor`` itself cannot be built
-here: its video processor needs torchvision).
+processor writes for them (its own ``replace_image_token``); the whole ``InternVLProcessor``, videos
+included, is tested in tests/test_processors.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import types
 
 import numpy as np
@@ -132,10 +131,15 @@ def test_real_gotocr2_tiles_through_split_stage_merge(model, adapter):
     assert max(c.max_abs_diff for c in checks) <= ATOL
 
 
-def test_internvl_processor_needs_torchvision_for_its_video_processor():
-    from transformers import GotOcr2ImageProcessorPil, InternVLProcessor
+def test_internvl_processor_with_its_video_processor_refuses_mixed_frame_counts():
+    """The tiny InternVLProcessor holds its real InternVLVideoProcessor (torchvision); videos of
+    different frame counts in one call are refused by the video processor, which stacks them
+    (docs/processors.md; equal counts are tested in tests/test_processors.py)."""
+    from ppmedia.testing.processors import build_tiny_processor, chat_batch
 
-    if importlib.util.find_spec("torchvision") is not None:
-        pytest.skip("torchvision is installed: the limitation documented here does not apply")
-    with pytest.raises(AttributeError, match="VIDEO_PROCESSOR_MAPPING"):
-        InternVLProcessor(image_processor=GotOcr2ImageProcessorPil(), tokenizer=_tokenizer(), image_seq_length=16)
+    processor = build_tiny_processor("internvl")
+    assert type(processor.video_processor).__name__ == "InternVLVideoProcessor"
+    rng = np.random.default_rng(0)
+    clip = lambda t: ("video", rng.integers(0, 256, (t, 32, 32, 3), dtype=np.uint8))  # noqa: E731
+    with pytest.raises(ValueError, match="pixel_values_videos"):
+        chat_batch(processor, [[clip(2)], [clip(3)]])

@@ -1,16 +1,17 @@
 """Llama 4 against transformers' own model (tiny seeded): tiles of one size, 16 ``<|patch|>`` tokens a tile,
 the projector outside ``get_image_features``, the language model at ``language_model.model``.
 
-(``Llama4ImageProcessor`` needs torchvision, which cannot run here: the tiny batch follows its layout,
-and its tokens are checked against ``Llama4Processor``'s own prompt writer.)
+The tiny batch follows ``Llama4ImageProcessor``'s layout and its tokens are checked against
+``Llama4Processor``'s own prompt writer; the real processor (torchvision) makes tiles of the tiny size
+here and on every family's table in tests/test_processors.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import ppmedia
 from ppmedia.adapters.llama4 import Llama4Adapter, tokens_per_tile
@@ -63,14 +64,20 @@ def test_the_tokens_are_the_processors():
         assert ids == tiny.image_tokens(*ratio)
 
 
-def test_llama4_image_processor_needs_torchvision():
+def test_llama4_image_processor_gives_tiles_of_its_size():
+    """Llama4ImageProcessor (torchvision; there is no Pil class) in the tiny Llama4Processor cuts an image
+    into 32 x 32 tiles plus its global tile; the tokens are the processor's (tests/test_processors.py)."""
     from transformers import Llama4ImageProcessor
 
-    if importlib.util.find_spec("torchvision") is None:
-        with pytest.raises(ImportError, match="Torchvision"):
-            Llama4ImageProcessor()
-    else:  # where torchvision runs, the processor exists and gives tiles of its size
-        assert Llama4ImageProcessor().size["height"] == 336
+    from ppmedia.testing.processors import build_tiny_processor, chat_batch
+
+    assert Llama4ImageProcessor().size["height"] == 336
+    processor = build_tiny_processor("llama4")
+    rng = np.random.default_rng(0)
+    picture = ("image", Image.fromarray(rng.integers(0, 256, (30, 64, 3), dtype=np.uint8)))
+    batch = chat_batch(processor, [[1, picture]])
+    assert batch["pixel_values"].shape == (3, 3, tiny.IMAGE_SIZE, tiny.IMAGE_SIZE)  # 1 x 2 local tiles + global
+    assert int((batch["input_ids"] == tiny.PATCH_TOKEN_ID).sum()) == 3 * tiny.TOKENS_PER_TILE
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])

@@ -124,11 +124,23 @@ def test_real_image_processor(model):
     assert [c.has_media for c in checks if c.n_microbatches == 4] == [True, True, False, True]
 
 
-def test_video_processor_needs_torchvision():
-    from transformers import LlavaOnevisionVideoProcessor
+def test_real_video_processor(model):
+    """LlavaOnevisionVideoProcessor (torchvision) inside the tiny LlavaOnevisionProcessor: videos of
+    3 frames at several sizes, ``[videos, 3, 3, 16, 16]``, placeholders written by the processor; the
+    merges equal the model's own (the full table: tests/test_processors.py)."""
+    from ppmedia.testing.processors import build_tiny_processor, chat_batch
 
-    with pytest.raises(ImportError):
-        LlavaOnevisionVideoProcessor()
+    processor = build_tiny_processor("llava_onevision")
+    assert type(processor.video_processor).__name__ == "LlavaOnevisionVideoProcessor"
+    rng = np.random.default_rng(4)
+    clip = lambda h, w: ("video", rng.integers(0, 256, (3, h, w, 3), dtype=np.uint8))  # noqa: E731
+    batch = chat_batch(processor, [[2, clip(16, 16)], [3], [clip(40, 20), 1], [clip(8, 30)]], nested=True)
+    assert batch["pixel_values_videos"].shape == (3, 3, 3, 16, 16) and "pixel_values" not in batch
+    per_video = video_tokens(3, model.config)  # 3 frames pooled to 2 x 2, one newline
+    assert per_video == 13 and (batch["input_ids"] == tiny.VIDEO_TOKEN_ID).sum(-1).tolist() == [per_video, 0, per_video, per_video]
+    reference = capture_merged_embeds(model, **batch)
+    checks = check_adapter(tiny, microbatches=[1, 2, 4], model=model, batch=batch, reference=reference)
+    assert max(c.max_abs_diff for c in checks) <= ATOL
 
 
 @pytest.mark.parametrize("key, value, error, match", [

@@ -28,6 +28,7 @@ from ppmedia.pipeline import (
     make_labels,
     pipeline_loss,
 )
+from ppmedia.pipeline.loss import SHIFTED_MARK, shift_labels
 from ppmedia.registry import get_adapter
 
 TOL = 1e-5
@@ -288,7 +289,7 @@ def test_labels_and_loss_normalisation(one_thread):
     ids, mask = batch["input_ids"], batch["attention_mask"]
     labels = make_labels(ids, config, adapter, attention_mask=mask)
     targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
-    assert (labels[:, -1] == IGNORE_INDEX).all()
+    assert (labels[:, -1] == SHIFTED_MARK).all()  # the mark pipeline_loss checks
     assert torch.equal(labels[:, :-1], targets[:, 1:])
     ignored = (ids == module.IMAGE_TOKEN_ID) | (ids == module.PAD_TOKEN_ID)
     assert torch.equal(targets == IGNORE_INDEX, ignored)
@@ -296,5 +297,10 @@ def test_labels_and_loss_normalisation(one_thread):
     logits = torch.randn(*ids.shape, config.text_config.vocab_size)
     n = count_valid_tokens(labels)
     parts = sum(pipeline_loss(logits[a : a + 2], labels[a : a + 2], n) for a in range(0, 8, 2))
-    mean = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    plain = labels.masked_fill(labels == SHIFTED_MARK, IGNORE_INDEX)
+    mean = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), plain.reshape(-1))
     torch.testing.assert_close(parts, mean)
+    # transformers' unshifted labels are refused, never a different objective in silence
+    with pytest.raises(ValueError, match="not marked"):
+        pipeline_loss(logits, targets, n)
+    torch.testing.assert_close(pipeline_loss(logits, shift_labels(targets), n), mean)

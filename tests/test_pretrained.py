@@ -15,7 +15,7 @@ Every tiny model is written with ``save_pretrained`` in 40 KB shards (9-21 files
   (per-expert MoE tensors where the class stores them so).
 
 The 2-process pipeline built from a checkpoint rides in test_pipeline_mp.py's spawns (``pretrained``
-scenario); ``--model`` / ``--export`` of examples/train.py in test_train_example.py.
+scenario); ``--model`` / ``--export`` of examples/train.py in test_train_data.py.
 """
 
 from __future__ import annotations

@@ -134,6 +134,8 @@ def test_override_replaces():
     (object(), "got object"),
     (type("NoTypes", (_Claims,), {"model_types": ()}), r"NoTypes.model_types is \(\); expected a non-empty tuple"),
     (type("NoName", (_Claims,), {"name": ""}), r"NoName.name is ''"),
+    (type("BadMerge", (_Claims,), {"merge_path": "model..extend"}),
+     r"BadMerge.merge_path is 'model..extend'; expected None or a dotted module path such as 'model.embed_tokens_extend'"),
 ])
 def test_malformed_adapters_name_the_provider(bad, match):
     with pytest.raises(PluginError, match=rf"ppmedia plugin tester: .*{match}"):

@@ -44,3 +44,23 @@ def test_the_pinned_stack_is_installed():
     from transformers.utils import is_torchvision_available
 
     assert is_torchvision_available()
+
+
+def test_the_gpu_check_runs_on_the_cpu(tmp_path):
+    """tests/gpu/check.py (run on a lent accelerator by tests/gpu/check.sh) on the CPU, so it cannot rot:
+    the same step and figures, the loss equal to the CPU run's, the host-read limits held."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    out = tmp_path / "gpu-check.json"
+    run = subprocess.run([sys.executable, str(root / "tests/gpu/check.py"), "--device", "cpu", "--repeats", "2", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and "gpu check: PASS" in run.stdout, run.stdout + run.stderr
+    figures = json.loads(out.read_text())
+    assert figures["loss_diff"] == 0.0 and figures["producer_host_reads"] == 1 and figures["consumer_host_reads"] == 0
+    assert {"staging_ms", "transfer_gb_s", "consumer_us_per_call"} <= set(figures)

@@ -12,6 +12,10 @@
   two schedule steps of different sequence lengths accumulated before one optimizer step.
 * the encoder spread (every pipeline rank encodes a share of the media): GPipe, 1F1B and ZBVZeroBubble
   at pp=2, and pp=2 x dp=2 with replicated and with FSDP2 stages; its planted bug (stale copies).
+* pre-split microbatches (``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=)``, each microbatch's
+  media its own ``media`` keyword input, nothing staged): every torch schedule, inferred and static
+  shapes, the encoder spread, evaluation (``schedule.eval``), FSDP2 at pp=2 x dp=2 and two sequence
+  lengths in one step; the same losses as the staging path and the model's own run.
 
 One spawn per process count runs every scenario (ppmedia.testing.parity); the tests read its report.
 """
@@ -50,12 +54,23 @@ TP_FSDP = "1f1b/static/dp2/tp2/fsdp"
 TP_DP = "1f1b/static/dp2/tp2"  # replicated over dp: all_reduce_gradients sums the tp shards
 TP_UNREDUCED = "1f1b/static/unreduced_tower/tp2"
 TP_FAMILIES = ("qwen2_5_vl", "gemma3", "llava_next", "qwen3_vl")
+#: pre-split microbatches (Qwen2.5-VL: its mrope positions made on stage 0 from each chunk's grids),
+#: 2 processes: every torch schedule (V-shaped and interleaved ones give every stage of a rank the
+#: ``media`` keyword), inferred and static shapes, the spread, evaluation before every training step
+PRESPLIT_PP = ("GPipe/static/presplit", "1F1B/static/presplit", "Interleaved1F1B/static/presplit",
+               "LoopedBFS/static/presplit", "InterleavedZeroBubble/static/presplit", "ZBVZeroBubble/inferred/presplit",
+               "DualPipeV/inferred/presplit", "gpipe/inferred/spread/presplit", "Interleaved1F1B/inferred/eval/presplit")
+#: ... and 4 processes: FSDP2 at pp=2 x dp=2, and two sequence lengths accumulated into one step
+PRESPLIT_DP = ("1f1b/static/dp2/fsdp/clip/presplit", "gpipe/inferred/dp2/fsdp/varlen/presplit")
 #: single families' scenarios in the same 4-process spawn
 DP_FAMILY_SCENARIOS = {
-    "qwen2_5_vl": (*FSDP_SCHEDULES, *VARLEN, "1f1b/static/dp2/fsdp/bf16", TP, TP_FSDP, TP_DP, TP_UNREDUCED),
+    "qwen2_5_vl": (*FSDP_SCHEDULES, *VARLEN, "1f1b/static/dp2/fsdp/bf16", *PRESPLIT_DP, TP, TP_FSDP, TP_DP,
+                   TP_UNREDUCED),
     "llava_next": ("1f1b/static/dp2/fsdp/bf16", TP),
     "qwen3_vl": ("1f1b/static/dp2/fsdp/text_only_replica", TP),  # default split: deepstack level 1 crosses
     "kimi_vl": ("1f1b/static/dp2/fsdp/clip", "ZBVZeroBubble/static/dp2/fsdp"),  # tied embedding
+    # per-sample inputs (token_type_ids [B, S], on every stage) through shard_batch, FSDP2 and the spread
+    "paligemma": ("1f1b/static/dp2/clip", "1f1b/static/dp2/fsdp/clip/spread"),
     "gemma3": (TP,),  # per-head q_norm/k_norm whole with summed gradients; its head tied (kept whole)
 }
 PP_SCENARIOS = (
@@ -82,7 +97,7 @@ def _report(world: int):
         try:
             _reports[world] = run_parity(FAMILIES, scenarios, steps=2, n_microbatches=2 if world == 4 else 4,
                                          world_size=world, tolerance=TOL,
-                                         family_scenarios=DP_FAMILY_SCENARIOS if world == 4 else None)
+                                         family_scenarios=DP_FAMILY_SCENARIOS if world == 4 else {"qwen2_5_vl": PRESPLIT_PP})
         except ParityError as exc:
             _reports[world] = exc
     report = _reports[world]
@@ -277,6 +292,12 @@ def test_stale_copies_of_the_tower_fail_the_comparison(family):
     assert first.loss_diff <= TOL and first.grad_diff <= TOL
     assert second.loss_diff > 1e-4 and second.grad_diff_vision > 1e-4
     assert not result.passed(TOL) and _report(2).ok  # a deliberate fault does not fail the report
+    # the report names the vision parameter that differs most (the copies' stale weights)
+    vision_prefixes = {"qwen2_5_vl": ("model.visual.",),
+                       "llava_next": ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline")}[family]
+    assert second.worst_param_vision.startswith(vision_prefixes)
+    assert f"{STALE} step 1 fails (expected): " in _report(2).format()
+    assert f"(worst {second.worst_param_vision})" in _report(2).format()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,6 +365,43 @@ def test_shard_batch_gives_each_replica_its_samples_and_only_their_media(family)
         shard_batch(bad, 0, 2, images_per_sample=images, videos_per_sample=videos)
 
 
+@pytest.mark.parametrize("family", ("paligemma", "llava_onevision"))
+def test_shard_batch_takes_media_counts_with_per_sample_inputs(family):
+    """``shard_batch(batch, r, dp, **adapter.media_counts(batch, config))`` for adapters with per-sample
+    inputs (PaliGemma's ``token_type_ids`` [B, S]; LLaVA-OneVision's ``batch_num_images``, given by the
+    adapter as a [B] tensor replacing the processor's [samples holding images]): each replica gets its
+    samples' rows of the input, and its own per-microbatch split stages exactly what the global split
+    stages for those samples."""
+    import torch
+
+    import ppmedia
+    import ppmedia.testing.tiny_models as tiny
+    from ppmedia.pipeline import shard_batch
+
+    module = tiny.load(family)
+    config = module.build_config()
+    adapter = ppmedia.get_adapter(config)
+    batch = module.build_batch(0)
+    counts = adapter.media_counts(batch, config)
+    assert "sample_inputs" in counts
+    (key,) = counts["sample_inputs"]
+    whole = ppmedia.split_media(dict(batch), 4, **adapter.media_counts(batch, config))
+    for replica in range(2):
+        local = shard_batch(batch, replica, 2, **counts)
+        assert torch.equal(local["input_ids"], batch["input_ids"][4 * replica : 4 * replica + 4])
+        assert local[key].shape[0] == 4  # the replica's rows of the per-sample input
+        staged = ppmedia.split_media(dict(local), 2, **adapter.media_counts(local, config))
+        for k in range(2):
+            expected, got = whole.chunk(2 * replica + k), staged.chunk(k)
+            assert (expected is None) == (got is None)
+            if got is not None:
+                assert set(got.extras) == set(expected.extras) == {key}
+                assert torch.equal(got.extras[key], expected.extras[key])
+                for name in ("pixel_values", "image_grid", "pixel_values_videos"):
+                    a, b = getattr(expected, name), getattr(got, name)
+                    assert (a is None and b is None) or torch.equal(a, b), name
+
+
 def test_demo_takes_pp_dp_and_any_torch_schedule_name(monkeypatch, capsys):
     """The demo's flags reach the harness: --pp x --dp processes, torch's schedule names in any case.
     (run_parity is replaced by a recorder here: the real 4-process run is the pp2 x dp2 test above.)"""
@@ -370,6 +428,21 @@ def test_demo_takes_pp_dp_and_any_torch_schedule_name(monkeypatch, capsys):
     assert "pp=2 x dp=2" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["demo", "--dp", "0"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scenario", DP_FAMILY_SCENARIOS["paligemma"])
+def test_pp2_x_dp2_with_per_sample_inputs(scenario):
+    """PaliGemma (a SampleInput adapter: token_type_ids [B, S] on every stage) at pp=2 x dp=2: each
+    replica's shard_batch takes the adapter's media_counts, sample inputs included; replicated
+    stages, and FSDP2 stages with the encoder spread; loss and every gradient match one process."""
+    result = _report(4).family("paligemma").scenario(scenario)
+    assert result.dp == 2 and len(result.stage_indices) == 2
+    _assert_parity(result)
+    for st in result.steps:
+        assert st.chunk_trace == [0, 1]  # each replica's two chunks, text-only ones included, once each
+        if result.encoder == "spread":
+            assert st.encoded  # the spread encoded this step's media
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,6 +509,48 @@ def test_fsdp2_mixed_precision_stays_within_the_measured_tolerance(family):
         assert st.grad_diff_lm <= BF16_GRAD_RTOL * st.reference_grad_max_lm
         assert st.grad_diff_lm > TOL  # really computed in bfloat16
 
+
+
+# ----------------------------------------------------------------------------------------------
+# pre-split microbatches (the same spawns)
+
+
+def _staging_twin(family, result, world):
+    """The same scenario through the staging path, when the spawn ran it (names are case-insensitive)."""
+    name = result.name.replace("/presplit", "")
+    try:
+        return _report(world).family(family).scenario(name)
+    except KeyError:
+        return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scenario", (*PRESPLIT_PP, *PRESPLIT_DP))
+def test_presplit_microbatches_match_the_staging_path_and_the_model(scenario):
+    """``schedule.step(**microbatch_inputs(...).step_kwargs())``: loss and every gradient within 1e-5 of
+    the model's own run; each forward of stage 0 got the media of the microbatch whose rows it ran
+    (the shape-inference forward too), as views of the batch's tensors (the worker checks each view's
+    storage and rows); the losses equal the staging path's (measured: identical)."""
+    world = 4 if "/dp2" in scenario else 2
+    result = _report(world).family("qwen2_5_vl").scenario(scenario)
+    assert result.presplit
+    _assert_parity(result)
+    n = 2 if world == 4 else 4
+    for st in result.steps:
+        inference = result.shapes == "inferred" and (st.step == 0 or result.variant in ("varlen", "eval"))
+        assert st.chunk_trace == [0] * inference + list(range(n))  # varlen: of the step's own batch
+        assert st.media_rows, "stage 0 consumed media views"
+    twin = _staging_twin("qwen2_5_vl", result, world)
+    if result.variant == "eval":  # forward only, before the training step: the reference's loss
+        assert twin is None
+        assert all(abs(st.loss_eval - st.loss_reference) <= TOL for st in result.steps)
+    else:
+        assert twin is not None and not twin.presplit
+        for st, base in zip(result.steps, twin.steps):
+            assert abs(st.loss_pipeline - base.loss_pipeline) <= TOL
+            assert st.media_rows == base.media_rows  # the same views of the batch, microbatch by microbatch
+    if result.encoder == "spread":
+        _assert_spread_encoded_each_chunk_once("qwen2_5_vl", result)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -101,13 +101,17 @@ def test_a_head_tied_to_the_embedding_stays_whole_and_so_does_the_embedding(worl
 # -- examples/train.py --tp (4 processes under torchrun) ----------------------------------------------
 
 def _reference_losses(steps):
-    """The model itself, one process, full batches, AdamW(1e-3) after clipping to norm 1 (as train.py's
-    defaults): the losses ``--pp 2`` reproduces within 1e-5 (tests/test_fsdp_dcp.py)."""
+    """The model itself, one process, full batches, train.py's AdamW (1e-3, weight decay 0.01 but none
+    on biases, 1-D norm weights and the embedding table) after clipping to norm 1: the losses ``--pp 2``
+    and ``--pp 2 --dp 2 --fsdp`` reproduce within 1e-5 (tests/test_fsdp_dcp.py)."""
     from ppmedia import pipeline
 
     module = tiny_models.load("qwen2_5_vl")
     model = module.build_model(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed_tokens" in n]
+    decayed = [p for p in model.parameters() if all(p is not q for q in plain)]
+    optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}],
+                                  lr=1e-3)
     losses = []
     for step in range(steps):
         batch = module.build_batch(step % 2)
@@ -137,26 +141,30 @@ def _train(root, tmp_path, nproc, *args):
     env.pop("PYTHONPATH", None)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout
 
 
 @pytest.mark.multiprocess
-def test_train_with_tp_gives_the_losses_of_the_model_and_its_checkpoint_resumes_in_one_process(tmp_path):
+def test_train_with_tp_gives_the_losses_of_the_model_and_its_checkpoint_resumes_at_pp2_dp2_fsdp(tmp_path):
     """``torchrun --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2``: every
     step's global loss within 1e-5 of the model's own run (which ``--pp 2`` matches too), and the
     global gradient norm (summed over the tp shards) within 1e-5 of it. Its DCP checkpoint of step 1
-    (tp-sharded parameters and AdamW state) resumes in one process (``--pp 1``) with the same loss."""
+    (tp-sharded parameters and AdamW state) resumes at ``--pp 2 --dp 2 --fsdp`` (FSDP2 shards over
+    dp instead of tp) with the same loss and norm."""
     import json
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1]
     _train(root, tmp_path, 4, "--pp", "2", "--tp", "2", "--steps", "2", "--loss-log", "tp.jsonl",
            "--save-dir", "ckpt", "--save-every", "1")
-    _train(root, tmp_path, 1, "--pp", "1", "--steps", "2", "--resume", "ckpt/step1", "--loss-log", "one.jsonl")
+    out = _train(root, tmp_path, 4, "--pp", "2", "--dp", "2", "--fsdp", "--steps", "2", "--resume", "ckpt/step1",
+                 "--loss-log", "fsdp.jsonl")
+    assert "saved at pp=2 x dp=1 x tp=2" in out, out
     rows = [json.loads(line) for line in (tmp_path / "tp.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for row, (loss, norm) in zip(rows, _reference_losses(2)):
         assert abs(row["loss"] - loss) <= 1e-5, (row, loss)
         assert abs(row["grad_norm"] - norm) <= 1e-5 * norm, (row, norm)  # clipping over tp shards
-    (resumed,) = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    (resumed,) = [json.loads(line) for line in (tmp_path / "fsdp.jsonl").read_text().splitlines()]
     assert resumed["step"] == 1 and abs(resumed["loss"] - rows[1]["loss"]) <= 1e-5, (resumed, rows[1])
     assert abs(resumed["grad_norm"] - rows[1]["grad_norm"]) <= 1e-5 * rows[1]["grad_norm"]

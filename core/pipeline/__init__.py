@@ -49,7 +49,8 @@ Around the stages: :func:`schedule_layout` / :func:`build_schedule` take any sch
 name (torch's ``get_schedule_class``) and place the stages as it wants (looped or V-shaped);
 :func:`shard_batch`, :func:`all_reduce_gradients` and :func:`clip_grad_norm` add data parallelism
 (``pp x dp``: each replica a full pipeline on its share of the batch, gradients summed over replicas)
-and global-norm clipping; :func:`sync_tied_gradients` sums a tied embedding's two copies.
+and global-norm clipping; :func:`stage_parameters` lists a rank's parameters for its optimizer,
+each once, and :func:`sync_tied_gradients` sums a tied embedding's two copies.
 
 The decoder layers run through the language model's own ``forward`` (called with
 ``inputs_embeds=``), so its masks and rotary embeddings are the model's own. That forward indexes
@@ -74,28 +75,51 @@ The package, one module per concern (every public name is importable from ``ppme
 ``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
 ``tensor_parallel``  tensor parallelism inside every stage over the ``tp`` mesh (:func:`apply_tensor_parallel`)
-``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...)
+``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...),
+                    a run's identity in them (:func:`claim_save_dir`)
+``guards``          a run's preconditions: options, ranks agreeing on a refusal, the same batch on
+                    every rank, finite losses (:func:`check_batch_agreement`, :class:`NonFiniteGuard`)
 ``evaluate``        forward-only evaluation of a batch through the pipeline (:func:`eval_step`)
+``optim``           weight-decay groups, AdamW per stage, learning-rate schedules (:func:`stage_adamw`)
+``finetune``        frozen parts, activation checkpointing, train mode, the device and its backend
+``step``            one training step as pieces of a loop (:class:`ReplicaShare`, :func:`train_step`)
+``progress``        the per-step record, the loss log and the progress display (:func:`step_record`)
+``step_inputs``     a batch as one step's pre-split microbatches, labels and loss kwargs (:func:`presplit_batch`)
+``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``;
+                    :func:`pipeline_mesh`: the ``(dp, pp, tp)`` mesh of its ranks
 ==================  ===========================================================================
 """
 
 from .checkpoint import (
     CHECKPOINT_INFO,
+    HYPERPARAMETER_MODES,
     check_checkpoint,
     checkpoint_path,
+    claim_save_dir,
     latest_checkpoint,
     load_checkpoint,
+    new_run_id,
     save_checkpoint,
     stage_optimizers,
 )
 from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, interleave_encoders,
                       vision_replica)
+from .distributed import TORCHRUN_VARIABLES, init_distributed, pipeline_mesh
 from .evaluate import eval_step
-from .export import save_pretrained_stages
-from .fsdp import SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, splits_backward
+from .export import PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
+from .finetune import (MODEL_PARTS, PROJECTOR_NAMES, enable_activation_checkpointing, freeze, model_part,
+                       resolve_device, train_mode)
+from .guards import (BatchMismatchError, NonFiniteError, NonFiniteGuard, agree, batch_fingerprint,
+                     check_batch_agreement, failure_line, option_problem)
+from .optim import LR_SCHEDULES, decay_groups, learning_rate, no_decay, set_learning_rate, stage_adamw
+from .progress import LossLog, Progress, format_step, step_record
+from .step import (PipelineParts, ReplicaShare, StepResult, batch_to, eval_loss, loader_shares, share_of_global_batch, share_of_replica_batch,
+                   train_step)
+from .fsdp import (SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedule, is_sharded, reshards_after_forward,
+                   splits_backward)
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
-from .pretrained import stages_from_pretrained
+from .pretrained import checkpoint_dtype, stages_from_pretrained
 from .schedules import (
     SCHEDULE_ALIASES,
     SCHEDULES,
@@ -106,18 +130,31 @@ from .schedules import (
     schedule_names,
     stage_indices_for_rank,
 )
-from .stages import StageModule, build_stage_modules, make_pipeline_stages, static_stage_args
-from .surgery import default_layer_split, find_language_model
-from .tensor_parallel import (TP_STYLES, apply_tensor_parallel, check_tensor_parallel, pipeline_mesh,
-                              reduce_tensor_parallel_gradients, tensor_parallel_plan)
-from .tied import TiedParameters, sync_tied_gradients, tied_parameters
+from .stages import StageModule, build_stage_modules, make_pipeline_stages, refuse_router_loss, static_stage_args
+from .step_inputs import presplit_batch
+from .surgery import default_layer_split, find_language_model, find_merge_module
+from .tensor_parallel import (TP_STYLES, apply_tensor_parallel, check_tensor_parallel, reduce_tensor_parallel_gradients,
+                              tensor_parallel_plan)
+from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
 
 __all__ = [
+    "BatchMismatchError",
     "CHECKPOINT_INFO",
     "ENCODER_MODES",
     "EncoderSpread",
+    "HYPERPARAMETER_MODES",
     "IGNORE_INDEX",
+    "LR_SCHEDULES",
+    "LossLog",
+    "MODEL_PARTS",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "PROCESSOR_FILE_PATTERNS",
+    "PROJECTOR_NAMES",
+    "PipelineParts",
+    "Progress",
+    "ReplicaShare",
     "SCHEDULES",
     "SCHEDULE_ALIASES",
     "SPLIT_BACKWARD_RESHARD_REASON",
@@ -125,46 +162,81 @@ __all__ = [
     "ShapeFollowingSchedule",
     "SpreadPlan",
     "StageModule",
+    "StepResult",
     "StepTracer",
+    "TORCHRUN_VARIABLES",
+    "TP_STYLES",
     "TiedParameters",
+    "agree",
     "all_reduce_gradients",
     "apply_fsdp",
+    "apply_tensor_parallel",
     "assign_encoders",
+    "batch_fingerprint",
+    "batch_to",
     "build_schedule",
     "build_stage_modules",
+    "check_batch_agreement",
     "check_checkpoint",
     "check_fsdp_schedule",
+    "check_tensor_parallel",
+    "checkpoint_dtype",
     "checkpoint_path",
+    "claim_save_dir",
     "clip_grad_norm",
+    "copy_processor_files",
     "count_valid_tokens",
+    "decay_groups",
     "default_layer_split",
+    "enable_activation_checkpointing",
     "encoder_spread_of",
-    "interleave_encoders",
+    "eval_loss",
     "eval_step",
+    "failure_line",
     "find_language_model",
+    "format_step",
+    "freeze",
+    "init_distributed",
+    "find_merge_module",
+    "interleave_encoders",
     "is_sharded",
     "latest_checkpoint",
+    "learning_rate",
     "load_checkpoint",
+    "loader_shares",
     "make_labels",
     "make_pipeline_stages",
+    "model_part",
+    "new_run_id",
+    "no_decay",
+    "option_problem",
     "pipeline_loss",
-    "save_pretrained_stages",
+    "pipeline_mesh",
+    "presplit_batch",
+    "reduce_tensor_parallel_gradients",
+    "refuse_router_loss",
+    "reshards_after_forward",
+    "resolve_device",
     "save_checkpoint",
+    "save_pretrained_stages",
     "schedule_layout",
     "schedule_names",
+    "set_learning_rate",
     "shard_batch",
+    "share_of_global_batch",
+    "share_of_replica_batch",
     "splits_backward",
+    "stage_adamw",
     "stage_indices_for_rank",
-    "stages_from_pretrained",
     "stage_optimizers",
+    "stage_parameters",
+    "stages_from_pretrained",
     "static_stage_args",
+    "step_record",
     "sync_tied_gradients",
-    "tied_parameters",
-    "vision_replica",
-    "TP_STYLES",
-    "apply_tensor_parallel",
-    "check_tensor_parallel",
-    "pipeline_mesh",
-    "reduce_tensor_parallel_gradients",
     "tensor_parallel_plan",
+    "tied_parameters",
+    "train_mode",
+    "train_step",
+    "vision_replica",
 ]

@@ -38,10 +38,13 @@ from torch import nn
 
 __all__ = [
     "CHECKPOINT_INFO",
+    "HYPERPARAMETER_MODES",
     "check_checkpoint",
     "checkpoint_path",
+    "claim_save_dir",
     "latest_checkpoint",
     "load_checkpoint",
+    "new_run_id",
     "save_checkpoint",
     "stage_optimizers",
 ]
@@ -52,6 +55,12 @@ _FORMAT = "ppmedia-dcp/1"
 _STEP = re.compile(r"step(\d+)")
 _OPTIMIZER = "optimizer"
 _SHOWN = 8  # names listed per kind of mismatch
+#: what :func:`load_checkpoint` does with the optimizers' hyperparameters (``lr``, ``betas``, ...):
+#: ``"saved"`` restores the checkpoint's (torch's own ``load_state_dict``: a learning-rate schedule's
+#: current ``lr`` comes back), ``"current"`` keeps the values this job's optimizers were built with
+#: (reported in the returned info's ``"hyperparameters_changed"``), ``"refuse"`` raises on a difference
+#: before anything is loaded.
+HYPERPARAMETER_MODES = ("saved", "current", "refuse")
 
 
 def checkpoint_path(save_dir: str | os.PathLike[str], step: int) -> Path:
@@ -78,6 +87,73 @@ def latest_checkpoint(save_dir: str | os.PathLike[str]) -> Path | None:
     return max(found)[1] if found else None
 
 
+def new_run_id(process_group: Any = None) -> str:
+    """A fresh run identity (32 hex digits), rank 0's, the same on every rank of ``process_group``
+    (a collective when ``torch.distributed`` is initialised). :func:`save_checkpoint` records it."""
+    import uuid
+
+    import torch.distributed as dist
+
+    ident = [uuid.uuid4().hex]
+    if _distributed():
+        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        dist.broadcast_object_list(ident, src=src, group=process_group)
+    return str(ident[0])
+
+
+def _run_of(folder: Path) -> str | None:
+    try:
+        with open(folder / CHECKPOINT_INFO) as fh:
+            return json.load(fh).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def claim_save_dir(
+    save_dir: str | os.PathLike[str], run_id: str | None, *, overwrite: bool = False, process_group: Any = None
+) -> list[Path]:
+    """Make ``save_dir`` this run's: refuse it while it holds another run's checkpoints, or, with
+    ``overwrite``, delete those (complete ``step{N}/`` folders, the ones :func:`latest_checkpoint`
+    takes, whose ``ppmedia.json`` records another ``run_id``, or none; unfinished saves are ignored
+    as there). A collective over ``process_group``: rank 0 looks, every
+    rank returns or raises alike.
+
+    Without it a fresh run writing ``step2/`` into a folder that holds another run's ``step2/`` and
+    ``step4/`` replaces the first and leaves the second, which ``latest_checkpoint`` (``--resume
+    auto``) then takes: the other run's weights.
+
+    Returns:
+        The folders deleted (with ``overwrite``).
+
+    Raises:
+        FileExistsError: another run's checkpoints are there and ``overwrite`` is false.
+    """
+    import torch.distributed as dist
+
+    found: list[Any] = [None]
+    if _rank(process_group) == 0:
+        root = Path(save_dir)
+        others = sorted(
+            folder for folder in (root.iterdir() if root.is_dir() else ())
+            if _STEP.fullmatch(folder.name) and folder.is_dir() and _is_complete(folder) and _run_of(folder) != run_id
+        )
+        if others and overwrite:
+            for folder in others:
+                shutil.rmtree(folder)
+        found = [[str(f) for f in others]]
+    if _distributed():
+        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        dist.broadcast_object_list(found, src=src, group=process_group)
+    others = [Path(f) for f in found[0]]
+    if others and not overwrite:
+        names = ", ".join(f.name for f in others[:_SHOWN]) + (f" and {len(others) - _SHOWN} more" if len(others) > _SHOWN else "")
+        raise FileExistsError(
+            f"{save_dir} holds checkpoints of another run ({names}); a fresh run would mix its checkpoints with "
+            f"them (and a later resume take theirs): resume that run, choose another folder, or overwrite them"
+        )
+    return others
+
+
 def stage_optimizers(
     modules: Sequence[nn.Module], factory: Callable[[Iterable[nn.Parameter]], Any]
 ) -> list[Any]:
@@ -88,11 +164,24 @@ def stage_optimizers(
     stage with a tied embedding, without FSDP2) would be stepped twice; the later module gets its own
     copy first (equal values; :func:`~ppmedia.pipeline.sync_tied_gradients` sums the copies'
     gradients, so they stay equal). Call it after :func:`~ppmedia.pipeline.apply_fsdp`, if any.
+
+    Raises:
+        ValueError: a module without parameters (a stage given no decoder layer because there are more
+            stages than layers), instead of torch's bare "optimizer got an empty parameter list".
     """
     from .fsdp import _untie_across_modules
+    from .tied import stage_parameters
 
     _untie_across_modules(modules)
-    return [factory(module.parameters()) for module in modules]
+    for module in modules:
+        if next(iter(module.parameters()), None) is None:
+            index, n = getattr(module, "stage_index", "?"), getattr(module, "n_stages", "?")
+            raise ValueError(
+                f"stage_optimizers: stage {index} of {n} holds no parameters (no decoder layer, no embedding or head): "
+                f"more pipeline stages than the model has decoder layers to give them; use fewer stages (or "
+                f"layers_per_stage giving each stage a layer)"
+            )
+    return [factory(stage_parameters([module])) for module in modules]
 
 
 # -- state dicts ------------------------------------------------------------------------------------
@@ -197,6 +286,7 @@ def save_checkpoint(
     optimizers: Sequence[Any] | None,
     *,
     extra: dict[str, Any] | None = None,
+    run_id: str | None = None,
     process_group: Any = None,
 ) -> Path:
     """Write this rank's share of a checkpoint of step ``step`` and publish ``save_dir/step{step}/``.
@@ -212,6 +302,8 @@ def save_checkpoint(
         optimizers: one optimizer per module (:func:`stage_optimizers`), or ``None`` (weights only).
         extra: JSON-serialisable values to keep with it (e.g. the data loader's position); returned by
             :func:`load_checkpoint` under ``"extra"``.
+        run_id: the run's identity (:func:`new_run_id`; a resumed run keeps the checkpoint's), kept as
+            ``"run_id"``; :func:`claim_save_dir` tells this run's checkpoints from another's by it.
 
     Returns:
         The published folder. An existing ``step{step}/`` is replaced.
@@ -227,10 +319,12 @@ def save_checkpoint(
     _barrier(process_group)
     state = _state(modules, optimizers)
     names = sorted(set().union(*_gather(sorted(k for k in state if k != _OPTIMIZER), process_group)))
+    settings = _merge_hyperparameters(_gather(_hyperparameters(optimizers), process_group))
     dcp.save(state, checkpoint_id=str(partial), process_group=process_group, no_dist=not _distributed())
     if rank0:
         info = {"format": _FORMAT, "step": int(step), "model_type": _config_model_type(modules),
-                "names": names, "optimizer": optimizers is not None, "extra": extra or {}}
+                "names": names, "optimizer": optimizers is not None, "hyperparameters": settings,
+                "run_id": run_id, "extra": extra or {}}
         _write_json(partial / CHECKPOINT_INFO, info)
         _publish(partial, final)
     _barrier(process_group)
@@ -259,6 +353,59 @@ def _publish(partial: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+# -- optimizer hyperparameters ---------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    """``value`` as JSON holds it (tuples as lists, a 0-d tensor as its number)."""
+    from torch import Tensor
+
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _hyperparameters(optimizers: Sequence[Any] | None) -> dict[str, list[Any]]:
+    """Every hyperparameter of the optimizers' param groups -> its distinct values (JSON values)."""
+    out: dict[str, list[Any]] = {}
+    for optimizer in optimizers or ():
+        for group in optimizer.param_groups:
+            for key, value in group.items():
+                if key != "params":
+                    plain = _plain(value)
+                    if plain not in out.setdefault(key, []):
+                        out[key].append(plain)
+    return out
+
+
+def _merge_hyperparameters(per_rank: Sequence[dict[str, list[Any]]]) -> dict[str, list[Any]]:
+    merged: dict[str, list[Any]] = {}
+    for settings in per_rank:
+        for key, values in settings.items():
+            for value in values:
+                if value not in merged.setdefault(key, []):
+                    merged[key].append(value)
+    return {key: merged[key] for key in sorted(merged)}
+
+
+def _hyperparameter_changes(saved: dict[str, list[Any]], here: dict[str, list[Any]]) -> list[str]:
+    """``"lr: saved 0.01, this job 0.001"`` for each hyperparameter whose values differ."""
+    show = lambda values: values[0] if len(values) == 1 else values  # noqa: E731
+    return [
+        f"{key}: saved {show(saved[key]) if key in saved else 'none'}, this job {show(here[key]) if key in here else 'none'}"
+        for key in sorted(set(saved) | set(here))
+        if (key in saved and key in here and saved[key] != here[key]) or (key in saved) != (key in here)
+    ]
+
+
+def _restore_hyperparameters(optimizers: Sequence[Any], groups: list[list[dict[str, Any]]]) -> None:
+    for optimizer, kept in zip(optimizers, groups):
+        for group, values in zip(optimizer.param_groups, kept):
+            group.update(values)
+
+
 # -- check and load -----------------------------------------------------------------------------------
 def _read_info(path: Path) -> dict[str, Any]:
     if not path.is_dir():
@@ -269,10 +416,14 @@ def _read_info(path: Path) -> dict[str, Any]:
             f"checkpoint {path}: not a complete ppmedia checkpoint (holds {present}); expected DCP's "
             f".metadata and {CHECKPOINT_INFO} (a save that did not finish leaves step{{N}}.partial/)"
         )
-    with open(path / CHECKPOINT_INFO) as fh:
-        info: dict[str, Any] = json.load(fh)
-    if info.get("format") != _FORMAT:
-        raise ValueError(f"checkpoint {path}: {CHECKPOINT_INFO} has format {info.get('format')!r}; expected {_FORMAT!r}")
+    try:
+        with open(path / CHECKPOINT_INFO) as fh:
+            info: dict[str, Any] = json.load(fh)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"checkpoint {path}: {path / CHECKPOINT_INFO} is damaged (not JSON: {exc})") from exc
+    if not isinstance(info, dict) or info.get("format") != _FORMAT:
+        got = info.get("format") if isinstance(info, dict) else type(info).__name__
+        raise ValueError(f"checkpoint {path}: {path / CHECKPOINT_INFO} has format {got!r}; expected {_FORMAT!r}")
     return info
 
 
@@ -281,7 +432,13 @@ def _saved_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(path)).read_metadata()
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # a truncated or overwritten .metadata: pickle's or torch's error, unnamed
+        raise ValueError(
+            f"checkpoint {path}: {path / '.metadata'} is damaged ({type(exc).__name__}: {exc}); "
+            f"DCP cannot read which tensors the checkpoint holds"
+        ) from exc
     return {
         key: tuple(value.size) if isinstance(value, TensorStorageMetadata) else None
         for key, value in metadata.state_dict_metadata.items()
@@ -339,6 +496,7 @@ def check_checkpoint(
     modules: Sequence[nn.Module],
     optimizers: Sequence[Any] | None = None,
     *,
+    hyperparameters: str = "saved",
     process_group: Any = None,
 ) -> dict[str, Any]:
     """Check that checkpoint ``path`` fits this job's stages (and optimizers) without loading anything.
@@ -348,17 +506,36 @@ def check_checkpoint(
     (no rank is left waiting in a later collective).
 
     Returns:
-        The checkpoint's ``ppmedia.json`` (``step``, ``model_type``, ``names``, ``extra``).
+        The checkpoint's ``ppmedia.json`` (``step``, ``model_type``, ``names``, ``run_id``,
+        ``hyperparameters``, ``extra``), with ``"hyperparameters_changed"``: each optimizer
+        hyperparameter whose saved values differ from this job's (``"lr: saved 0.01, this job 0.001"``).
 
     Raises:
-        ValueError: not a complete checkpoint; another model type; names this job needs that it lacks,
-            parameter names in it that this model lacks, or shapes that differ (listed, with counts).
+        ValueError: not a complete checkpoint (or a damaged file in it, named); another model type;
+            names this job needs that it lacks, parameter names in it that this model lacks, or shapes
+            that differ (listed, with counts); with ``hyperparameters="refuse"``, hyperparameters
+            that differ.
     """
+    if hyperparameters not in HYPERPARAMETER_MODES:
+        raise ValueError(f"hyperparameters: got {hyperparameters!r}; expected one of {', '.join(HYPERPARAMETER_MODES)}")
+    from .guards import agree
+
     folder = Path(path)
-    info = _read_info(folder)
-    saved = _saved_shapes(folder)
+    problem: Exception | None = None
+    try:  # each rank reads the files itself: agree before the gathers below, so none is left waiting
+        info, saved = _read_info(folder), _saved_shapes(folder)
+    except (OSError, ValueError) as exc:
+        problem = exc
+    agree(problem, process_group, what=f"reading checkpoint {folder}")
     wanted = _flat_shapes(_state(modules, optimizers))
     mine = _problems(wanted, saved)
+    here_settings = _merge_hyperparameters(_gather(_hyperparameters(optimizers), process_group))
+    recorded = optimizers is not None and "hyperparameters" in info  # checkpoints from before ppmedia kept them: none
+    changes = _hyperparameter_changes(info["hyperparameters"], here_settings) if recorded else []
+    info["hyperparameters_changed"] = changes
+    if changes and hyperparameters == "refuse":
+        raise ValueError(f"checkpoint {folder}: this job's optimizer hyperparameters differ from the saved ones "
+                         f"({'; '.join(changes)}); nothing was loaded")
     gathered = _gather((mine, sorted(k for k in wanted if not k.startswith(_OPTIMIZER + "."))), process_group)
     problems: dict[str, list[str]] = {"missing": [], "optimizer": [], "shapes": []}
     model_names: set[str] = set()
@@ -373,11 +550,37 @@ def check_checkpoint(
     return info
 
 
+def _non_finite(state: dict[str, Any]) -> list[str]:
+    """Names of the loaded floating tensors (this rank's pieces) holding a NaN or an infinity."""
+    import torch
+
+    bad = []
+    for name, value in state.items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    return bad
+
+
+def _refuse_non_finite(path: Path, state: dict[str, Any], process_group: Any) -> None:
+    """A checkpoint whose weights load as NaN / inf (damaged ``.distcp`` bytes: DCP keeps no checksums)
+    is refused on every rank, naming the tensors, instead of training on with NaN losses."""
+    bad = sorted(set().union(*_gather(_non_finite({k: v for k, v in state.items() if k != _OPTIMIZER}), process_group)))
+    if bad:
+        more = f" and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
+        raise ValueError(
+            f"checkpoint {path}: {len(bad)} tensor(s) hold NaN or infinite values after loading: "
+            f"{', '.join(bad[:_SHOWN])}{more} (a damaged .distcp file, or a run that diverged before saving); "
+            f"the stages now hold them: rebuild them before loading another checkpoint"
+        )
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     modules: Sequence[nn.Module],
     optimizers: Sequence[Any] | None = None,
     *,
+    hyperparameters: str = "saved",
     process_group: Any = None,
 ) -> dict[str, Any]:
     """Load checkpoint ``path`` into this rank's stage modules (and their optimizers), any layout.
@@ -385,16 +588,26 @@ def load_checkpoint(
     A collective over ``process_group`` (default: the world). :func:`check_checkpoint` runs first:
     a checkpoint that does not fit is refused before any tensor is overwritten. ``optimizers``:
     one per module, built like the saving job's (a fresh optimizer gets its state from the checkpoint).
+    ``hyperparameters``: one of :data:`HYPERPARAMETER_MODES` (``"saved"``: torch's own behaviour, the
+    saved ``lr`` etc. come back; ``"current"``: this job's optimizers keep the values they were built
+    with, e.g. a resumed run's new ``--lr``; ``"refuse"``: a difference is an error, nothing loaded).
+
+    Raises:
+        ValueError: what :func:`check_checkpoint` refuses; weights that load as NaN or infinity (named,
+            on every rank; DCP keeps no checksums, so damaged bytes are seen only this way).
 
     Returns:
-        The checkpoint's ``ppmedia.json``: ``info["step"]``, ``info["extra"]``, ...
+        The checkpoint's ``ppmedia.json``: ``info["step"]``, ``info["run_id"]``, ``info["extra"]``,
+        ``info["hyperparameters_changed"]`` (what differed; applied only with ``"current"``), ...
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    info = check_checkpoint(path, modules, optimizers, process_group=process_group)
+    info = check_checkpoint(path, modules, optimizers, hyperparameters=hyperparameters, process_group=process_group)
+    kept = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers or ()]
     state = _state(modules, optimizers)
     dcp.load(state, checkpoint_id=str(path), process_group=process_group, no_dist=not _distributed())
+    _refuse_non_finite(Path(path), state, process_group)
     for module in modules:
         names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         names |= {name for name, _ in module.named_buffers()}
@@ -405,4 +618,6 @@ def load_checkpoint(
             names = {name for name, _ in module.named_parameters()}  # one name per parameter: no aliases
             own = {k: v for k, v in flat.items() if _param_of(k) in names}
             set_optimizer_state_dict(module, optimizer, own, options=_options())
+        if hyperparameters == "current":
+            _restore_hyperparameters(optimizers, kept)
     return info

@@ -58,7 +58,7 @@ from ..adapters.base import HostValues, VlmAdapter, read_host
 from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk
 from .lane import Lane
 from .stages import FEATURES_ATTRIBUTE, StageModule, _text_dims
-from .surgery import _child_name, _get_path, _stage_children, find_language_model, find_output_head
+from .surgery import _child_name, _get_path, _shallow, _stage_children, find_language_model, find_merge_module, find_output_head
 
 __all__ = [
     "AHEAD",
@@ -262,9 +262,11 @@ def vision_replica(model: nn.Module, adapter: VlmAdapter | None = None) -> nn.Mo
     the vision tower, projector and any root-level parameter, under the full model's names.
 
     It shares parameters with ``model`` (no copy); the language model in it keeps no decoder layer,
-    no embedding, no norm (only its shell, so paths like ``model.model.visual`` resolve). An
-    adapter's ``encode(replica, chunk, host)`` runs as on the first stage. ``adapter``: the family's
-    (default: the registry's), which may say where the language model sits.
+    no embedding, no norm (only its shell, so paths like ``model.model.visual`` resolve), except the
+    merge module when the adapter's ``merge_path`` puts it inside (Phi-4-multimodal's
+    ``model.embed_tokens_extend``, encoders included), under its own path. An adapter's
+    ``encode(replica, chunk, host)`` runs as on the first stage. ``adapter``: the family's (default:
+    the registry's), which may say where the language model sits and where it merges.
     """
     lm_path, lm = find_language_model(model, adapter)
     embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
@@ -278,7 +280,24 @@ def vision_replica(model: nn.Module, adapter: VlmAdapter | None = None) -> nn.Mo
     shell._modules.clear()  # nothing of the language model: its shell only (a new registry: the model keeps its own)
     shell._parameters.clear()
     shell._buffers.clear()
+    merge_path, merge = find_merge_module(model, adapter)
+    if merge_path is not None and merge is not None and merge_path.startswith(lm_path + "."):
+        _restore_path(shell, lm, merge_path[len(lm_path) + 1 :], merge)
     return replica
+
+
+def _restore_path(shell: nn.Module, original: nn.Module, path: str, module: nn.Module) -> None:
+    """Put ``module`` back at dotted ``path`` under the emptied ``shell`` (of ``original``), with empty
+    shells of the modules on the way."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        shell._modules[head] = module
+        return
+    child = original._modules[head]
+    assert child is not None
+    inner = _shallow(child, keep_members=False)
+    shell._modules[head] = inner
+    _restore_path(inner, child, rest, module)
 
 
 def _vision_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -381,8 +400,9 @@ class _StepFeatures:
         spread = self.spread
         if k is None or not 0 <= k < len(self.plan.owners):
             raise ValueError(
-                f"encoder spread: the first stage's forward found cursor {k!r}; expected a microbatch "
-                f"0..{len(self.plan.owners) - 1} (stage the media with EncoderSpread.step)"
+                f"encoder spread: the first stage's forward found microbatch {k!r}; expected a microbatch "
+                f"0..{len(self.plan.owners) - 1} (stage the media with EncoderSpread.step, or pass them "
+                f"pre-split with EncoderSpread.step(..., stage=False))"
             )
         self.takes.append(k)
         item = self.incoming.get(k)
@@ -484,7 +504,8 @@ class EncoderSpread:
         self.vision, self.adapter, self.config = vision, adapter, vision.config
         self.first_stage = first_stage
         ranks = _group_ranks(group)
-        self.group = dist.new_group(ranks, use_local_synchronization=True) if len(ranks) > 1 else group
+        # Any: torch 2.14 types new_group's result as ProcessGroup | GroupMember.NON_GROUP_MEMBER
+        self.group: Any = dist.new_group(ranks, use_local_synchronization=True) if len(ranks) > 1 else group
         self.rank, self.size = ranks.index(dist.get_rank()), len(ranks)
         if (first_stage is not None) != (self.rank == 0):
             raise ValueError(
@@ -575,6 +596,7 @@ class EncoderSpread:
             return
         flags = torch.tensor([p.requires_grad for _, p in self.params], dtype=torch.int32, device=self.device)
         work = dist.broadcast(flags, group_src=0, group=self.group, async_op=True)
+        assert work is not None  # async_op=True returns its Work
         if self.rank == 0:  # stage 0 goes on; the step waits for it at the end
             self._pending.append(work)
             self._keep.append(flags)
@@ -598,6 +620,7 @@ class EncoderSpread:
         params = [p for _, p in self.params if everything or p.requires_grad]
         for _, (flat, idx) in sorted(self._flat(params).items(), key=lambda item: str(item[0])):
             work = dist.broadcast(flat, group_src=0, group=self.group, async_op=True)
+            assert work is not None  # async_op=True returns its Work
             if self.rank == 0:
                 self._pending.append(work)
                 self._keep.append(flat)
@@ -721,7 +744,7 @@ class EncoderSpread:
 
     # -- the step ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self, staged: Any, input_ids: Tensor) -> Iterator[SpreadPlan]:
+    def step(self, staged: Any, input_ids: Tensor, *, stage: bool = True) -> Iterator[SpreadPlan]:
         """Spread the encoder over one ``schedule.step()``; enter it on every pipeline rank.
 
         On entry: refresh the copies, plan, encode this rank's share, send it to stage 0, and (on the
@@ -732,6 +755,10 @@ class EncoderSpread:
         Args:
             staged: the step's :class:`~ppmedia.StagedMedia` (every rank splits the same batch).
             input_ids: ``[B, S]`` the batch's token ids (the rows the schedule splits).
+            stage: ``False`` when the step feeds pre-split microbatches
+                (``schedule.step(**ppmedia.microbatch_inputs(staged, ...).step_kwargs())``): stage 0's
+                forward then finds microbatch ``k``'s chunk in its ``media`` keyword input and nothing
+                is staged.
 
         Yields:
             The step's :class:`SpreadPlan`.
@@ -763,7 +790,7 @@ class EncoderSpread:
                 module = self.first_stage if isinstance(self.first_stage, nn.Module) else self.first_stage.submod
                 module.__dict__[FEATURES_ATTRIBUTE] = features
                 try:
-                    with stage_media(self.first_stage, staged):
+                    with stage_media(self.first_stage, staged) if stage else contextlib.nullcontext():
                         yield plan
                 finally:
                     module.__dict__.pop(FEATURES_ATTRIBUTE, None)

@@ -22,6 +22,8 @@ def eval_step(
     num_valid_tokens: int,
     *,
     group: Any = None,
+    presplit: bool = False,
+    tp_group: Any = None,
 ) -> Tensor:
     """One forward-only step of ``schedule`` (torch's ``schedule.eval``): the GLOBAL mean token loss.
 
@@ -43,24 +45,38 @@ def eval_step(
             losses add up to the batch's mean.
         group: the group over which the last stages' losses are summed: the world (default), which
             holds one last stage per replica.
+        presplit: feed the schedule pre-split microbatches (:func:`ppmedia.microbatch_inputs`: each
+            microbatch's media as its own ``media`` keyword input) instead of staging the media on
+            the first stage; ``staged`` is then required on every rank.
+        tp_group: with tensor-parallel stages (:func:`~ppmedia.pipeline.apply_tensor_parallel`), their
+            ``tp`` group: only its rank 0 adds its last stages' losses (every peer holds the same).
 
     Returns:
         A float32 scalar, equal on every rank: the global batch's mean token loss.
     """
     import torch.distributed as dist
 
+    from ..presplit import microbatch_inputs
     from ..stage import stage_media
 
-    staging: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if first_stage is not None:
-        if staged is None:
-            raise ValueError("eval_step: first_stage given without its staged media (split_media(...))")
-        staging = stage_media(first_stage, staged)
     losses: list[Tensor] = []
-    with torch.no_grad(), staging:
-        schedule.eval(input_ids, attention_mask, target=labels, losses=losses,
-                      loss_kwargs={"num_valid_tokens": num_valid_tokens})
-    total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros(())
+    loss_kwargs = {"num_valid_tokens": num_valid_tokens}
+    if presplit:
+        if staged is None:
+            raise ValueError("eval_step(presplit=True): staged is None; expected the replica's split_media(...) on every rank")
+        inputs = microbatch_inputs(staged, input_ids, attention_mask, target=labels, loss_kwargs=loss_kwargs)
+        with torch.no_grad():
+            schedule.eval(**inputs.step_kwargs(), losses=losses)
+    else:
+        staging: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if first_stage is not None:
+            if staged is None:
+                raise ValueError("eval_step: first_stage given without its staged media (split_media(...))")
+            staging = stage_media(first_stage, staged)
+        with torch.no_grad(), staging:
+            schedule.eval(input_ids, attention_mask, target=labels, losses=losses, loss_kwargs=loss_kwargs)
+    counted = losses if tp_group is None or dist.get_rank(tp_group) == 0 else []
+    total = torch.stack([loss.detach().float() for loss in counted]).sum() if counted else torch.zeros(())
     dist.all_reduce(total, group=group)
     _reshard(schedule)
     return total

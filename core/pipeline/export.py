@@ -31,7 +31,7 @@ from .pretrained import build_meta_model, tied_groups
 from .safetensors_files import shard_name, stale_files, write_index, write_safetensors
 from .stages import StageModule
 
-__all__ = ["save_pretrained_stages"]
+__all__ = ["PROCESSOR_FILE_PATTERNS", "copy_processor_files", "save_pretrained_stages"]
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -267,3 +267,30 @@ def save_pretrained_stages(
             os.remove(stale)
         _write_config(model, directory, dtype)
     exchange.barrier()
+
+
+#: the files of a processor in a checkpoint folder (tokenizer, chat template, image / video / audio
+#: processor configs), as ``save_pretrained`` of transformers' processors and tokenizers writes them.
+PROCESSOR_FILE_PATTERNS = (
+    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
+    "chat_template*", "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+    "*_processor_config.json", "*feature_extractor*.json",
+)
+
+
+def copy_processor_files(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> list[str]:
+    """Copy the processor's files (:data:`PROCESSOR_FILE_PATTERNS`) from the checkpoint folder
+    ``source`` into the export ``path``, so that ``AutoProcessor.from_pretrained(path)`` works as it
+    did on ``source``; returns the names copied (sorted). Call it on one rank, after
+    :func:`save_pretrained_stages`."""
+    import fnmatch
+    import shutil
+
+    names = sorted(
+        name for name in os.listdir(source)
+        if os.path.isfile(os.path.join(source, name)) and any(fnmatch.fnmatch(name, p) for p in PROCESSOR_FILE_PATTERNS)
+    )
+    os.makedirs(path, exist_ok=True)
+    for name in names:
+        shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+    return names

@@ -39,7 +39,14 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-__all__ = ["SPLIT_BACKWARD_RESHARD_REASON", "apply_fsdp", "check_fsdp_schedule", "is_sharded", "splits_backward"]
+__all__ = [
+    "SPLIT_BACKWARD_RESHARD_REASON",
+    "apply_fsdp",
+    "check_fsdp_schedule",
+    "is_sharded",
+    "reshards_after_forward",
+    "splits_backward",
+]
 
 #: why :func:`check_fsdp_schedule` refuses a split-backward schedule for stages whose FSDP2 groups
 #: reshard after forward.
@@ -51,7 +58,6 @@ SPLIT_BACKWARD_RESHARD_REASON = (
     "reshard_after_forward=False (the default) or use a full-backward schedule (GPipe, 1F1B, "
     "Interleaved1F1B, LoopedBFS)"
 )
-_RESHARDS = "_ppmedia_fsdp_reshard_after_forward"
 
 
 def splits_backward(schedule: Any) -> bool:
@@ -64,20 +70,47 @@ def splits_backward(schedule: Any) -> bool:
     )
 
 
+def reshards_after_forward(module: nn.Module) -> bool:
+    """Whether an FSDP2 group inside ``module`` frees its gathered parameters after its forward, read
+    from torch's own FSDP state (however the module was sharded: :func:`apply_fsdp`, or
+    ``fully_shard`` called directly, whose default ``reshard_after_forward=None`` means ``True`` for
+    every group but the root).
+
+    Per group, torch keeps ``post_forward_mesh_info`` (``None``: the parameters stay gathered after
+    the forward); ``set_reshard_after_forward`` changes it. The stage root sharded with the default
+    is skipped: torch turns its resharding off when it finds it is the root (at its first forward).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        if sub is module and getattr(state, "_auto_reshard_after_forward", False):
+            continue
+        for group in getattr(state, "_fsdp_param_groups", None) or ():
+            if getattr(group, "post_forward_mesh_info", None) is not None:
+                return True
+    return False
+
+
 def check_fsdp_schedule(schedule: Any, stages: Sequence[Any]) -> None:
     """Refuse, with the reason, a built schedule that cannot run these FSDP2 stages.
 
     Every torch schedule runs stages sharded by :func:`apply_fsdp` with its default
     ``reshard_after_forward=False``. A split-backward schedule (:func:`splits_backward`) is refused
-    for stages sharded with ``reshard_after_forward=True`` (:data:`SPLIT_BACKWARD_RESHARD_REASON`).
-    :func:`~ppmedia.pipeline.build_schedule` calls it.
+    for stages holding any FSDP2 group that reshards after its forward (:func:`reshards_after_forward`,
+    read from torch's state, not from how ppmedia sharded it: :data:`SPLIT_BACKWARD_RESHARD_REASON`).
+    :func:`~ppmedia.pipeline.build_schedule` calls it for every schedule.
 
     Raises:
         ValueError: the schedule and the stages' sharding do not go together.
     """
-    resharding = [getattr(s, "submod", s) for s in stages]
-    resharding = [m for m in resharding if m.__dict__.get(_RESHARDS)]
-    if resharding and splits_backward(schedule):
+    if not splits_backward(schedule):
+        return
+    modules = [getattr(s, "submod", s) for s in stages]
+    resharding = [m for m in modules if isinstance(m, nn.Module) and reshards_after_forward(m)]
+    if resharding:
         name = type(schedule).__name__.removeprefix("Schedule")
         indices = [getattr(m, "stage_index", "?") for m in resharding]
         raise ValueError(f"schedule {name} cannot run FSDP2 stages {indices}: {SPLIT_BACKWARD_RESHARD_REASON}")
@@ -283,7 +316,6 @@ def apply_fsdp(
             fully_shard(layer, mesh=mesh, mp_policy=layer_policy, reshard_after_forward=reshard_after_forward)
         fully_shard(module, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward,
                     ignored_params=_spread_vision(module, mesh) or None)
-        module.__dict__[_RESHARDS] = reshard_after_forward
         for sub in module.modules():
             if isinstance(sub, FSDPModule):
                 # a sum over replicas (the loss is a share of the global mean), as plain sums on the wire

@@ -1,4 +1,9 @@
 """Next-token labels and the pipeline loss (a share of the whole batch's mean token loss).
+
+Shifted labels carry a mark: their last column is :data:`SHIFTED_MARK` (position ``S - 1`` has no
+next token, so nothing is lost). :func:`pipeline_loss` refuses labels without it: transformers'
+UNshifted labels (``labels=`` of a model's own forward, position ``t`` labelled with token ``t``) look
+like shifted ones otherwise, and would train a different objective in silence.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from torch import Tensor
 
 from ..adapters.base import VlmAdapter, config_value
 
-__all__ = ["IGNORE_INDEX", "count_valid_tokens", "make_labels", "pipeline_loss"]
+__all__ = ["IGNORE_INDEX", "SHIFTED_MARK", "count_valid_tokens", "make_labels", "mark_shifted", "pipeline_loss", "shift_labels"]
 
 #: label value ignored by the loss (padding, media placeholders, the last position).
 IGNORE_INDEX = -100
 
+#: the last column of shifted labels (:func:`make_labels`, :func:`shift_labels`, ``ppmedia.data``):
+#: ignored by the loss like :data:`IGNORE_INDEX`, and the mark that the labels are shifted.
+SHIFTED_MARK = -101
 
 
 def make_labels(
@@ -27,7 +35,8 @@ def make_labels(
     attention_mask: Tensor | None = None,
     shift: bool = True,
 ) -> Tensor:
-    """Next-token labels ``[B, S]`` int64: position ``t`` is labelled with token ``t + 1``.
+    """Next-token labels ``[B, S]`` int64: position ``t`` is labelled with token ``t + 1``; the last
+    column is :data:`SHIFTED_MARK`.
 
     A label is :data:`IGNORE_INDEX` where the target token is padding (``pad_id``, default the
     config's ``pad_token_id``, or ``attention_mask == 0``) or a media placeholder (any mask of
@@ -61,14 +70,54 @@ def make_labels(
     targets = input_ids.masked_fill(ignore, IGNORE_INDEX).to(torch.int64)
     if not shift:
         return targets
+    return shift_labels(targets)
+
+
+def shift_labels(targets: Tensor) -> Tensor:
+    """Transformers' unshifted labels ``[B, S]`` (``labels=`` of the model's own forward) as the
+    shifted, marked labels :func:`pipeline_loss` takes: ``out[:, t] = targets[:, t + 1]``, the last
+    column :data:`SHIFTED_MARK`."""
     labels = torch.full_like(targets, IGNORE_INDEX)
     labels[:, :-1] = targets[:, 1:]
+    return mark_shifted(labels)
+
+
+def mark_shifted(labels: Tensor) -> Tensor:
+    """Marks already shifted labels ``[B, S]`` in place (last column := :data:`SHIFTED_MARK`) and
+    returns them. Raises ``ValueError`` if the last column holds a real label (then they are not
+    shifted: nothing follows the last position)."""
+    if labels.dim() != 2 or labels.shape[1] == 0:
+        raise ValueError(f"labels must be [B, S] with S >= 1, got {tuple(labels.shape)}")
+    last = labels[:, -1]
+    if bool(((last != IGNORE_INDEX) & (last != SHIFTED_MARK)).any()):
+        raise ValueError("labels hold a real label in their last column: these are not shifted labels "
+                         "(use shift_labels for transformers' unshifted labels)")
+    labels[:, -1] = SHIFTED_MARK
     return labels
 
 
 def count_valid_tokens(labels: Tensor) -> int:
-    """The number of labels that count in the loss (not :data:`IGNORE_INDEX`); one host read."""
-    return int((labels != IGNORE_INDEX).sum())
+    """The number of labels that count in the loss (not :data:`IGNORE_INDEX` nor
+    :data:`SHIFTED_MARK`); one host read."""
+    return int(((labels != IGNORE_INDEX) & (labels != SHIFTED_MARK)).sum())
+
+
+_UNMARKED = (
+    "pipeline_loss takes SHIFTED labels [b, S] whose last column is SHIFTED_MARK "
+    f"({SHIFTED_MARK}); these are not marked: transformers' unshifted labels (the model's own labels=) "
+    "would train a different objective. Build them with make_labels(...), ppmedia.data.SampleProcessor, "
+    "or shift_labels(unshifted)")
+
+
+def _check_shifted(labels: Tensor) -> None:
+    if labels.dim() != 2 or labels.shape[1] == 0:
+        raise ValueError(f"{_UNMARKED} (shape {tuple(labels.shape)})")
+    marked = (labels[:, -1] == SHIFTED_MARK).all()
+    if labels.device.type == "cpu":  # a host read of CPU memory: no device sync
+        if not bool(marked):
+            raise ValueError(f"{_UNMARKED} (shape {tuple(labels.shape)})")
+    else:  # on an accelerator the check runs on the device: no sync per microbatch
+        torch._assert_async(marked, _UNMARKED)
 
 
 def pipeline_loss(logits: Tensor, labels: Tensor, num_valid_tokens: int | Tensor | None = None) -> Tensor:
@@ -80,10 +129,15 @@ def pipeline_loss(logits: Tensor, labels: Tensor, num_valid_tokens: int | Tensor
 
     Args:
         logits: ``[b, S, vocab]``.
-        labels: ``[b, S]`` (already shifted, :func:`make_labels`), :data:`IGNORE_INDEX` ignored.
+        labels: ``[b, S]`` shifted and marked (:func:`make_labels`, :func:`shift_labels`): last column
+            :data:`SHIFTED_MARK`, else ``ValueError``; :data:`IGNORE_INDEX` ignored.
         num_valid_tokens: the whole batch's valid labels; ``None`` uses this microbatch's (then the
             per-microbatch losses are means, not parts of one mean).
+
+    A microbatch (or batch) without valid labels gives 0, never NaN.
     """
+    _check_shifted(labels)
+    labels = labels.masked_fill(labels == SHIFTED_MARK, IGNORE_INDEX)
     total = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(),
         labels.reshape(-1).to(logits.device),

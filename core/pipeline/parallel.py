@@ -26,6 +26,9 @@ def shard_batch(
     images_per_sample: Any = None,
     videos_per_sample: Any = None,
     audios_per_sample: Any = None,
+    counts: Mapping[str, Any] | None = None,
+    sample_inputs: Any = None,
+    layouts: Any = None,
 ) -> dict[str, Any]:
     """Data-parallel replica ``dp_rank``'s share of a global batch, media included.
 
@@ -35,11 +38,18 @@ def shard_batch(
     batch's tensors, no copy. Split per microbatch afterwards, on the replica's share. Per-sample count
     keys (``n_images_per_sample``) are sliced with the samples; non-tensor values are kept as they are.
 
+    Takes every count argument :func:`ppmedia.split_media` takes, so
+    ``shard_batch(batch, r, dp, **adapter.media_counts(batch, config))`` works for every adapter, those
+    with per-sample inputs (:class:`~ppmedia.adapters.base.SampleInput`, e.g. PaliGemma's
+    ``token_type_ids``) included. Each per-sample input comes back under its key as the replica's rows
+    ``[b, ...]`` of the value split (the batch's own, or the tensor given in ``sample_inputs``), so
+    ``adapter.media_counts(local, config)`` finds it again for the per-microbatch split.
+
     Args:
         batch: a processor/collator batch (not modified).
         dp_rank, dp_size: the replica and the number of replicas.
-        images_per_sample, videos_per_sample, audios_per_sample: as for :func:`ppmedia.split_media`
-            (for the GLOBAL batch).
+        images_per_sample, videos_per_sample, audios_per_sample, counts, sample_inputs, layouts: as for
+            :func:`ppmedia.split_media` (for the GLOBAL batch).
 
     Raises:
         ValueError: ``dp_rank`` out of range; anything :func:`ppmedia.split_media` refuses (e.g. a
@@ -52,7 +62,8 @@ def shard_batch(
     rest = dict(batch)
     counts = {k: rest[k] for k in ("n_images_per_sample", "n_videos_per_sample", "n_audios_per_sample") if k in rest}
     staged = split_media(rest, dp_size, images_per_sample=images_per_sample, videos_per_sample=videos_per_sample,
-                         audios_per_sample=audios_per_sample)
+                         audios_per_sample=audios_per_sample, counts=counts, sample_inputs=sample_inputs,
+                         layouts=layouts)
     a, b = staged.samples[dp_rank]
     out: dict[str, Any] = {}
     for key, value in rest.items():

@@ -46,22 +46,50 @@ from .safetensors_files import CheckpointFiles, open_tensors, read_checkpoint_fi
 from .stages import StageModule, build_stage_modules
 from .tied import TiedParameters
 
-__all__ = ["build_meta_model", "load_pretrained_config", "stages_from_pretrained", "tied_groups"]
+__all__ = ["build_meta_model", "checkpoint_dtype", "load_pretrained_config", "stages_from_pretrained", "tied_groups"]
+
+
+def checkpoint_dtype(path: str | os.PathLike[str]) -> torch.dtype:
+    """The dtype a checkpoint was saved in: ``config.json``'s ``dtype`` (or the older ``torch_dtype``),
+    of the text config when the top level has none; float32 when it names none.
+
+    Raises:
+        ValueError: the name is not a floating torch dtype.
+    """
+    import json
+
+    with open(os.path.join(os.fspath(path), "config.json")) as fh:
+        config = json.load(fh)
+    text = config.get("text_config") or {}
+    name = next((c.get(k) for c in (config, text) for k in ("dtype", "torch_dtype") if c.get(k)), "float32")
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{path}/config.json: dtype {name!r}; expected a floating torch dtype such as 'bfloat16'")
+    return dtype
 
 
 def load_pretrained_config(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Any:
     """The checkpoint's config as ``from_pretrained(path, dtype=dtype)`` prepares it.
 
-    ``dtype=None`` is the default dtype (float32), like ``from_pretrained``'s. The dtype is set on the
-    config and its sub-configs; ``name_or_path`` is ``path``.
+    ``dtype=None`` keeps the checkpoint's dtype, as ``from_pretrained``'s default (``"auto"``) does:
+    the ``dtype`` its ``config.json`` records (a bfloat16 checkpoint loads as bfloat16), else the
+    default dtype (float32). The dtype is set on the config and its sub-configs; ``name_or_path`` is
+    ``path``.
 
     Raises:
+        FileNotFoundError: ``path`` is not a directory (nothing is looked up on the hub).
         ValueError: ``config.json`` names a model type transformers does not know (remote code is
-            not supported), or a quantized checkpoint.
+            not supported), a quantized checkpoint, or a ``model_type`` that contradicts its
+            ``architectures`` (a relabelled config would load with another family's adapter).
     """
     import transformers
 
     path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"{path}: no such directory (stages_from_pretrained reads a local checkpoint folder, as save_pretrained "
+            f"writes it; nothing is downloaded)"
+        )
     try:
         config = transformers.AutoConfig.from_pretrained(path)
     except (ValueError, KeyError) as exc:
@@ -71,7 +99,8 @@ def load_pretrained_config(path: str | os.PathLike[str], dtype: torch.dtype | No
         ) from exc
     if getattr(config, "quantization_config", None) is not None:
         raise ValueError(f"{path}: a quantized checkpoint ({config.quantization_config}); not supported yet")
-    dtype = torch.get_default_dtype() if dtype is None else dtype
+    _check_architectures(path, config)
+    dtype = _saved_dtype(config) if dtype is None else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype: got {dtype!r}; expected a floating torch.dtype such as torch.bfloat16, or None")
     config.dtype = dtype
@@ -81,6 +110,29 @@ def load_pretrained_config(path: str | os.PathLike[str], dtype: torch.dtype | No
             sub.dtype = dtype
     config.name_or_path = path
     return config
+
+
+def _saved_dtype(config: Any) -> torch.dtype:
+    """The dtype ``config.json`` records (``dtype`` / ``torch_dtype``), if a floating one; else the default."""
+    value = getattr(config, "dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.get_default_dtype()
+
+
+def _check_architectures(path: str, config: Any) -> None:
+    """Refuse a ``model_type`` that contradicts the class ``architectures`` names (its config class)."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        wanted = getattr(cls, "config_class", None) if isinstance(cls, type) else None
+        if isinstance(wanted, type) and not isinstance(config, wanted):
+            raise ValueError(
+                f"{os.path.join(path, 'config.json')}: model_type {config.model_type!r} contradicts architectures "
+                f"{config.architectures} ({name} takes a {wanted.__name__}, model_type {getattr(wanted, 'model_type', '?')!r}, "
+                f"not a {type(config).__name__}); the adapter is chosen by model_type: correct one of the two"
+            )
 
 
 def _model_class(config: Any) -> Any:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .fsdp import check_fsdp_schedule, is_sharded
+from .fsdp import check_fsdp_schedule
 from .loss import pipeline_loss
 
 __all__ = [
@@ -230,8 +230,7 @@ def build_schedule(
     schedule = _following_shapes(layout.schedule_class)(
         target, n_microbatches, loss_fn=loss_fn, scale_grads=False, **schedule_kwargs
     )
-    if any(is_sharded(getattr(st, "submod", st)) for st in stages):
-        check_fsdp_schedule(schedule, stages)
+    check_fsdp_schedule(schedule, stages)  # reads each module's FSDP2 state (sharded by anyone)
     mapping = getattr(schedule, "stage_index_to_group_rank", None) or {}
     wrong = [i for i in got if i in mapping and mapping[i] != pp_rank]
     if wrong:  # the class placed them elsewhere than schedule_layout predicted
@@ -253,7 +252,11 @@ class ShapeFollowingSchedule:
     _ppmedia_shapes: tuple[tuple[int, ...], ...] | None = None
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> Any:
-        self._ppmedia_follow(args, target)
+        arg_mbs, target_mbs = kwargs.get("arg_mbs"), kwargs.get("target_mbs")
+        if arg_mbs is not None or target_mbs is not None:  # pre-split: microbatch 0's shapes, times n
+            self._ppmedia_follow(_presplit_shapes(arg_mbs, target_mbs, int(self._n_microbatches)))  # type: ignore[attr-defined]
+        else:
+            self._ppmedia_follow([tuple(t.shape) for t in (*args, target) if isinstance(t, Tensor)])
         return super().step(*args, target=target, **kwargs)  # type: ignore[misc]
 
     def _initialize_pp_stages(self, stages: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
@@ -264,16 +267,39 @@ class ShapeFollowingSchedule:
             for param, grad in saved:
                 param.grad = grad
 
-    def _ppmedia_follow(self, args: Sequence[Any], target: Any) -> None:
-        tensors = [t for t in (*args, target) if isinstance(t, Tensor)]
-        if not tensors:
+    def _ppmedia_follow(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Re-initialise the stages when the step's whole-batch tensor shapes differ from the last step's."""
+        if not shapes:
             return
-        shapes = tuple(tuple(t.shape) for t in tensors)
-        if shapes != self._ppmedia_shapes:
-            batch = next((t for t in tensors if t.dim() == 2), None)
+        key = tuple(shapes)
+        if key != self._ppmedia_shapes:
+            batch = next((s for s in key if len(s) == 2), None)
             # the first step too: static shapes given for another S than the first batch's
-            _reinitialise(self, None if batch is None else (int(batch.shape[0]), int(batch.shape[1])))
-        self._ppmedia_shapes = shapes
+            _reinitialise(self, None if batch is None else (batch[0], batch[1]))
+        self._ppmedia_shapes = key
+
+
+def _presplit_shapes(arg_mbs: Any, target_mbs: Any, n: int) -> list[tuple[int, ...]]:
+    """The whole-batch shapes of pre-split inputs (microbatch 0's, ``n`` times the rows); ``ValueError``
+    when the microbatches' tensors differ in shape (torch sizes every microbatch's activations from
+    microbatch 0's)."""
+    def shapes(k: int) -> list[tuple[int, ...]]:
+        args = arg_mbs[k] if arg_mbs is not None and isinstance(arg_mbs[k], tuple) else ()
+        target = target_mbs[k] if target_mbs is not None else None
+        return [tuple(t.shape) for t in (*args, target) if isinstance(t, Tensor)]
+
+    lists = [m for m in (arg_mbs, target_mbs) if m is not None]
+    if not all(isinstance(m, list) and len(m) == n for m in lists):
+        return []  # torch's own checks name what is wrong
+    count = n
+    first = shapes(0)
+    for k in range(1, count):
+        if shapes(k) != first:
+            raise ValueError(
+                f"schedule: pre-split microbatch {k} has tensors of shapes {shapes(k)}; microbatch 0's are {first} "
+                f"(every microbatch of a step must have the same shapes: torch sizes its receive buffers once)"
+            )
+    return [(s[0] * n, *s[1:]) if s else s for s in first]
 
 
 def _reinitialise(schedule: Any, batch_shape: tuple[int, int] | None) -> None:

@@ -10,11 +10,20 @@ import torch
 from torch import Tensor, nn
 
 from ..adapters.base import VlmAdapter, WireTensor, config_value
-from ..chunk import CURSOR_ATTRIBUTE, next_vlm_media_chunk
-from .surgery import _child_name, _get_path, _layer_ranges, _stage_children, find_language_model, find_output_head
+from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk, next_vlm_media_chunk
+from ..presplit import MicrobatchMedia
+from .surgery import (
+    _child_name,
+    _get_path,
+    _layer_ranges,
+    _stage_children,
+    find_language_model,
+    find_merge_module,
+    find_output_head,
+)
 from .tied import TiedParameters, tied_parameters
 
-__all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "static_stage_args"]
+__all__ = ["StageModule", "build_stage_modules", "make_pipeline_stages", "refuse_router_loss", "static_stage_args"]
 
 #: where :class:`ppmedia.pipeline.encoder.EncoderSpread` hangs a step's precomputed features on the
 #: first stage's module (an object with ``adapter_for(microbatch, chunk) -> VlmAdapter``)
@@ -37,6 +46,8 @@ class StageModule(nn.Module):
         tied: the FULL model's tied parameter groups (the same on every rank; pass them to
             :func:`sync_tied_gradients`), found before the split.
         head_name: dotted path of the output head (``lm_head``; Llama 4: ``language_model.lm_head``).
+        merge_path: the adapter's ``merge_path`` (``None``: the merge is the decoder's input); its
+            parameters are the vision side's even inside the language model.
     """
 
     def __init__(
@@ -51,6 +62,7 @@ class StageModule(nn.Module):
         layer_range: tuple[int, int],
         language_model_path: str,
         head_name: str,
+        merge_path: str | None = None,
     ) -> None:
         super().__init__()
         for name, child in children.items():
@@ -66,6 +78,7 @@ class StageModule(nn.Module):
         self.is_last = stage_index == n_stages - 1
         self.language_model_path = language_model_path
         self.head_name = head_name
+        self.merge_path = merge_path
         self.tied: tuple[TiedParameters, ...] = ()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -105,7 +118,10 @@ class StageModule(nn.Module):
         return self.layer_range[1] - self.layer_range[0]
 
     def is_language_parameter(self, name: str) -> bool:
-        """Whether parameter ``name`` belongs to the language side (decoder, embedding, norm, head)."""
+        """Whether parameter ``name`` belongs to the language side (decoder, embedding, norm, head); the
+        merge module's (``merge_path``, e.g. encoders inside the decoder stack) do not."""
+        if self.merge_path is not None and name.startswith(self.merge_path + "."):
+            return False
         return name.startswith(self.language_model_path + ".") or name.startswith(self.head_name + ".")
 
     def extra_repr(self) -> str:
@@ -116,17 +132,26 @@ class StageModule(nn.Module):
         )
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, *args: Tensor) -> Tensor | tuple[Tensor, ...]:
+    def forward(self, *args: Tensor, media: MicrobatchMedia | None = None) -> Tensor | tuple[Tensor, ...]:
         """First stage: ``(input_ids [b, S], attention_mask [b, S])``; later stages: the previous
         stage's tuple ``(hidden, attention_mask, *wire_in)``. Returns ``(hidden, attention_mask,
-        *wire_out)`` for the next stage, or logits ``[b, S, vocab]`` on the last."""
+        *wire_out)`` for the next stage, or logits ``[b, S, vocab]`` on the last.
+
+        ``media``: the microbatch's pre-split media (:func:`ppmedia.microbatch_inputs`), which the first
+        stage merges; every other stage ignores it (torch hands keyword inputs to every stage of the
+        rank). Without it, the first stage takes the media staged on it (:func:`ppmedia.stage_media`)."""
+        if media is not None and not isinstance(media, MicrobatchMedia):
+            raise TypeError(
+                f"stage {self.stage_index}: media is a {type(media).__name__}; expected ppmedia.MicrobatchMedia "
+                f"(ppmedia.microbatch_inputs(...).kwarg_mbs)"
+            )
         if self.is_first:
             if len(args) != 2:
                 raise TypeError(
                     f"stage 0 takes (input_ids, attention_mask); got {len(args)} positional arguments"
                 )
             input_ids, attention_mask = args
-            hidden, wire = self._embed_and_merge(input_ids, attention_mask)
+            hidden, wire = self._embed_and_merge(input_ids, attention_mask, media)
         else:
             specs = self.wire_in
             if len(args) != 2 + len(specs):
@@ -159,12 +184,25 @@ class StageModule(nn.Module):
             out.append(tensor.clone(memory_format=torch.contiguous_format))
         return tuple(out)
 
-    def _embed_and_merge(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def _microbatch_media(self, media: MicrobatchMedia | None) -> tuple[int | None, VlmMediaChunk | None]:
+        """``(microbatch, chunk)``: the pre-split ``media``, else the next staged chunk (cursor moved)."""
+        if media is None:
+            k = self.__dict__.get(CURSOR_ATTRIBUTE)
+            return k, next_vlm_media_chunk(self)
+        if self.__dict__.get(CURSOR_ATTRIBUTE) is not None:
+            raise ValueError(
+                f"stage 0: got media= for microbatch {media.index} (pre-split) while media are also staged on "
+                f"the module (stage_media, cursor {self.__dict__[CURSOR_ATTRIBUTE]}); expected one of the two"
+            )
+        return media.index, media.chunk
+
+    def _embed_and_merge(
+        self, input_ids: Tensor, attention_mask: Tensor, media: MicrobatchMedia | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         lm = self.stage_language_model
         embeds = lm.get_input_embeddings()(input_ids)  # [b, S, H]
         features = self.__dict__.get(FEATURES_ATTRIBUTE)  # set for one step by an encoder spread
-        k = self.__dict__.get(CURSOR_ATTRIBUTE)
-        chunk = next_vlm_media_chunk(self)
+        k, chunk = self._microbatch_media(media)
         adapter = self.adapter if features is None else features.adapter_for(k, chunk)
         hidden, wire = adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
         if self.adapter.sample_inputs:
@@ -210,6 +248,37 @@ class StageModule(nn.Module):
         return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]), state
 
 
+def _router_loss_configs(config: Any, where: str = "config") -> list[tuple[str, Any]]:
+    """``(path, config)`` of ``config`` and every sub-config (``text_config``, ``thinker_config``, ...)
+    that asks for the routers' auxiliary loss (``output_router_logits=True``)."""
+    found = [(where, config)] if getattr(config, "output_router_logits", False) is True else []
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and sub is not config and hasattr(sub, "to_dict"):
+            found += _router_loss_configs(sub, f"{where}.{key}")
+    return found
+
+
+def refuse_router_loss(config: Any) -> None:
+    """Refuse a config that asks for the MoE routers' auxiliary load-balancing loss.
+
+    With ``output_router_logits=True`` the model's own forward adds ``router_aux_loss_coef`` times the
+    load-balancing loss of all decoder layers' router logits (e.g. GLM-4.5V: 4.938794 against 4.938581
+    without it). That loss couples every layer (one mean over all of them), stages return logits only,
+    and :func:`~ppmedia.pipeline.pipeline_loss` would drop it without a word: refused instead.
+
+    Raises:
+        ValueError: naming the config key, its coefficient, and what to set.
+    """
+    for path, sub in _router_loss_configs(config):
+        coef = getattr(sub, "router_aux_loss_coef", None)
+        raise ValueError(
+            f"{path}.output_router_logits is True: the model's own loss adds router_aux_loss_coef ({coef}) x the MoE "
+            f"routers' load-balancing loss over all decoder layers, which ppmedia's pipeline stages do not carry "
+            f"(they return logits only); set output_router_logits=False on that config to train without it"
+        )
+
+
 def build_stage_modules(
     model: nn.Module,
     n_stages: int,
@@ -235,13 +304,19 @@ def build_stage_modules(
     Returns:
         The requested :class:`StageModule` objects in the order of ``stages``. They share parameters
         with ``model`` and hold only what their stages run.
+
+    Raises:
+        ValueError: a config asking for the MoE routers' auxiliary loss (:func:`refuse_router_loss`);
+            a stage index out of range.
     """
     if adapter is None:
         from ..registry import get_adapter
 
         adapter = get_adapter(model)
+    refuse_router_loss(model.config)
     lm_path, lm = find_language_model(model, adapter)
     num_layers = len(lm.layers)
+
     if isinstance(layers_per_stage, str):
         layers_per_stage = _auto_layers(model, n_stages, layers_per_stage, auto_split, adapter, num_layers)
     ranges = _layer_ranges(num_layers, n_stages, layers_per_stage)
@@ -253,6 +328,7 @@ def build_stage_modules(
     embed_name = _child_name(lm, lm.get_input_embeddings(), "input embedding")
     norm_name = "norm" if isinstance(lm._modules.get("norm"), nn.Module) else None
     head_name = find_output_head(model, lm_path)
+    merge_path = find_merge_module(model, adapter)[0]
     tied = tuple(tied_parameters(model))
 
     modules = []
@@ -260,7 +336,7 @@ def build_stage_modules(
         first, last = s == 0, s == n_stages - 1
         start, stop = ranges[s]
         children = _stage_children(model, lm, lm_path, head_name, (start, stop), first=first, last=last,
-                                   embed_name=embed_name, norm_name=norm_name)
+                                   embed_name=embed_name, norm_name=norm_name, merge_path=merge_path)
         parameters = {k: v for k, v in model._parameters.items() if v is not None} if first else {}
         module = StageModule(
             children,
@@ -272,6 +348,7 @@ def build_stage_modules(
             layer_range=(start, stop),
             language_model_path=lm_path,
             head_name=head_name,
+            merge_path=merge_path,
         )
         module.tied = tied
         adapter.prune_stage(module.stage_language_model, layers=range(start, stop), first=first, last=last)
@@ -503,15 +580,15 @@ def _restore_only_changed_buffers(stage: Any) -> None:
     stage._post_metadata_inference_cleanup = restore_changed
 
 
-def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
-                   device: torch.device) -> None:
-    """``encoder="spread"``: this rank's :class:`~ppmedia.pipeline.encoder.EncoderSpread` on every module."""
-    from .encoder import SPREAD_ATTRIBUTE, EncoderSpread, vision_replica
+def _spread_vision_side(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any],
+                        device: torch.device) -> nn.Module:
+    """The module whose vision side this rank's spread runs: its stage 0, or a copy cut from ``model``."""
+    from .encoder import vision_replica
 
     first = next((st for st in stages if st.is_first), None)
     if first is not None:
-        vision: nn.Module = modules[list(stages).index(first)]
-    elif isinstance(model, nn.Module) and not isinstance(model, StageModule):
+        return modules[list(stages).index(first)]
+    if isinstance(model, nn.Module) and not isinstance(model, StageModule):
         vision = vision_replica(model, modules[0].adapter)
         if any(t.is_meta for t in [*vision.parameters(), *vision.buffers()]):
             raise ValueError(
@@ -520,12 +597,33 @@ def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[S
                 "inv_freq, are in no checkpoint); build the model with real tensors on ranks without stage 0"
             )
         _to_device(vision, device)
-    else:
-        raise TypeError(
-            f"make_pipeline_stages(encoder='spread'): this rank holds stages {[m.stage_index for m in modules]} "
-            f"as prebuilt StageModule objects, but without stage 0 it needs its own copy of the vision side, "
-            f"cut from the full model; pass the model (build_stage_modules / stages_from_pretrained give none)"
-        )
+        return vision
+    raise TypeError(
+        f"make_pipeline_stages(encoder='spread'): this rank holds stages {[m.stage_index for m in modules]} "
+        f"as prebuilt StageModule objects, but without stage 0 it needs its own copy of the vision side, "
+        f"cut from the full model; pass the model (build_stage_modules / stages_from_pretrained give none)"
+    )
+
+
+def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
+                   device: torch.device) -> None:
+    """``encoder="spread"``: this rank's :class:`~ppmedia.pipeline.encoder.EncoderSpread` on every module.
+
+    Only ranks without stage 0 can find a problem (no vision side to copy), and the spread's set-up
+    is collective: the ranks agree first (:func:`~ppmedia.pipeline.agree`), so every rank raises the
+    same error instead of the others waiting for the refusing one in ``new_group`` forever."""
+    from .encoder import SPREAD_ATTRIBUTE, EncoderSpread
+    from .guards import agree
+
+    problem: Exception | None = None
+    vision: nn.Module | None = None
+    try:
+        vision = _spread_vision_side(model, modules, stages, device)
+    except (TypeError, ValueError) as exc:
+        problem = exc
+    agree(problem, group, what="make_pipeline_stages(encoder='spread') refused")
+    assert vision is not None
+    first = next((st for st in stages if st.is_first), None)
     spread = EncoderSpread(vision, modules[0].adapter, first_stage=first, group=group)
     for module in modules:
         module.__dict__[SPREAD_ATTRIBUTE] = spread

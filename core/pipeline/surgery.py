@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from torch import nn
 
-__all__ = ["LANGUAGE_MODEL_PATHS", "default_layer_split", "find_language_model", "find_output_head"]
+__all__ = ["LANGUAGE_MODEL_PATHS", "default_layer_split", "find_language_model", "find_merge_module", "find_output_head"]
 
 #: where the language model sits inside a ``...ForConditionalGeneration`` model, tried in order when
 #: the family's adapter does not say (``VlmAdapter.language_model_path``).
@@ -129,6 +129,48 @@ def find_language_model(model: nn.Module, adapter: Any = None) -> tuple[str, Any
     )
 
 
+def find_merge_module(model: nn.Module, adapter: Any = None) -> tuple[str | None, nn.Module | None]:
+    """``(dotted path, module)`` of the module whose output is the merged embeddings, as the adapter
+    declares it (``VlmAdapter.merge_path``; ``adapter``: default the registry's for ``model``), or
+    ``(None, None)``: the merge is the decoder stack's input.
+
+    Raises:
+        TypeError: the declared path holds no module in ``model`` (the path and the declaration named).
+    """
+    if adapter is None:
+        from ..registry import get_adapter
+
+        try:
+            adapter = get_adapter(model)
+        except (TypeError, ValueError):
+            return None, None
+    path = getattr(adapter, "merge_path", None)
+    if path is None:
+        return None, None
+    module = _get_path(model, path)
+    if module is None:
+        raise TypeError(
+            f"{type(model).__name__}: {type(adapter).__name__}.merge_path is {path!r}, but the model holds no module "
+            f"there; expected the module whose output is the merged embeddings [B, S, hidden]"
+        )
+    return path, module
+
+
+def _drop_path(shell: nn.Module, path: str) -> None:
+    """Remove the module at dotted ``path`` (relative to ``shell``) from ``shell``'s tree, replacing the
+    modules on the way by shallow copies (the model keeps its own)."""
+    head, _, rest = path.partition(".")
+    child = shell._modules.get(head)
+    if child is None:
+        return
+    if not rest:
+        del shell._modules[head]
+        return
+    copy_ = _shallow(child, keep_members=True)
+    shell._modules[head] = copy_
+    _drop_path(copy_, rest)
+
+
 def _sub_models_hint(model: nn.Module) -> str:
     """For a model holding its models as sub-models (the Qwen Omnis: thinker, talker), where their decoder
     stacks are and how to cut the one that is trained; ``""`` when it holds none."""
@@ -222,13 +264,15 @@ def _stage_children(
     last: bool,
     embed_name: str,
     norm_name: str | None,
+    merge_path: str | None = None,
 ) -> dict[str, nn.Module]:
     """The stage's copies of ``model``'s children: what a :class:`StageModule` holds.
 
     The language model keeps its layers in ``layer_range``, its embedding (first stage), norm (last
     stage) and rotary embedding (always); the output head (``head_path``, at any depth) is kept on the
     last stage; the modules on the way to either are shells; everything else (the vision side) is
-    kept only on the first stage.
+    kept only on the first stage. The merge module (``merge_path``) is the vision side's wherever it
+    sits: inside the language model too, it is on the first stage only.
     """
     start, stop = layer_range
     layers: Any = lm.layers
@@ -240,6 +284,8 @@ def _stage_children(
     if norm_name is not None and not last:
         lm_shell._modules[norm_name] = nn.Identity()
     lm_shell.__dict__["config"] = _stage_language_config(lm.config, range(start, stop), num_layers)
+    if merge_path is not None and merge_path.startswith(lm_path + ".") and not first:
+        _drop_path(lm_shell, merge_path[len(lm_path) + 1 :])
     keep = _Keep(lm_path, head_path, lm_shell, first, last)
     children: dict[str, nn.Module] = {}
     for name, child in model._modules.items():

@@ -1,10 +1,9 @@
 """Tensor parallelism inside every pipeline stage (``pp x dp x tp``), with DTensor.
 
-:func:`pipeline_mesh` lays ``world = dp x pp x tp`` ranks out as a ``(dp, pp, tp)`` device mesh
-(``rank = (dp_rank * pp + pp_rank) * tp + tp_rank``: the ``tp`` peers of a stage are neighbours, the
-layout without ``tp`` is the ``(dp, pp)`` one of :func:`~ppmedia.pipeline.shard_batch` and
-:func:`~ppmedia.pipeline.apply_fsdp`). :func:`apply_tensor_parallel` then parallelises each stage's
-language-model layers over ``mesh["tp"]`` with ``parallelize_module``:
+:func:`~ppmedia.pipeline.pipeline_mesh` lays ``world = dp x pp x tp`` ranks out as a ``(dp, pp, tp)``
+device mesh (``rank = (dp_rank * pp + pp_rank) * tp + tp_rank``: the ``tp`` peers of a stage are
+neighbours). :func:`apply_tensor_parallel` then parallelises each stage's language-model layers over
+``mesh["tp"]`` with ``parallelize_module``:
 
 * the plan is transformers' own ``base_model_tp_plan`` of the text config (module paths inside the
   language model, ``*`` a decoder layer index), else the family adapter's ``tp_plan(config)``;
@@ -54,7 +53,6 @@ __all__ = [
     "TP_STYLES",
     "apply_tensor_parallel",
     "check_tensor_parallel",
-    "pipeline_mesh",
     "reduce_tensor_parallel_gradients",
     "tensor_parallel_plan",
 ]
@@ -64,31 +62,6 @@ TP_STYLES: tuple[str, ...] = ("colwise", "rowwise", "replicated_with_grad_allred
 #: the stage module's names of parameters whose gradients :func:`reduce_tensor_parallel_gradients` sums.
 _REDUCED = "_ppmedia_tp_reduced"
 _GROUP = "_ppmedia_tp_group"
-
-
-def pipeline_mesh(pp: int, dp: int = 1, tp: int = 1, *, device_type: str = "cpu") -> Any:
-    """The ``(dp, pp, tp)`` ``DeviceMesh`` of ``world = pp x dp x tp`` ranks (dim names ``"dp"``,
-    ``"pp"``, ``"tp"``; ``rank = (dp_rank * pp + pp_rank) * tp + tp_rank``). Collective: every rank
-    calls it, after ``init_process_group``.
-
-    ``mesh["pp"].get_group()`` is the pipeline group of :func:`~ppmedia.pipeline.make_pipeline_stages`,
-    ``mesh["dp"]`` the data-parallel mesh of :func:`~ppmedia.pipeline.apply_fsdp` (its group that of
-    :func:`~ppmedia.pipeline.all_reduce_gradients`), ``mesh["tp"]`` that of :func:`apply_tensor_parallel`.
-
-    Raises:
-        ValueError: a size below 1, or ``pp * dp * tp`` is not the world size.
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    sizes = {"pp": pp, "dp": dp, "tp": tp}
-    bad = {k: v for k, v in sizes.items() if int(v) < 1}
-    if bad:
-        raise ValueError(f"pipeline_mesh: sizes {bad}; expected each >= 1")
-    world = dist.get_world_size()
-    if pp * dp * tp != world:
-        raise ValueError(f"pipeline_mesh: pp {pp} x dp {dp} x tp {tp} = {pp * dp * tp}; the world has {world} ranks")
-    return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 
 def tensor_parallel_plan(config: Any, adapter: VlmAdapter | None = None) -> dict[str, str]:

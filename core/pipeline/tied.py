@@ -1,4 +1,9 @@
 """Tied parameters: an embedding tied to ``lm_head`` lives on the first AND the last stage.
+
+Two things make a tied family train like the whole model: the optimizer must see each parameter
+object once (:func:`stage_parameters`; a stage list's ``parameters()`` chained over stages lists a
+tie twice when one rank holds both ends, and AdamW then steps it twice, with only a warning), and
+the copies on different ranks must get the sum of their gradients (:func:`sync_tied_gradients`).
 """
 
 from __future__ import annotations
@@ -9,9 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-__all__ = ["TiedParameters", "sync_tied_gradients", "tied_parameters"]
-
-
+__all__ = ["TiedParameters", "stage_parameters", "sync_tied_gradients", "tied_parameters"]
 
 @dataclass(frozen=True)
 class TiedParameters:
@@ -37,6 +40,40 @@ def tied_parameters(model: nn.Module) -> list[TiedParameters]:
     ]
 
 
+def _module_of(stage: Any) -> nn.Module:
+    """A ``PipelineStage``'s module (``stage.submod``), or ``stage`` itself when it is a module."""
+    module = getattr(stage, "submod", stage)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"got {type(stage).__name__}; expected PipelineStage objects or their modules")
+    return module
+
+
+def stage_parameters(stages: Sequence[Any]) -> list[nn.Parameter]:
+    """Every parameter of this rank's stages, each parameter object once, in stage order.
+
+    ``stages``: ``PipelineStage`` objects or their modules. What to hand one optimizer: with a tied
+    embedding, a rank holding the first and the last stage (one process, or a V-shaped schedule) holds
+    the embedding and ``lm_head`` as ONE parameter; listing it twice makes AdamW update it twice per
+    step (torch only warns "duplicate parameters"). The gradients of both uses accumulate in that one
+    parameter; copies on other ranks still need :func:`sync_tied_gradients`.
+
+    Raises:
+        ValueError: the stages hold no parameter at all (more stages than decoder layers), instead of
+            torch's bare "optimizer got an empty parameter list".
+    """
+    seen: dict[int, nn.Parameter] = {}
+    for stage in stages:
+        for param in _module_of(stage).parameters():
+            seen.setdefault(id(param), param)
+    if stages and not seen:
+        indices = [getattr(_module_of(s), "stage_index", "?") for s in stages]
+        raise ValueError(
+            f"stage_parameters: stages {indices} hold no parameters (no decoder layer, no embedding or head): more "
+            f"pipeline stages than the model has decoder layers to give them; use fewer stages"
+        )
+    return list(seen.values())
+
+
 def _full(grad: Any) -> Any:
     """The whole gradient: a ``DTensor`` (FSDP2 shard) gathered over its mesh, a plain tensor as is."""
     from torch.distributed.tensor import DTensor
@@ -54,9 +91,14 @@ def _like(total: torch.Tensor, param: nn.Parameter) -> Any:
 
 
 def sync_tied_gradients(
-    modules: Sequence[nn.Module], tied: Sequence[TiedParameters], group: Any = None
+    modules: Sequence[Any], tied: Sequence[TiedParameters] | None = None, group: Any = None
 ) -> None:
     """Sum the gradients of tied parameters across the ranks holding their copies.
+
+    ``modules``: this rank's stage modules or ``PipelineStage`` objects. ``tied``: the model's tied
+    groups (:func:`tied_parameters` before the split); ``None`` takes the stage modules' own
+    ``module.tied`` (set by :func:`~ppmedia.pipeline.build_stage_modules` and
+    :func:`~ppmedia.pipeline.stages_from_pretrained`, the same on every rank).
 
     After a pipeline step the first stage's copy of a tied embedding holds the embedding's share of
     the gradient and the last stage's copy the head's; the full model's gradient is their sum. A
@@ -71,6 +113,9 @@ def sync_tied_gradients(
     """
     import torch.distributed as dist
 
+    modules = [_module_of(m) for m in modules]
+    if tied is None:
+        tied = tuple(getattr(modules[0], "tied", ())) if modules else ()
     for entry in tied:
         local: dict[int, nn.Parameter] = {}
         for module in modules:

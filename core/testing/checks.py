@@ -212,6 +212,9 @@ def check_adapter(
         microbatches: microbatch counts to split the batch into (each a real split, stage and merge).
         seed: model and batch seed. ``model``, ``batch``, ``reference``, ``positions`` replace what
             the family builds (e.g. a golden file's inputs and expected embeddings ``[B, S, hidden]``).
+            Without ``batch``, the batches of the family's optional ``build_batches(seed)`` are checked
+            too, each against the model's own merge of it (microbatch counts above a batch's samples
+            skipped for it).
             Without ``reference``, both come from the model's own forward (:func:`capture_reference`);
             positions are compared (exactly) for adapters that override ``position_ids``.
         atol: largest absolute difference accepted per element.
@@ -228,11 +231,23 @@ def check_adapter(
     module = tiny_models.load(family)
     name = tiny_models.family_name(module)
     model = module.build_model(seed) if model is None else model
+    extra = tiny_models.more_batches(module, seed) if batch is None else []
     batch = module.build_batch(seed) if batch is None else batch
-    if reference is None:
-        reference, positions = capture_reference(model, **module.reference_inputs(dict(batch)))
     resolved = _resolve_adapter(adapter, model)
+    if reference is None:
+        reference, positions = capture_reference(model, adapter=resolved, **module.reference_inputs(dict(batch)))
+    counts = list(microbatches)
     out: list[MicrobatchCheck] = []
-    for n in microbatches:
+    for n in counts:
         out += check_merges(name, resolved, model, batch, reference, n, atol, positions, layouts)
+    for k, more in enumerate(extra):  # the family's batches of other structures, each against its own reference
+        ref, pos = capture_reference(model, adapter=resolved, **module.reference_inputs(dict(more)))
+        for n in counts:
+            if n > more["input_ids"].shape[0]:
+                continue
+            try:
+                out += check_merges(name, resolved, model, more, ref, n, atol, pos, layouts)
+            except AdapterMismatch as exc:
+                raise AdapterMismatch(f"batch {k + 1} of build_batches: {exc}", exc.family, exc.n_microbatches,
+                                      exc.microbatch) from exc
     return out

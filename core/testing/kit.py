@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from . import tiny_models
-from .checks import MicrobatchCheck, capture_reference, check_adapter
-from .goldens import REGENERATION_ATOL, check_goldens, write_goldens
+from .checks import AdapterMismatch, MicrobatchCheck, capture_reference, check_adapter
+from .goldens import REGENERATION_ULPS, check_goldens, write_goldens
 
 if TYPE_CHECKING:
     from ..adapters.base import VlmAdapter
@@ -63,6 +63,7 @@ def check_pipeline_parity(
     seed: int = 0,
     tolerance: float = 1e-5,
     world_size: int = 2,
+    rtol: float = 0.0,
 ) -> ParityReport:
     """Run ``family`` through a real multi-process pipeline (:func:`ppmedia.testing.parity.run_parity`:
     gloo on 127.0.0.1, ``world_size`` spawned processes) and compare loss and every gradient with the
@@ -75,7 +76,8 @@ def check_pipeline_parity(
         scenarios: ``"schedule[/shapes]"`` strings or :class:`~ppmedia.testing.parity.Scenario`.
         plugins: dotted names of plugin modules the workers load (``PPMEDIA_PLUGINS``), for a plugin
             that is importable but not installed; an installed plugin is found by its entry point.
-        steps, n_microbatches, seed, tolerance, world_size: as for ``run_parity``.
+        steps, n_microbatches, seed, tolerance, world_size, rtol: as for ``run_parity`` (``rtol``: a
+            relative bound beside the absolute ``tolerance``, for families with large gradients).
 
     Returns:
         The report (``report.format()`` prints it).
@@ -93,12 +95,12 @@ def check_pipeline_parity(
         try:
             report = run_parity(
                 names, scenarios, steps=steps, n_microbatches=n_microbatches, seed=seed,
-                tolerance=tolerance, world_size=world_size,
+                tolerance=tolerance, world_size=world_size, rtol=rtol,
             )
         except ParityError as exc:
             raise AssertionError(f"{name}: pipeline parity run failed: {exc}") from exc
     if not report.ok:
-        raise AssertionError(f"{name}: pipeline parity failed (tolerance {tolerance:g})\n{report.format()}")
+        raise AssertionError(f"{name}: pipeline parity failed (tolerance {tolerance:g}, rtol {rtol:g})\n{report.format()}")
     return report
 
 
@@ -155,7 +157,7 @@ class FamilyKit:
 
     @cached_property
     def _captured(self) -> tuple[Tensor, Tensor | None]:
-        return capture_reference(self.model, **self.module.reference_inputs(dict(self.batch)))
+        return capture_reference(self.model, adapter=self.adapter, **self.module.reference_inputs(dict(self.batch)))
 
     @property
     def reference(self) -> Tensor:
@@ -175,20 +177,32 @@ class FamilyKit:
         return self.registry.get(self.model)
 
     def check_adapter(self, microbatches: Iterable[int] = (1, 2, 4), *, atol: float = 1e-5) -> list[MicrobatchCheck]:
-        """:func:`~ppmedia.testing.checks.check_adapter` on this family's model, batch and reference."""
-        return check_adapter(
-            self.module, adapter=self.adapter, microbatches=microbatches, atol=atol,
+        """:func:`~ppmedia.testing.checks.check_adapter` on this family's model, batch and reference,
+        then on each batch of the family's optional ``build_batches`` (against its own reference)."""
+        counts = list(microbatches)
+        layouts = self.registry.media_layouts()
+        out = check_adapter(
+            self.module, adapter=self.adapter, microbatches=counts, atol=atol,
             model=self.model, batch=self.batch, reference=self.reference, positions=self.positions,
-            layouts=self.registry.media_layouts(),
+            layouts=layouts,
         )
+        for k, more in enumerate(tiny_models.more_batches(self.module, self.seed)):
+            ok = [n for n in counts if n <= more["input_ids"].shape[0]]
+            try:
+                out += check_adapter(self.module, adapter=self.adapter, microbatches=ok, atol=atol, model=self.model,
+                                     batch=more, layouts=layouts)
+            except AdapterMismatch as exc:
+                raise AdapterMismatch(f"batch {k + 1} of build_batches: {exc}", exc.family, exc.n_microbatches,
+                                      exc.microbatch) from exc
+        return out
 
     def write_goldens(self, folder: str | pathlib.Path) -> dict[str, int]:
         """:func:`~ppmedia.testing.goldens.write_goldens` for this family and seed."""
-        return write_goldens(self.module, folder, seed=self.seed)
+        return write_goldens(self.module, folder, seed=self.seed, adapter=self.adapter)
 
     def check_goldens(
-        self, folder: str | pathlib.Path, *, microbatches: Iterable[int] = (1, 2, 4), atol: float = 1e-5,
-        regeneration_atol: float = REGENERATION_ATOL, bit_identical: bool = False,
+        self, folder: str | pathlib.Path, *, microbatches: Iterable[int] | None = None, atol: float = 1e-5,
+        regeneration_atol: float | None = None, bit_identical: bool = False, regeneration_ulps: float = REGENERATION_ULPS,
     ) -> None:
         """:func:`~ppmedia.testing.goldens.check_goldens` (after writing them with ``write_goldens``)."""
         if self._write_goldens:
@@ -196,6 +210,7 @@ class FamilyKit:
         check_goldens(
             self.module, folder, adapter=self.adapter, microbatches=microbatches, seed=self.seed, atol=atol,
             regeneration_atol=regeneration_atol, bit_identical=bit_identical, layouts=self.registry.media_layouts(),
+            regeneration_ulps=regeneration_ulps,
         )
 
     def check_stage_splits(self, splits: Iterable[Sequence[int]], *, n_microbatches: int = 4, atol: float = 1e-5) -> list[StageSplitCheck]:

@@ -93,7 +93,7 @@ __all__ = [
 #: the second step's loss and gradients differ.
 FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies", "unreduced_tower")
 #: run variants that must still match (see :class:`Scenario`).
-VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica", "varlen")
+VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica", "varlen", "eval")
 _SHAPES = ("inferred", "static")
 #: extra padding columns of the ``varlen`` variant's first batch of a step.
 VARLEN_PAD = 3
@@ -139,7 +139,9 @@ class Scenario:
             replica 0 holds no media at all (its vision tower gets no gradient); ``varlen``
             accumulates two schedule steps before each optimizer step (and each comparison): another
             batch right-padded by :data:`VARLEN_PAD` columns (another sequence length ``S``), then the
-            step's batch; the reference accumulates the same two, and the stages are never rebuilt.
+            step's batch; the reference accumulates the same two, and the stages are never rebuilt;
+            ``eval`` runs :func:`~ppmedia.pipeline.eval_step` (``schedule.eval``, forward only) on the
+            step's batch before its training step, and its loss is compared with the reference's.
         balance: reorder the samples for an even vision load (``split_media(balance=...)`` with the
             adapter's ``image_costs``); the reference still runs the original order.
         encoder: ``stage0`` (the first stage runs the vision tower) or ``spread`` (every pipeline rank
@@ -162,6 +164,10 @@ class Scenario:
             ranks, each stage's language model is split with :func:`~ppmedia.pipeline.apply_tensor_parallel`
             and the tower's gradients summed with ``reduce_tensor_parallel_gradients`` (skipped by the
             fault ``unreduced_tower``).
+        presplit: feed the schedule pre-split microbatches (token ``/presplit``:
+            ``schedule.step(**ppmedia.microbatch_inputs(staged, ...).step_kwargs())``, each
+            microbatch's media its own ``media`` keyword input) instead of staging the media on the
+            first stage (``stage_media``).
     """
 
     schedule: str
@@ -180,6 +186,7 @@ class Scenario:
     fsdp: bool = False
     microbatches: int | None = None
     tp: int = 1
+    presplit: bool = False
 
     def __post_init__(self) -> None:
         from ..pipeline import schedule_layout
@@ -204,6 +211,8 @@ class Scenario:
             raise ValueError("scenario lane=False (/nolane) is an option of the encoder spread: add /spread")
         if self.variant is not None and self.variant not in VARIANTS:
             raise ValueError(f"scenario variant: got {self.variant!r}; expected None or one of {', '.join(VARIANTS)}")
+        if self.presplit and self.fault == "bare_module":
+            raise ValueError("scenario /presplit stages nothing on a module: bare_module does not apply")
 
     @property
     def name(self) -> str:
@@ -212,7 +221,7 @@ class Scenario:
 
 
 def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
-    """``schedule/shapes[/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]``."""
+    """``schedule/shapes[/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]...[/presplit]``."""
     parts = [sc.schedule, sc.shapes] + ([sc.fault] if sc.fault else [])
     parts += [f"dp{sc.dp}"] if sc.dp != 1 else []
     parts += [f"tp{sc.tp}"] if getattr(sc, "tp", 1) != 1 else []
@@ -224,7 +233,8 @@ def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
     if sc.variant is not None:
         parts.append(sc.variant)
     return "/".join(parts + ["balanced"] * sc.balance + ["pretrained"] * sc.pretrained
-                    + ["spread"] * (getattr(sc, "encoder", "stage0") == "spread") + ["nolane"] * (not getattr(sc, "lane", True)))
+                    + ["spread"] * (getattr(sc, "encoder", "stage0") == "spread") + ["nolane"] * (not getattr(sc, "lane", True))
+                    + ["presplit"] * getattr(sc, "presplit", False))
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -236,7 +246,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -278,10 +288,12 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["encoder"] = "spread"
             elif token == "nolane":
                 kwargs["lane"] = False
+            elif token == "presplit":
+                kwargs["presplit"] = True
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane]"
+                    f"schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -325,7 +337,10 @@ class StepResult:
         loss_reference: the model's own full-batch loss.
         grad_diff_vision / grad_diff_lm: max |pipeline grad - reference grad| over the vision encoder's
             (first stage) and the language model's parameters (all stages); tied parameters after
-            their gradients were summed across ranks.
+            their gradients were summed across ranks (0.0 when no parameter of that side was compared:
+            see ``vision_params_compared`` / ``lm_params_compared``).
+        worst_param_vision / worst_param_lm: the full-model name of the parameter with that largest
+            difference (``None``: none compared).
         params_compared: parameters compared, all ranks together (a tied parameter once per copy);
             vision_params_compared: of these, the vision encoder's.
         reference_grad_max_vision / reference_grad_max_lm: the largest reference gradient entry of each
@@ -345,6 +360,8 @@ class StepResult:
         media_rows: per replica, per chunk its first stage consumed: ``[dp_rank, chunk, field, start,
             stop]``, the rows of the GLOBAL batch's media tensor the staged view covers (checked
             in the worker against the replica's own samples).
+        loss_eval: with the ``eval`` variant: the global loss of ``eval_step`` on the step's batch,
+            before its training step (the same weights as ``loss_reference``); else ``None``.
     """
 
     step: int
@@ -368,6 +385,14 @@ class StepResult:
     vision_layer_calls: int = -1
     media_rows: list[list[Any]] = field(default_factory=list)
     encoded: list[list[int]] = field(default_factory=list)
+    loss_eval: float | None = None
+    worst_param_vision: str | None = None
+    worst_param_lm: str | None = None
+
+    @property
+    def lm_params_compared(self) -> int:
+        """Language-model parameters compared (all ranks together)."""
+        return self.params_compared - self.vision_params_compared
 
     @property
     def loss_diff(self) -> float:
@@ -404,6 +429,7 @@ class ScenarioResult:
     fsdp: bool = False
     microbatches: int | None = None
     tp: int = 1
+    presplit: bool = False
 
     @property
     def name(self) -> str:
@@ -421,33 +447,45 @@ class ScenarioResult:
     def max_grad_diff_lm(self) -> float:
         return max((s.grad_diff_lm for s in self.steps), default=float("nan"))
 
-    def passed(self, tolerance: float = 1e-5) -> bool:
-        """Every loss and gradient within ``tolerance`` (bfloat16: :data:`BF16_LOSS_TOLERANCE` and
-        :data:`BF16_GRAD_RTOL` of the largest reference gradient), every parameter compared, call
-        counts right."""
+    def passed(self, tolerance: float = 1e-5, rtol: float = 0.0) -> bool:
+        """Every loss and gradient within ``tolerance + rtol * scale`` (float32; the scale: the
+        reference loss, or the largest reference gradient entry of the side, vision or language model;
+        bfloat16: :data:`BF16_LOSS_TOLERANCE` and :data:`BF16_GRAD_RTOL` of the largest reference
+        gradient), every parameter compared, call counts right."""
         if not self.steps or self.missing_params:
             return False
-        return all(self._step_ok(s, tolerance) for s in self.steps)
+        return not any(self.step_problems(s, tolerance, rtol) for s in self.steps)
 
-    def _step_ok(self, s: StepResult, tolerance: float) -> bool:
+    def step_problems(self, s: StepResult, tolerance: float = 1e-5, rtol: float = 0.0) -> list[str]:
+        """What step ``s`` missed, one phrase each (empty: it passed), e.g. ``"grad LM 5.2e-01 >
+        1.0e-05 (worst model.language_model.layers.1.mlp.up_proj.weight)"``."""
         if self.dtype == "bfloat16":
             loss_tol = BF16_LOSS_TOLERANCE
             vision_tol = BF16_GRAD_RTOL * s.reference_grad_max_vision
             lm_tol = BF16_GRAD_RTOL * s.reference_grad_max_lm
         else:
-            loss_tol = vision_tol = lm_tol = tolerance
-        norm_rtol = BF16_GRAD_RTOL if self.dtype == "bfloat16" else 1e-5
-        norms_ok = s.grad_norm_pipeline is None or s.grad_norm_reference is None or (
+            loss_tol = tolerance + rtol * abs(s.loss_reference)
+            vision_tol = tolerance + rtol * s.reference_grad_max_vision
+            lm_tol = tolerance + rtol * s.reference_grad_max_lm
+        problems = []
+        if not s.loss_diff <= loss_tol:
+            problems.append(f"loss |diff| {s.loss_diff:.1e} > {loss_tol:.1e}")
+        for side, diff, tol, worst in (("vision", s.grad_diff_vision, vision_tol, s.worst_param_vision),
+                                       ("LM", s.grad_diff_lm, lm_tol, s.worst_param_lm)):
+            if not diff <= tol:
+                problems.append(f"grad {side} {diff:.1e} > {tol:.1e} (worst {worst})")
+        if s.first_stage_calls != s.expected_first_stage_calls:
+            problems.append(f"stage-0 calls {s.first_stage_calls}, expected {s.expected_first_stage_calls}")
+        if s.expected_layer_calls >= 0 and s.layer_calls != s.expected_layer_calls:
+            problems.append(f"decoder layer calls {s.layer_calls}, expected {s.expected_layer_calls}")
+        norm_rtol = BF16_GRAD_RTOL if self.dtype == "bfloat16" else max(1e-5, rtol)
+        if s.grad_norm_pipeline is not None and s.grad_norm_reference is not None and not (
             abs(s.grad_norm_pipeline - s.grad_norm_reference) <= norm_rtol * s.grad_norm_reference
-        )
-        return (
-            s.loss_diff <= loss_tol
-            and s.grad_diff_vision <= vision_tol
-            and s.grad_diff_lm <= lm_tol
-            and s.first_stage_calls == s.expected_first_stage_calls
-            and (s.expected_layer_calls < 0 or s.layer_calls == s.expected_layer_calls)
-            and norms_ok
-        )
+        ):
+            problems.append(f"grad norm {s.grad_norm_pipeline:.7g} vs {s.grad_norm_reference:.7g} (rtol {norm_rtol:g})")
+        if s.loss_eval is not None and not abs(s.loss_eval - s.loss_reference) <= loss_tol:
+            problems.append(f"eval loss {s.loss_eval:.7g} vs {s.loss_reference:.7g}")
+        return problems
 
 
 @dataclass
@@ -478,6 +516,7 @@ class ParityReport:
     launcher: str
     wall_s: float
     families: list[FamilyReport]
+    rtol: float = 0.0
 
     def family(self, name: str) -> FamilyReport:
         for report in self.families:
@@ -492,7 +531,7 @@ class ParityReport:
 
     def family_ok(self, name: str) -> bool:
         """Every scenario of family ``name`` without a deliberate fault passed."""
-        return all(s.passed(self.tolerance) for s in self.family(name).scenarios if s.fault is None)
+        return all(s.passed(self.tolerance, self.rtol) for s in self.family(name).scenarios if s.fault is None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -526,15 +565,7 @@ class ParityReport:
                     ],
                 )
             )
-            rows = []
-            for s in f.scenarios:
-                for st in s.steps:
-                    verdict = "ok" if s.passed(self.tolerance) else ("FAIL" if s.fault is None else "fails (expected)")
-                    rows.append(
-                        (s.name, st.step, f"{st.loss_pipeline:.7f}", f"{st.loss_reference:.7f}", f"{st.loss_diff:.1e}",
-                         f"{st.grad_diff_vision:.1e}", f"{st.grad_diff_lm:.1e}",
-                         f"{st.first_stage_calls}/{st.expected_first_stage_calls}", f"{st.wall_pipeline_s:.3f}", verdict)
-                    )
+            rows, problems = self._scenario_rows(f)
             lines.append(
                 _table(
                     ("scenario", "step", "loss (pipeline)", "loss (reference)", "|diff|", "grad vision", "grad LM",
@@ -542,10 +573,38 @@ class ParityReport:
                     rows,
                 )
             )
+            lines += problems
             lines.append("")
         verdict = "PASS" if self.ok else "FAIL"
-        lines.append(f"{verdict}: tolerance {self.tolerance:g}, {self.world_size} processes ({self.launcher}), {self.wall_s:.1f} s")
+        rtol = f", rtol {self.rtol:g}" if self.rtol else ""
+        lines.append(f"{verdict}: tolerance {self.tolerance:g}{rtol}, {self.world_size} processes ({self.launcher}), {self.wall_s:.1f} s")
         return "\n".join(lines)
+
+    def _scenario_rows(self, f: FamilyReport) -> tuple[list[tuple[Any, ...]], list[str]]:
+        """The scenario table's rows, and one line per failing step saying what it missed."""
+        rows, problems = [], []
+        for s in f.scenarios:
+            passed = s.passed(self.tolerance, self.rtol)
+            if s.missing_params and s.fault is None:
+                problems.append(f"{s.name}: parameters on no stage: {', '.join(s.missing_params[:5])}"
+                                + (f" and {len(s.missing_params) - 5} more" if len(s.missing_params) > 5 else ""))
+            for st in s.steps:
+                verdict = "ok" if passed else ("FAIL" if s.fault is None else "fails (expected)")
+                rows.append(
+                    (s.name, st.step, f"{st.loss_pipeline:.7f}", f"{st.loss_reference:.7f}", f"{st.loss_diff:.1e}",
+                     _grad_cell(st.grad_diff_vision, st.vision_params_compared),
+                     _grad_cell(st.grad_diff_lm, st.lm_params_compared),
+                     f"{st.first_stage_calls}/{st.expected_first_stage_calls}", f"{st.wall_pipeline_s:.3f}", verdict)
+                )
+                missed = s.step_problems(st, self.tolerance, self.rtol)
+                if missed:
+                    problems.append(f"{s.name} step {st.step} {'FAIL' if s.fault is None else 'fails (expected)'}: "
+                                    + "; ".join(missed))
+        return rows, problems
+
+
+def _grad_cell(diff: float, compared: int) -> str:
+    return f"{diff:.1e}" if compared else "no parameters compared"
 
 
 _table = format_table
@@ -650,7 +709,7 @@ def _microbatch_of(ids: torch.Tensor, input_ids: torch.Tensor, samples: Sequence
 
 @dataclass
 class _Groups:
-    """This rank's place in the ``dp x pp`` layout (rank = dp_rank * pp + pp_rank)."""
+    """This rank's place in the ``dp x pp x tp`` layout (rank = (dp_rank * pp + pp_rank) * tp + tp_rank)."""
 
     pp: int
     dp: int
@@ -658,7 +717,7 @@ class _Groups:
     dp_rank: int
     pp_group: Any
     dp_group: Any
-    mesh: Any = None  # the (dp, pp) DeviceMesh, when dp > 1; the (dp, pp, tp) one when tp > 1
+    mesh: Any = None  # the (dp, pp, tp) DeviceMesh, when dp > 1 or tp > 1
     tp_rank: int = 0
 
 
@@ -666,25 +725,20 @@ _GROUP_CACHE: dict[tuple[int, ...], _Groups] = {}
 
 
 def _groups(world: int, rank: int, dp: int, tp: int = 1) -> _Groups:
-    """The pipeline and data-parallel groups of a ``dp x (world // dp)`` layout (created once per layout;
-    ``new_group`` is collective, so every rank creates every group in the same order); with ``tp > 1``
-    the ``(dp, pp, tp)`` mesh of :func:`~ppmedia.pipeline.pipeline_mesh`."""
+    """The pipeline and data-parallel groups of a ``dp x (world // (dp * tp)) x tp`` layout, from
+    :func:`~ppmedia.pipeline.pipeline_mesh` (created once per layout: ``new_group`` is collective, so
+    every rank creates every group in the same order); ``dp = tp = 1``: the world is the pipeline."""
     if (world, dp, tp) in _GROUP_CACHE:
         return _GROUP_CACHE[(world, dp, tp)]
     pp = world // (dp * tp)
-    if tp > 1:
-        from ..pipeline import pipeline_mesh
-
-        mesh = pipeline_mesh(pp, dp, tp)
-        groups = _Groups(pp, dp, (rank // tp) % pp, rank // (tp * pp), mesh["pp"].get_group(), mesh["dp"].get_group(),
-                         mesh, rank % tp)
-    elif dp == 1:
+    if dp == 1 and tp == 1:
         groups = _Groups(pp, 1, rank, 0, None, None)
     else:
-        from torch.distributed.device_mesh import init_device_mesh
+        from ..pipeline import pipeline_mesh
 
-        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))  # row-major: rank = d * pp + p
-        groups = _Groups(pp, dp, rank % pp, rank // pp, mesh["pp"].get_group(), mesh["dp"].get_group(), mesh)
+        mesh = pipeline_mesh(pp, dp, tp)  # rank = (d * pp + p) * tp + t
+        groups = _Groups(pp, dp, (rank // tp) % pp, rank // (tp * pp), mesh["pp"].get_group(), mesh["dp"].get_group(),
+                         mesh, rank % tp)
     _GROUP_CACHE[(world, dp, tp)] = groups
     return groups
 
@@ -850,10 +904,16 @@ class _Probe:
         self.current: dict[str, Any] = {}
         self.handles: list[Any] = []
 
-        def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            cursor = module.__dict__.get(CURSOR_ATTRIBUTE)
+        def record(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            media = kwargs.get("media")  # pre-split: the microbatch's own input; else the staged lists
+            cursor = module.__dict__.get(CURSOR_ATTRIBUTE) if media is None else media.index
             self.trace.append((cursor, _microbatch_of(args[0], self.current["input_ids"], self.current["samples"])))
             for name, attribute in STAGED_ATTRIBUTES.items():
+                if media is not None:
+                    view = None if media.chunk is None else getattr(media.chunk, name)
+                    if view is not None:
+                        self.views.append((media.index, name, view))
+                    continue
                 staged = module.__dict__.get(attribute)
                 if cursor is not None and staged is not None and cursor < len(staged) and staged[cursor].numel():
                     self.views.append((cursor, name, staged[cursor]))
@@ -865,7 +925,7 @@ class _Probe:
             return hook
 
         if built.first is not None:
-            self.handles.append(built.first.submod.register_forward_pre_hook(record))
+            self.handles.append(built.first.submod.register_forward_pre_hook(record, with_kwargs=True))
         for module in built.modules:
             decoder = list(module.stage_language_model.layers)
             self.layers += len(decoder)
@@ -921,6 +981,7 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     """One schedule step on this replica's share, then the tied and data-parallel reductions
     (``accumulate``: keep the gradients already there, and leave the reductions to the next step)."""
     from ..pipeline import all_reduce_gradients, make_labels, sync_tied_gradients
+    from ..presplit import microbatch_inputs
     from ..stage import stage_media
 
     import torch.distributed as dist
@@ -943,11 +1004,16 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
             spread.set_background(False)
         if scenario.fault == "stale_copies":  # the copies keep the weights of the first step
             spread.refresh = lambda everything=True: None  # type: ignore[method-assign]
-        staging = spread.step(staged, ids)
-    elif built.first is not None:
+        staging = spread.step(staged, ids, stage=not scenario.presplit)
+    elif built.first is not None and not scenario.presplit:
         staging = stage_media(built.first.submod if scenario.fault == "bare_module" else built.first, staged)
+    loss_kwargs = {"num_valid_tokens": num_valid}
     with staging:
-        built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs={"num_valid_tokens": num_valid})
+        if scenario.presplit:  # every rank the same microbatches; each one's media its own `media` input
+            inputs = microbatch_inputs(staged, ids, mask, target=labels, loss_kwargs=loss_kwargs)
+            built.schedule.step(**inputs.step_kwargs(), losses=losses)
+        else:
+            built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs=loss_kwargs)
     if accumulate:
         return losses, time.perf_counter() - t0, staged
     if scenario.tp > 1 and scenario.fault != "unreduced_tower":
@@ -958,6 +1024,24 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     if g.dp > 1 and not scenario.fsdp:  # FSDP2 has reduce-scattered them over the dp mesh
         all_reduce_gradients(built.modules, group=g.dp_group)
     return losses, time.perf_counter() - t0, staged
+
+
+def _eval_loss(built: _Built, scenario: Scenario, local: dict[str, Any], media_local: dict[str, Any], num_valid: int,
+               probe: _Probe, adapter: Any, config: Any, n: int) -> float | None:
+    """``eval``: the global loss of ``eval_step`` on this replica's share (staged or pre-split as the
+    scenario says), before the step's training step; ``None`` for other variants."""
+    if scenario.variant != "eval":
+        return None
+    from ..pipeline import eval_step, make_labels
+
+    staged = _split(adapter, config, dict(media_local), n)
+    ids, mask = local["input_ids"], local["attention_mask"]
+    labels = make_labels(ids, config, adapter, attention_mask=mask)
+    probe.reset(ids, staged.samples)  # its calls are not counted: the training step resets again
+    first = built.first
+    loss = eval_step(built.schedule, first, staged if (first is not None or scenario.presplit) else None,
+                     ids, mask, labels, num_valid, presplit=scenario.presplit)
+    return float(loss)
 
 
 def _encoded_rows(built: _Built, scenario: Scenario, staged: Any, g: _Groups, where: str) -> list[list[int]]:
@@ -971,7 +1055,8 @@ def _encoded_rows(built: _Built, scenario: Scenario, staged: Any, g: _Groups, wh
     plan = spread.last_plan
     assert plan is not None
     for k in range(staged.n_microbatches):
-        if bool(plan.names[k]) != (staged.chunk(k) is not None):
+        chunk = staged.chunk(k)  # per-sample inputs alone (PaliGemma's token types) are no media to encode
+        if bool(plan.names[k]) != (chunk is not None and chunk.has_media):
             raise AssertionError(f"{where}: microbatch {k}: plan {plan.names[k]} but chunk {staged.chunk(k)!r:.60}")
     if spread.last_encoded != plan.encoded_by(spread.rank):
         raise AssertionError(f"{where}: rank {spread.rank} encoded {spread.last_encoded}; its share is {plan.encoded_by(spread.rank)}")
@@ -1029,19 +1114,23 @@ def _clip_both(built: _Built, g: _Groups) -> tuple[float, float]:
     return float(norm), ref_norm
 
 
-def _compare(built: _Built) -> tuple[dict[bool, float], dict[bool, float], dict[bool, int]]:
-    """Max |grad diff|, max |reference grad| and parameter counts, per side (True: language model)."""
+def _compare(built: _Built) -> tuple[dict[bool, float], dict[bool, float], dict[bool, int], dict[bool, str | None]]:
+    """Max |grad diff|, max |reference grad|, parameter counts and the parameter with the largest
+    difference, per side (True: language model)."""
     ref_params = dict(built.reference.named_parameters(remove_duplicate=False))
     diffs = {True: 0.0, False: 0.0}
     scale = {True: 0.0, False: 0.0}
     counts = {True: 0, False: 0}
+    worst: dict[bool, str | None] = {True: None, False: None}
     for name, (param, is_lm) in built.owned.items():  # the same order on every replica (collectives)
         ref_grad = ref_params[name].grad
         grad = None if param.grad is None else _full(param.grad).float()
-        diffs[is_lm] = max(diffs[is_lm], _max_abs_diff(grad, ref_grad))
+        diff = _max_abs_diff(grad, ref_grad)
+        if worst[is_lm] is None or diff > diffs[is_lm]:
+            diffs[is_lm], worst[is_lm] = diff, name
         scale[is_lm] = max(scale[is_lm], _max_abs_diff(ref_grad, None))
         counts[is_lm] += 1
-    return diffs, scale, counts
+    return diffs, scale, counts, worst
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -1054,8 +1143,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _check_calls(probe: _Probe, built: _Built, scenario: Scenario, step: int, n: int, where: str) -> tuple[int, int]:
     """Stage 0 ran once per microbatch (plus the shape-inference forward) on its own chunk; returns
     the decoder layers' calls and the expected number."""
-    # varlen: every schedule step has another S than the previous one, so shapes are inferred again
-    inference = scenario.shapes == "inferred" and (step == 0 or scenario.variant == "varlen")
+    # varlen: every schedule step has another S than the previous one, so shapes are inferred again;
+    # eval: every step follows an eval() (a switch from training and back)
+    inference = scenario.shapes == "inferred" and (step == 0 or scenario.variant in ("varlen", "eval"))
     expected_calls = n + inference
     if built.first is not None:
         if len(probe.trace) != expected_calls:
@@ -1108,11 +1198,12 @@ def _run_scenario(
             )
             if scenario.variant == "varlen":
                 _accumulate_padded(built, scenario, g, job.seed + 500 + step, probe, tiny_module, n)
+            loss_eval = _eval_loss(built, scenario, local, media_local, num_valid, probe, adapter, config, n)
             losses, wall_pipeline, staged = _pipeline_step(built, scenario, g, local, media_local, num_valid, probe, adapter, config, n)
             targets = make_labels(ids, config, adapter, attention_mask=mask, shift=False)
             out, wall_reference = _reference_step(built, tiny_module, batch, targets, accumulate=scenario.variant == "varlen")
             norms = _clip_both(built, g) if scenario.clip else (None, None)
-            diffs, scale, counts = _compare(built)
+            diffs, scale, counts, worst = _compare(built)
             expected_calls, expected_layers = _check_calls(probe, built, scenario, step, n, where)
             global_split = _split(adapter, config, dict(media_batch), g.dp * n)
             step_results.append(
@@ -1125,6 +1216,8 @@ def _run_scenario(
                     "grad_diff_lm": diffs[True],
                     "params_compared": len(built.owned),
                     "vision_params_compared": counts[False],
+                    "worst_param_vision": worst[False],
+                    "worst_param_lm": worst[True],
                     "reference_grad_max_vision": scale[False],
                     "reference_grad_max_lm": scale[True],
                     "wall_pipeline_s": wall_pipeline,
@@ -1140,6 +1233,7 @@ def _run_scenario(
                     # a balanced split copies the media in the new order: nothing to locate in the batch
                     "media_rows": [] if scenario.balance else _media_rows(probe, media_batch, global_split, g, n, where),
                     "encoded": _encoded_rows(built, scenario, staged, g, where),
+                    "loss_eval": loss_eval,
                 }
             )
             built.optimizer.step()
@@ -1230,6 +1324,8 @@ def _merge_step(k: int, rows: list[dict[str, Any]]) -> StepResult:
         loss_reference=rows[0]["loss_reference"],
         grad_diff_vision=max(r["grad_diff_vision"] for r in rows),
         grad_diff_lm=max(r["grad_diff_lm"] for r in rows),
+        worst_param_vision=_worst(rows, "vision"),
+        worst_param_lm=_worst(rows, "lm"),
         params_compared=sum(r["params_compared"] for r in rows),
         vision_params_compared=sum(r["vision_params_compared"] for r in rows),
         reference_grad_max_vision=max(r["reference_grad_max_vision"] for r in rows),
@@ -1248,7 +1344,14 @@ def _merge_step(k: int, rows: list[dict[str, Any]]) -> StepResult:
         vision_layer_calls=sum(r["vision_layer_calls"] for r in rows),
         media_rows=[row for r in rows for row in r["media_rows"]],
         encoded=[row for r in rows for row in r.get("encoded", [])],
+        loss_eval=rows[0].get("loss_eval"),
     )
+
+
+def _worst(rows: list[dict[str, Any]], side: str) -> str | None:
+    """The parameter with the largest gradient difference of ``side`` over every rank's rows."""
+    named = [r for r in rows if r.get(f"worst_param_{side}") is not None]
+    return max(named, key=lambda r: r[f"grad_diff_{side}"])[f"worst_param_{side}"] if named else None
 
 
 def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
@@ -1278,6 +1381,7 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         fsdp=sc.get("fsdp", False),
         microbatches=sc.get("microbatches"),
         tp=sc.get("tp", 1),
+        presplit=sc.get("presplit", False),
         stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0 and not v.get("tp_rank")],
     )
 
@@ -1493,6 +1597,7 @@ def run_parity(
     tolerance: float = 1e-5,
     world_size: int = 2,
     family_scenarios: Mapping[str, Iterable[str | Scenario]] | None = None,
+    rtol: float = 0.0,
 ) -> ParityReport:
     """Run ``families`` through a real multi-process pipeline and compare with the model itself.
 
@@ -1508,7 +1613,12 @@ def run_parity(
         seed: model and batch seed (step ``k`` uses batch ``seed + k``).
         lr: the SGD learning rate of the steps, at most a tiny module's ``MAX_PARITY_LR`` (Gemma 4's
             tiny model: 1e-4).
-        tolerance: what :meth:`ScenarioResult.passed` and :attr:`ParityReport.ok` accept.
+        tolerance: what :meth:`ScenarioResult.passed` and :attr:`ParityReport.ok` accept: the
+            absolute bound on the loss difference and on every gradient difference (float32).
+        rtol: a relative bound beside it: a value passes within ``tolerance + rtol * scale``, the
+            scale being the reference loss, or the largest reference gradient entry of the side
+            (vision or language model). 0 (the default): absolute only. For families whose
+            gradients are large (entries of 1e3 and more), where float32 rounding alone exceeds 1e-5.
         world_size: processes to spawn (ignored under torchrun).
         family_scenarios: more scenarios for single families, run in the same processes after
             ``scenarios`` (a family named only here runs only its own).
@@ -1517,6 +1627,8 @@ def run_parity(
         ParityError: a worker failed (its traceback is in the message).
         ValueError: bad arguments (checked before anything starts).
     """
+    if not (isinstance(tolerance, (int, float)) and tolerance >= 0 and isinstance(rtol, (int, float)) and rtol >= 0):
+        raise ValueError(f"run_parity: tolerance {tolerance!r}, rtol {rtol!r}; expected numbers >= 0")
     names = [families] if isinstance(families, str) else list(families)
     specs = parse_scenarios(scenarios)
     extra = {family: parse_scenarios(more) for family, more in (family_scenarios or {}).items()}
@@ -1532,12 +1644,18 @@ def run_parity(
         try:
             nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))  # torchrun's agents (nodes)
             launcher = f"torchrun, {nodes} nodes" if nodes > 1 else "torchrun"
-            return run_worker(int(os.environ["RANK"]), world_size, "env://", job, tolerance, launcher=launcher)
+            report = run_worker(int(os.environ["RANK"]), world_size, "env://", job, tolerance, launcher=launcher)
+            report.rtol = rtol
+            return report
         except Exception as exc:
             raise ParityError(f"parity worker failed on rank {os.environ['RANK']}: {_root_cause(exc)}") from exc
 
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(_MAIN_GUARD)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory(prefix="ppmedia-parity-") as out_dir:
         try:
@@ -1556,11 +1674,22 @@ def run_parity(
                         summary, _, trace = fh.read().partition("\n")
                     summaries.append(f"rank {rank}: {summary}")
                     details.append(f"--- rank {rank} ---\n{trace}")
-            if not summaries:
-                summaries.append(str(exc))
+            if not summaries:  # no worker got as far as _spawn_entry
+                summaries.append(f"{exc} (no worker reached the harness: a call of run_parity at the top level of a "
+                                 f"script needs `if __name__ == \"__main__\":` around it, the workers import the script)")
             raise ParityError("parity worker failed: " + "; ".join(summaries) + "\n" + "\n".join(details)) from exc
         with open(os.path.join(out_dir, "report.json")) as fh:
-            return ParityReport.from_dict(json.load(fh))
+            report = ParityReport.from_dict(json.load(fh))
+        report.rtol = rtol
+        return report
+
+
+#: what a worker says when run_parity is called while it imports the script (no ``__main__`` guard)
+_MAIN_GUARD = (
+    "run_parity: called while a spawned worker imports the main module: the workers start by importing "
+    "the script that called run_parity, so a call at its top level runs again in each of them; put the "
+    "call under `if __name__ == \"__main__\":`"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1584,6 +1713,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=2, help="processes to spawn (ignored under torchrun)")
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="absolute bound on loss and gradient differences")
+    parser.add_argument("--rtol", type=float, default=0.0,
+                        help="relative bound beside it: pass within tolerance + rtol * scale (default 0)")
     args = parser.parse_args(argv)
     try:
         report = run_parity(
@@ -1593,6 +1725,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             n_microbatches=args.microbatches,
             seed=args.seed,
             world_size=args.world_size,
+            tolerance=args.tolerance,
+            rtol=args.rtol,
         )
     except (ValueError, TypeError) as exc:  # arguments refused before anything started: one line
         parser.exit(2, f"{parser.prog}: error: {exc}\n")

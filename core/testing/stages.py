@@ -33,7 +33,7 @@ from torch import Tensor
 from . import tiny_models
 from .checks import AdapterMismatch, _resolve_adapter
 
-__all__ = ["StageSplitCheck", "check_stage_splits", "reference_run", "stage_run"]
+__all__ = ["StageSplitCheck", "check_stage_splits", "held_twice", "reference_run", "stage_run"]
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,15 @@ class StageSplitCheck:
     params_compared: int
 
 
-def reference_run(model: torch.nn.Module, module: Any, batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+def reference_run(model: torch.nn.Module, module: Any, batch: Mapping[str, Any], *,
+                  adapter: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The model's own full-batch forward and loss (transformers' mean token cross-entropy, the targets
     of :func:`ppmedia.pipeline.make_labels` with ``shift=False``), backward; returns ``(logits,
-    {parameter: gradient})``. ``module`` is the tiny-family module (its ``reference_inputs``)."""
+    {parameter: gradient})``. ``module`` is the tiny-family module (its ``reference_inputs``);
+    ``adapter``: the family's (default: the registry's), whose placeholders the labels mask."""
     from ..pipeline import make_labels
 
-    targets = make_labels(batch["input_ids"], model.config, attention_mask=batch.get("attention_mask"), shift=False)
+    targets = make_labels(batch["input_ids"], model.config, adapter, attention_mask=batch.get("attention_mask"), shift=False)
     model.zero_grad(set_to_none=True)
     inputs = dict(module.reference_inputs(dict(batch)))
     inputs.setdefault("use_cache", False)
@@ -109,6 +111,36 @@ def stage_run(
     return torch.cat(outs), grads, stages
 
 
+def held_twice(stages: Sequence[Any]) -> dict[str, list[int]]:
+    """``{parameter name: stage indices}`` of every parameter (full-model name) that more than one of
+    ``stages`` holds: a module copied to a stage that does not run it (a tied parameter has another
+    name on each stage, so it is not one of them)."""
+    holders: dict[str, list[int]] = {}
+    for stage in stages:
+        for name, _ in stage.named_parameters(remove_duplicate=False):
+            holders.setdefault(name, []).append(int(stage.stage_index))
+    return {name: where for name, where in holders.items() if len(set(where)) > 1}
+
+
+def _duplicates_message(twice: Mapping[str, list[int]], stages: Sequence[Any]) -> str:
+    names = sorted(twice)
+    held = {n for stage in stages for n, _ in stage.named_parameters(remove_duplicate=False)}
+    modules: list[str] = []
+    for name in names:  # the outermost modules all of whose parameters are held twice
+        parts = name.split(".")
+        top = next((".".join(parts[:i]) for i in range(1, len(parts))
+                    if all(n in twice for n in held if n.startswith(".".join(parts[:i]) + "."))), name)
+        if top not in modules:
+            modules.append(top)
+    return (
+        f"{len(names)} parameters are on more than one stage: those of {', '.join(modules[:4])}"
+        f"{f' and {len(modules) - 4} more modules' if len(modules) > 4 else ''} (e.g. {names[0]} on stages "
+        f"{sorted(set(twice[names[0]]))}): a later stage holds a copy of what one stage runs. An encoder or merge "
+        f"inside the decoder stack: declare the module whose output is the merged embeddings as the adapter's "
+        f"merge_path; a module only the last stage runs: replace it in the adapter's prune_stage"
+    )
+
+
 def check_stage_splits(
     family: str | ModuleType,
     splits: Iterable[Sequence[int]],
@@ -134,20 +166,29 @@ def check_stage_splits(
         One :class:`StageSplitCheck` per split.
 
     Raises:
-        AdapterMismatch: a split's logits or a gradient differ, or a parameter got no gradient in the
-            stages; the message names the family, the split and the worst parameter. An error inside
+        AdapterMismatch: a split's logits or a gradient differ, a parameter got no gradient in the
+            stages, or a parameter is on more than one stage (:func:`held_twice`: the stages share
+            parameters with the model, so a copy does not change the gradients here, but it does
+            across processes); the message names the family, the split and the parameter. An error inside
             the stages (a model that needs state it did not get) is re-raised as it is.
     """
     module = tiny_models.load(family)
     name = tiny_models.family_name(module)
     model = module.build_model(seed) if model is None else model
     batch = module.build_batch(seed) if batch is None else batch
-    ref_logits, ref_grads = reference_run(model, module, batch)
+    from ..pipeline import build_stage_modules
+
+    resolved = _resolve_adapter(adapter, model)
+    ref_logits, ref_grads = reference_run(model, module, batch, adapter=resolved)
     out = []
     for split in splits:
         split = tuple(int(n) for n in split)
-        logits, grads, stages = stage_run(model, batch, split, adapter=adapter, n_microbatches=n_microbatches)
         where = f"{name}, layers per stage {list(split)}, {n_microbatches} microbatches"
+        built = build_stage_modules(model, len(split), layers_per_stage=split, adapter=resolved)
+        twice = held_twice(built)
+        if twice:  # before running: the copies share the model's parameters, so no gradient shows them here
+            raise AdapterMismatch(f"{where}: {_duplicates_message(twice, built)}", name, n_microbatches, None)
+        logits, grads, stages = stage_run(model, batch, split, adapter=resolved, n_microbatches=n_microbatches)
         missing = sorted(set(ref_grads) - set(grads))
         if missing:
             raise AdapterMismatch(f"{where}: no gradient reached {len(missing)} parameters, e.g. {missing[:3]}", name, n_microbatches, None)

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --tp-memory | --stage0 [--timeline FILE.svg]]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -25,7 +25,9 @@ Measures, in one process with ``torch.set_num_threads(1)``:
 9. the encoder spread: real 2-process 1F1B pipelines on a vision-heavy tiny model, the vision tower on
    stage 0 (uniform and other static splits) vs spread over both ranks, with the planner's predictions
    and the timeline picture (see ``stage0_bench.py``; alone: ``--stage0``).
-10. tensor-parallel memory: pp=2 x tp=2 (4 processes) on section 8's model, the largest rank's
+10. data (``--data`` alone; see ``data_bench.py``): media files read per replica at pp=2 / pp=1, the
+   loader's samples/s with 0 and 2 workers next to the training step's.
+11. tensor-parallel memory: pp=2 x tp=2 (4 processes) on section 8's model, the largest rank's
    parameters + gradients + optimizer state over one process's (see ``tp_memory_bench.py``; alone:
    ``--tp-memory``, with section 8 beside it).
 
@@ -58,6 +60,7 @@ import ppmedia  # noqa: E402
 from ppmedia.testing.tiny_models import FAMILIES  # noqa: E402
 
 import balance_bench  # noqa: E402
+import data_bench  # noqa: E402
 import load_memory_bench  # noqa: E402
 import fsdp_memory_bench  # noqa: E402
 import tp_memory_bench  # noqa: E402
@@ -125,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-memory", action="store_true", help="run only the load-memory benchmark (section 7)")
     parser.add_argument("--fsdp-memory", action="store_true", help="run only the FSDP2 memory benchmark (section 8)")
     parser.add_argument("--tp-memory", action="store_true",
-                        help="run only the tensor-parallel memory benchmark (section 10), section 8 beside it")
+                        help="run only the tensor-parallel memory benchmark (section 11), section 8 beside it")
     parser.add_argument("--stage0", action="store_true", help="run only the encoder-spread benchmark (section 9)")
+    parser.add_argument("--data", action="store_true", help="run only the data benchmark (section 10)")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="section 9: draw its predicted and measured timelines here (SVG)")
     args = parser.parse_args(argv)
@@ -140,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_tp_memory(args, None)
     if args.stage0:
         return _run_stage0(args, None)
+    if args.data:
+        return _run_data(args, None)
 
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -245,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     spread = _run_stage0(args, targets)
     print()
 
-    # -- 10: tensor-parallel memory ------------------------------------------------------------------
+    # -- 10: data ----------------------------------------------------------------------------------
+    data_result = _run_data(args, targets)
+    print()
+
+    # -- 11: tensor-parallel memory ------------------------------------------------------------------
     tp_memory = _run_tp_memory(args, targets)
     print()
 
@@ -286,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage0": spread,
         "load_memory": load_memory,
         "fsdp_memory": fsdp_memory,
+        "data": data_result,
         "tp_memory": tp_memory,
         "environment": env,
         "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
@@ -392,7 +403,7 @@ def _run_fsdp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | N
 
 
 def _run_tp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
-    """Section 10; alone (``targets`` None) it also runs section 8, writes ``--out`` and returns 0."""
+    """Section 11; alone (``targets`` None) it also runs section 8, writes ``--out`` and returns 0."""
     result = tp_memory_bench.run()
     print(tp_memory_bench.report(result))
     if targets is None:
@@ -403,6 +414,20 @@ def _run_tp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | Non
         return 0
     targets.append({"target": f"tp-memory: pp=2 x tp=2, largest rank / one process <= {result['target']}",
                     "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
+    return result
+
+
+def _run_data(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 10; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    result = data_bench.run(repeats=2 if args.quick else 5)
+    print(data_bench.report(result))
+    if targets is None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"data": result}, indent=1) + "\n")
+        return 0
+    reads = result["reads"]
+    targets.append({"target": "data: media files read per replica at pp=2 / at pp=1 = 1.00",
+                    "measured": round(reads["R"], 2), "met": reads["R"] == reads["goal"]})
     return result
 
 

@@ -167,7 +167,7 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
         ids, mask = batch["input_ids"], batch["attention_mask"]
         labels = make_labels(ids, config, adapter, attention_mask=mask)
         staged = ppmedia.split_media(dict(batch), N_MICROBATCHES, **adapter.media_counts(batch, config))
-        num_valid = int((labels != -100).sum())
+        num_valid = int((labels >= 0).sum())  # neither IGNORE_INDEX nor SHIFTED_MARK
         built = {}
         for arm, (encoder, layers) in ARMS.items():
             stages = make_pipeline_stages(model, 2, [rank], "cpu", layers_per_stage=list(layers), encoder=encoder,

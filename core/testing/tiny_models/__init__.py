@@ -16,6 +16,12 @@ Each family module defines:
 * optionally ``ADAPTER``: the name of the adapter serving the model, when it is not the family's name
   (a variant: ``mistral_small4`` is served by ``mistral3``, ``llava_pixtral`` by ``llava``,
   ``kimi_k25_video`` by ``kimi_vl``);
+* optionally ``build_processor(image_backend="torchvision")``: the family's real processor around a
+  tiny tokenizer (:func:`ppmedia.testing.processors.build_tiny_processor`);
+* optionally ``build_batches(seed=0)``: more batches, each of another structure than ``build_batch``'s
+  (media per sample permuted, other sizes or merge sizes, one modality alone), which ``check_adapter``
+  and ``FamilyKit.check_adapter`` check as well (:func:`more_batches`); a bug that one structure hides
+  (a merge size hard-coded to the one batch's) shows in another;
 * optionally ``MAX_PARITY_LR``: the largest SGD step the parity harness takes on the model (Gemma 4's
   tiny model is so curved that a larger one turns float32 rounding into gradient differences above
   the tolerance, in its own microbatched forward too).
@@ -42,6 +48,7 @@ __all__ = [
     "constant_parameters",
     "family_name",
     "load",
+    "more_batches",
     "seeded",
     "seeded_distinct",
 ]
@@ -82,6 +89,22 @@ FAMILIES: tuple[str, ...] = (
 
 #: what a tiny-family module must define (see the module docstring).
 PROTOCOL: tuple[str, ...] = ("MODEL_TYPE", "build_config", "build_model", "build_batch", "reference_inputs")
+
+
+def more_batches(module: ModuleType, seed: int = 0) -> list[dict[str, Tensor]]:
+    """The tiny-family module's optional ``build_batches(seed)`` as a list (``[]`` without one).
+
+    Raises:
+        TypeError: it returned something other than a list or tuple of batches (dicts with ``input_ids``).
+    """
+    build = getattr(module, "build_batches", None)
+    if build is None:
+        return []
+    batches = build(seed)
+    if not isinstance(batches, (list, tuple)) or not all(isinstance(b, dict) and "input_ids" in b for b in batches):
+        raise TypeError(f"{module.__name__}.build_batches({seed}) returned {type(batches).__name__}; expected a list "
+                        f"of batches (dicts holding input_ids)")
+    return list(batches)
 
 
 def load(family: str | ModuleType) -> ModuleType:
@@ -180,39 +203,75 @@ def _reference_language_model(model: torch.nn.Module) -> Any:
     raise TypeError(f"{type(model).__name__}: no language model at {' or '.join(REFERENCE_LANGUAGE_MODELS)}")
 
 
-def capture_merged_embeds(model: torch.nn.Module, **inputs: Any) -> Tensor:
-    """Run ``model(**inputs)`` and return the ``inputs_embeds`` ``[B, S, hidden]`` its language model got.
+def capture_merged_embeds(model: torch.nn.Module, *, adapter: Any = None, **inputs: Any) -> Tensor:
+    """Run ``model(**inputs)`` and return the merged embeddings ``[B, S, hidden]`` the model made itself.
 
-    The tensor is captured by a forward pre-hook on the model's decoder stack (``model.model.language_model``;
-    Idefics3's ``model.model.text_model``, Llama 4's ``model.language_model.model``: the adapter's
-    ``language_model_path``; without an adapter the first of :data:`REFERENCE_LANGUAGE_MODELS`), i.e. after
-    the model merged the image features itself: the reference for golden tests, independent of ppmedia.
+    Captured where the family merges (:func:`capture_reference`): by default the ``inputs_embeds`` its
+    decoder stack gets (``model.model.language_model``; Idefics3's ``model.model.text_model``, Llama 4's
+    ``model.language_model.model``: the adapter's ``language_model_path``; without an adapter the first
+    of :data:`REFERENCE_LANGUAGE_MODELS`); with the adapter's ``merge_path`` the output of that module
+    (Phi-4-multimodal's ``model.embed_tokens_extend``, inside the decoder stack). The reference for
+    golden tests, independent of ppmedia's merge.
     """
-    return capture_reference(model, **inputs)[0]
+    return capture_reference(model, adapter=adapter, **inputs)[0]
 
 
-def capture_reference(model: torch.nn.Module, **inputs: Any) -> tuple[Tensor, Tensor | None]:
-    """Run ``model(**inputs)``; return what its language model got: ``inputs_embeds`` ``[B, S, hidden]``
-    (merged by the model itself) and ``position_ids`` (e.g. Qwen's mrope ``[3, B, S]``; ``None`` when
-    the model leaves positions to the language model)."""
-    captured: list[dict[str, Any]] = []
+def _first_tensor(value: Any) -> Any:
+    """A module's output as a tensor: itself, ``.last_hidden_state``, or its first element."""
+    if isinstance(value, Tensor):
+        return value
+    if hasattr(value, "last_hidden_state"):
+        return value.last_hidden_state
+    return value[0] if isinstance(value, (tuple, list)) and value else None
 
-    def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        captured.append({k: kwargs.get(k) for k in ("inputs_embeds", "position_ids")})
 
-    from ...pipeline.surgery import find_language_model
+def capture_reference(model: torch.nn.Module, *, adapter: Any = None, **inputs: Any) -> tuple[Tensor, Tensor | None]:
+    """Run ``model(**inputs)``; return the merged embeddings ``[B, S, hidden]`` and the ``position_ids``
+    its language model got (e.g. Qwen's mrope ``[3, B, S]``; ``None`` when the model leaves positions
+    to the language model).
+
+    ``adapter`` (default: the registry's for ``model``; the testing kit passes the one under test, so
+    a plugin given as ``plugins=`` is used as an installed one) says where the family merges: without
+    a ``merge_path``, the ``inputs_embeds`` the decoder stack (its ``language_model_path``) gets; with
+    one, the output of that module.
+
+    Raises:
+        RuntimeError: the language model (or the merge module) ran other than once, or the decoder
+            stack got no ``inputs_embeds`` (its family merges inside it: the message says to declare
+            ``merge_path``).
+    """
+    from ...pipeline.surgery import find_language_model, find_merge_module
+
+    calls: list[dict[str, Any]] = []
+    merged: list[Any] = []
+
+    def before(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        calls.append({k: kwargs.get(k) for k in ("inputs_embeds", "position_ids")})
+
+    def after(_module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        merged.append(_first_tensor(output))
 
     try:
-        language_model: Any = find_language_model(model)[1]
+        language_model: Any = find_language_model(model, adapter)[1]
     except TypeError:  # no adapter registered for it: the usual places
         language_model = _reference_language_model(model)
-    handle = language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    merge_path, merge = find_merge_module(model, adapter)
+    handles = [language_model.register_forward_pre_hook(before, with_kwargs=True)]
+    if merge is not None:
+        handles.append(merge.register_forward_hook(after))
     try:
         with torch.no_grad():
             model(**inputs)
     finally:
-        handle.remove()
-    if len(captured) != 1:
-        raise RuntimeError(f"expected one language-model call, saw {len(captured)}")
-    embeds, positions = captured[0]["inputs_embeds"], captured[0]["position_ids"]
+        for handle in handles:
+            handle.remove()
+    if len(calls) != 1 or (merge is not None and len(merged) != 1):
+        raise RuntimeError(f"expected one language-model call, saw {len(calls)}"
+                           + (f", and one call of {merge_path}, saw {len(merged)}" if merge is not None else ""))
+    embeds, positions = merged[0] if merge is not None else calls[0]["inputs_embeds"], calls[0]["position_ids"]
+    if not isinstance(embeds, Tensor):
+        where = f"{merge_path} returned {type(embeds).__name__}" if merge is not None else (
+            f"{type(language_model).__name__} got no inputs_embeds (the model merges inside it: declare where "
+            f"with the adapter's merge_path, the module whose output is the merged embeddings)")
+        raise RuntimeError(f"{type(model).__name__}: cannot capture the merged embeddings: {where}")
     return embeds.detach().clone(), None if positions is None else positions.detach().clone()

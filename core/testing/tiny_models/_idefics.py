@@ -126,3 +126,26 @@ def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Te
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask") if k in batch}
+
+
+def build_processor(processor_name: str, image_processor_name: str, image_backend: str, **more: Any) -> Any:
+    """A real ``Idefics3Processor`` / ``SmolVLMProcessor`` around ``<image_processor_name>`` (``...Pil``
+    with ``image_backend="pil"``) at the tiny crop: images at most 32 pixels a side, split in 16-pixel
+    crops (at most 2 x 2 and the global view), :data:`TOKENS_PER_CROP` tokens a crop; a word-level
+    tokenizer with the tiny ids (``<row_r_col_c>`` for r, c in 1..4, ``<end_of_utterance>`` 3); the
+    Idefics chat style (role word, content, ``<end_of_utterance>``). The processor's newlines between
+    crop rows are whitespace to this tokenizer (no token)."""
+    import transformers
+
+    from ..word_tokenizer import TokenizerSpec, chat_template, word_tokenizer
+    from ._processors import image_processor_class
+
+    images = image_processor_class(image_processor_name, image_backend)(size={"longest_edge": 2 * CROP},
+                                                                          max_image_size={"longest_edge": CROP})
+    ids = {"<pad>": PAD_TOKEN_ID, "<s>": 1, "</s>": 2, "<end_of_utterance>": 3, "<image>": IMAGE_TOKEN_ID,
+           "<fake_token_around_image>": FAKE_TOKEN_ID, "<global-img>": GLOBAL_TOKEN_ID}
+    ids.update({f"<row_{r + 1}_col_{c + 1}>": ROW_COL_TOKEN_ID + 4 * r + c for r in range(4) for c in range(4)})
+    tokenizer = word_tokenizer(TokenizerSpec(VOCAB_SIZE, ids, pad="<pad>", eos="<end_of_utterance>", bos="<s>"))
+    template = chat_template("idefics", {"image": "<image>"}, bos="<s>")
+    return getattr(transformers, processor_name)(image_processor=images, tokenizer=tokenizer, image_seq_len=TOKENS_PER_CROP,
+                                                 chat_template=template, **more)

@@ -8,14 +8,14 @@ Private to ``ppmedia.testing.tiny_models``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from ._batch import right_padded
 
-__all__ = ["PixtralLayout", "image_ids", "pixtral_batch"]
+__all__ = ["PixtralLayout", "image_ids", "pixtral_batch", "pixtral_processor"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,22 @@ def pixtral_batch(layout: PixtralLayout, seed: int) -> dict[str, Tensor]:
         "pixel_values": pixel_values,
         "image_sizes": torch.tensor(all_sizes, dtype=torch.int64),
     }
+
+
+def pixtral_processor(layout: PixtralLayout, patch_size: int, merge: int, image_backend: str) -> Any:
+    """A real ``PixtralProcessor`` for ``layout``: ``PixtralImageProcessor`` (``...Pil`` with
+    ``image_backend="pil"``) at patch ``layout.step`` (vision patch x merge, as the processor passes
+    it), longest edge ``layout.max_size``; a word-level tokenizer with the layout's ids (``<s>`` 1,
+    ``</s>`` 2, ``[INST]`` 3, ``[/INST]`` 4, ``<pad>`` the pad id), Mistral's ``[INST]`` chat template."""
+    import transformers
+
+    from ..word_tokenizer import TokenizerSpec, chat_template, word_tokenizer
+    from ._processors import image_processor_class
+
+    images = image_processor_class("PixtralImageProcessor", image_backend)(
+        patch_size={"height": layout.step, "width": layout.step}, size={"longest_edge": layout.max_size})
+    ids = {"<pad>": layout.pad, "<s>": 1, "</s>": 2, "[INST]": 3, "[/INST]": 4, "[IMG]": layout.image,
+           "[IMG_BREAK]": layout.image_break, "[IMG_END]": layout.image_end}
+    tokenizer = word_tokenizer(TokenizerSpec(layout.vocab, ids, pad="<pad>", eos="</s>", bos="<s>"))
+    return transformers.PixtralProcessor(image_processor=images, tokenizer=tokenizer, patch_size=patch_size,
+                                         spatial_merge_size=merge, chat_template=chat_template("inst", {"image": "[IMG]"}, bos="<s>"))

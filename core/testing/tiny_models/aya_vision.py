@@ -33,8 +33,18 @@ from torch import Tensor
 from . import seeded_distinct
 from ._batch import right_padded
 
-__all__ = ["IMAGE_TOKEN_ID", "MODEL_TYPE", "SAMPLES", "TOKENS_PER_TILE", "build_batch", "build_config", "build_model",
-           "image_ids", "reference_inputs"]
+__all__ = [
+    "IMAGE_TOKEN_ID",
+    "MODEL_TYPE",
+    "SAMPLES",
+    "TOKENS_PER_TILE",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "build_processor",
+    "image_ids",
+    "reference_inputs",
+]
 
 MODEL_TYPE = "aya_vision"
 
@@ -113,3 +123,25 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values")}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``AyaVisionProcessor``: ``GotOcr2ImageProcessor`` (``...Pil`` with ``image_backend="pil"``)
+    cutting images into at most 4 tiles of 16 x 16 plus the thumbnail, patch 4, downsample 2
+    (:data:`TOKENS_PER_TILE` tokens a tile); a word-level tokenizer with the tiny ids (``<PAD>`` 0,
+    ``<BOS_TOKEN>`` 1, ``<|END_OF_TURN_TOKEN|>`` 2, ``TILE_1`` .. ``TILE_12``), a plain chat template."""
+    import transformers
+
+    from ..word_tokenizer import TokenizerSpec, chat_template, word_tokenizer
+    from ._processors import image_processor_class
+
+    square = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    images = image_processor_class("GotOcr2ImageProcessor", image_backend)(size=square, crop_to_patches=True, min_patches=1,
+                                                                            max_patches=4)
+    ids = {"<PAD>": PAD_TOKEN_ID, "<BOS_TOKEN>": 1, "<|END_OF_TURN_TOKEN|>": 2, "<|IMG_PATCH|>": IMAGE_TOKEN_ID,
+           "<|START_OF_IMG|>": START_TOKEN_ID, "<|END_OF_IMG|>": END_TOKEN_ID, "TILE_GLOBAL": GLOBAL_TOKEN_ID}
+    ids.update({f"TILE_{i}": TILE_TOKEN_ID + i for i in range(1, 13)})
+    tokenizer = word_tokenizer(TokenizerSpec(VOCAB_SIZE, ids, pad="<PAD>", eos="<|END_OF_TURN_TOKEN|>", bos="<BOS_TOKEN>"))
+    return transformers.AyaVisionProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH_SIZE, img_size=IMAGE_SIZE,
+                                           downsample_factor=DOWNSAMPLE, chat_template=chat_template("plain", {"image": "<image>"},
+                                                                                                     bos="<BOS_TOKEN>"))

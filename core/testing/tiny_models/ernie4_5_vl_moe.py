@@ -50,6 +50,7 @@ __all__ = [
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
     "moe_token_types",
     "reference_inputs",
     "token_types",
@@ -172,3 +173,31 @@ def reference_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     keys = ("input_ids", "attention_mask", "mm_token_type_ids", "moe_mm_token_type_ids", "pixel_values",
             "image_grid_thw", "pixel_values_videos", "video_grid_thw")
     return {k: batch[k] for k in keys if batch.get(k) is not None}
+
+
+#: the tiny processor's image and frame sizes: 28 to 84 pixels a side (multiples of patch x merge = 28).
+MIN_PIXELS = 28 * 28
+MAX_PIXELS = 84 * 56
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Ernie4_5_VLMoeProcessor``: ``Ernie4_5_VLMoeImageProcessor`` (``...Pil`` with
+    ``image_backend="pil"``) and ``Ernie4_5_VLMoeVideoProcessor`` at patch 14, merge 2, 784..4704 pixels
+    a frame (frames as given, no timestamps drawn on them: that needs a font file from the hub); a
+    word-level tokenizer with the tiny ids (``<|im_start|>`` / ``<|im_end|>`` the turns at
+    ``BOS_TOKEN_ID`` / ``EOS_TOKEN_ID``), a chatml chat template. The processor also returns
+    ``moe_mm_token_type_ids``."""
+    import transformers
+
+    from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
+
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    images = image_processor_class("Ernie4_5_VLMoeImageProcessor", image_backend)(size=size)
+    videos = transformers.Ernie4_5_VLMoeVideoProcessor(size=size, do_sample_frames=False, draw_on_frames=False)
+    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
+           "<|IMAGE_START|>": IMAGE_START_TOKEN_ID, "<|IMAGE_END|>": IMAGE_END_TOKEN_ID, "<|VIDEO_START|>": VIDEO_START_TOKEN_ID,
+           "<|VIDEO_END|>": VIDEO_END_TOKEN_ID, "<|image|>": IMAGE_TOKEN_ID, "<|video|>": VIDEO_TOKEN_ID}
+    tokenizer = qwen_tokenizer(_VOCAB, ids, image="<|image|>", video="<|video|>", image_start_token="<|IMAGE_START|>",
+                               image_end_token="<|IMAGE_END|>", video_start_token="<|VIDEO_START|>", video_end_token="<|VIDEO_END|>")
+    media = {"image": "<|IMAGE_START|><|image|><|IMAGE_END|>", "video": "<|VIDEO_START|><|video|><|VIDEO_END|>"}
+    return qwen_processor("Ernie4_5_VLMoeProcessor", tokenizer=tokenizer, images=images, videos=videos, media=media)

@@ -59,6 +59,7 @@ __all__ = [
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
     "image_block_ids",
     "reference_inputs",
 ]
@@ -179,3 +180,25 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
         "token_type_ids": batch["token_type_ids"],
         "pixel_values": batch["pixel_values"],
     }
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Gemma3Processor``: ``Gemma3ImageProcessor`` (``...Pil`` with ``image_backend="pil"``) at
+    the tiny image size (32), ``TOKENS_PER_IMAGE`` tokens an image; a word-level tokenizer (``<pad>`` 0,
+    ``<bos>`` 1, ``<eos>`` 2, ``<start_of_turn>`` 3, ``<end_of_turn>`` 4, ``<start_of_image>``
+    ``BOI_TOKEN_ID``, ``<end_of_image>`` ``EOI_TOKEN_ID``, ``<image_soft_token>`` ``IMAGE_TOKEN_ID``),
+    Gemma's chat template. Pan-and-scan is a call argument (``do_pan_and_scan=True`` with
+    ``pan_and_scan_min_crop_size``, ``..._max_num_crops``, ``..._min_ratio_to_activate``)."""
+    import transformers
+
+    from ..word_tokenizer import TokenizerSpec, chat_template, word_tokenizer
+    from ._processors import image_processor_class
+
+    images = image_processor_class("Gemma3ImageProcessor", image_backend)(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    ids = {"<pad>": PAD_TOKEN_ID, "<bos>": 1, "<eos>": 2, "<start_of_turn>": 3, "<end_of_turn>": 4,
+           "<start_of_image>": BOI_TOKEN_ID, "<end_of_image>": EOI_TOKEN_ID, "<image_soft_token>": IMAGE_TOKEN_ID}
+    attributes = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = word_tokenizer(TokenizerSpec(VOCAB_SIZE, ids, pad="<pad>", eos="<eos>", bos="<bos>", attributes=attributes))
+    template = chat_template("gemma", {"image": "<start_of_image>"}, bos="<bos>", role_map={"assistant": "model"})
+    return transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=TOKENS_PER_IMAGE,
+                                        chat_template=template)

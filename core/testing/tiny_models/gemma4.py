@@ -55,16 +55,21 @@ __all__ = [
     "FRAME_MAX_PATCHES",
     "IMAGE_MAX_PATCHES",
     "IMAGE_TOKEN_ID",
-    "MEL_BINS",
     "MAX_PARITY_LR",
+    "MEL_BINS",
     "MODEL_TYPE",
     "PAD_TOKEN_ID",
     "PATCH_DIM",
+    "PROCESSOR_MAX_FRAME_TOKENS",
+    "PROCESSOR_MAX_IMAGE_TOKENS",
+    "PROCESSOR_VISION_OVERRIDES",
     "SAMPLES",
     "VIDEO_TOKEN_ID",
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
+    "build_processor_model",
     "reference_inputs",
     "text_config",
 ]
@@ -266,3 +271,44 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_position_ids",
             "pixel_values_videos", "video_position_ids", "num_frames_per_video", "input_features", "input_features_mask")
     return {k: batch[k] for k in keys if k in batch} | {"use_cache": False}
+
+
+#: the tiny processor's soft tokens at most per image and per video frame (patches: 4 times as many;
+#: 70 is the smallest the image processor accepts).
+PROCESSOR_MAX_IMAGE_TOKENS = 70
+PROCESSOR_MAX_FRAME_TOKENS = 70
+#: the vision config of the model real processor output fits: 280 patches an image reach patch
+#: coordinates past the tiny position table of 16.
+PROCESSOR_VISION_OVERRIDES: dict[str, Any] = {"position_embedding_size": 128}
+
+
+def build_processor_model(seed: int = 0) -> torch.nn.Module:
+    """:func:`build_model` with :data:`PROCESSOR_VISION_OVERRIDES`: the model for :func:`build_processor`'s batches."""
+    return build_model(seed, vision_overrides=PROCESSOR_VISION_OVERRIDES)
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Gemma4Processor``: ``Gemma4ImageProcessor`` (``...Pil`` with ``image_backend="pil"``)
+    and ``Gemma4VideoProcessor`` at patch 2, pooling 2, at most 70 soft tokens an image or frame
+    (280 patches: use :func:`build_processor_model`), frames as given; ``Gemma4AudioFeatureExtractor``
+    (16 kHz, 128 mel bins); a word-level tokenizer with the tiny ids (``<start_of_turn>`` 3,
+    ``<end_of_turn>`` 4), Gemma's chat template."""
+    import transformers
+
+    from ..word_tokenizer import TokenizerSpec, chat_template, word_tokenizer
+    from ._processors import image_processor_class
+
+    sizes = {"patch_size": PATCH, "pooling_kernel_size": POOL}
+    images = image_processor_class("Gemma4ImageProcessor", image_backend)(**sizes, max_soft_tokens=PROCESSOR_MAX_IMAGE_TOKENS)
+    videos = transformers.Gemma4VideoProcessor(**sizes, max_soft_tokens=PROCESSOR_MAX_FRAME_TOKENS, do_sample_frames=False)
+    ids = {"<pad>": PAD_TOKEN_ID, "<bos>": BOS_TOKEN_ID, "<eos>": EOS_TOKEN_ID, "<start_of_turn>": 3, "<end_of_turn>": 4,
+           "<start_of_image>": BOI_TOKEN_ID, "<end_of_image>": EOI_TOKEN_ID, "<|image|>": IMAGE_TOKEN_ID,
+           "<|video|>": VIDEO_TOKEN_ID, "<start_of_audio>": BOA_TOKEN_ID, "<end_of_audio>": EOA_TOKEN_ID,
+           "<|audio|>": AUDIO_TOKEN_ID}
+    attributes = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<|image|>",
+                  "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>", "audio_token": "<|audio|>"}
+    tokenizer = word_tokenizer(TokenizerSpec(_VOCAB, ids, pad="<pad>", eos="<eos>", bos="<bos>", attributes=attributes))
+    media = {"image": "<|image|>", "video": "<|video|>", "audio": "<|audio|>"}
+    template = chat_template("gemma", media, bos="<bos>", role_map={"assistant": "model"})
+    return transformers.Gemma4Processor(feature_extractor=transformers.Gemma4AudioFeatureExtractor(), image_processor=images,
+                                        tokenizer=tokenizer, video_processor=videos, chat_template=template)

@@ -19,7 +19,15 @@ from torch import Tensor
 
 from . import glm4v, seeded_distinct
 
-__all__ = ["ADAPTER", "MODEL_TYPE", "build_batch", "build_config", "build_model", "reference_inputs"]
+__all__ = [
+    "ADAPTER",
+    "MODEL_TYPE",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "build_processor",
+    "reference_inputs",
+]
 
 #: the built-in adapter serving this tiny model (the GLM-4V adapter serves all three model types)
 ADAPTER = "glm4v"
@@ -46,3 +54,9 @@ def build_model(seed: int = 0) -> torch.nn.Module:
 def build_batch(seed: int = 0) -> dict[str, Tensor]:
     """GLM-4.1V's images batch (:func:`ppmedia.testing.tiny_models.glm4v.build_batch`)."""
     return glm4v.build_batch(seed + 1, variant="images")
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Glm46VProcessor`` (``Glm46VImageProcessor``, ``Glm46VVideoProcessor``):
+    :func:`ppmedia.testing.tiny_models.glm4v.glm_processor`."""
+    return glm4v.glm_processor("Glm46VProcessor", "Glm46VImageProcessor", "Glm46VVideoProcessor", image_backend)

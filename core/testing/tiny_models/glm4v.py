@@ -64,6 +64,7 @@ __all__ = [
     "build_config",
     "build_mixed_batch",
     "build_model",
+    "build_processor",
     "mixed_reference",
     "mm_token_type_ids",
     "reference_inputs",
@@ -268,3 +269,38 @@ def mixed_reference(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[Tens
             video_grid_thw=batch["video_grid_thw"], attention_mask=batch["attention_mask"],
         )[0]
     return embeds, positions
+
+
+#: the tiny processors' image and frame sizes: 16 to 64 pixels a side (multiples of patch x merge = 16).
+MIN_PIXELS = 16 * 16
+MAX_PIXELS = 64 * 48
+
+
+def glm_processor(processor: str, image_class: str, video_class: str, image_backend: str) -> Any:
+    """A real GLM processor (``Glm4vProcessor``, ``Glm46VProcessor``) with ``<image_class>`` (``...Pil``
+    with ``image_backend="pil"``) and ``<video_class>`` at patch 8, temporal patch 2, merge 2, 256..3072
+    pixels a frame (frames as given); a word-level tokenizer with the tiny ids (``<|im_start|>`` /
+    ``<|im_end|>`` the turns at ``BOS_TOKEN_ID`` / ``EOS_TOKEN_ID``), a chatml chat template: an image
+    ``<|begin_of_image|><|image|><|end_of_image|>``, a video ``<|begin_of_video|><|video|><|end_of_video|>``
+    (the processor writes each frame as an image block and its timestamp)."""
+    import transformers
+
+    from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
+
+    sizes = {"patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL, "merge_size": MERGE,
+             "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
+    images = image_processor_class(image_class, image_backend)(**sizes)
+    videos = getattr(transformers, video_class)(**sizes, do_sample_frames=False)
+    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
+           "<|begin_of_image|>": IMAGE_START_TOKEN_ID, "<|end_of_image|>": IMAGE_END_TOKEN_ID,
+           "<|begin_of_video|>": VIDEO_START_TOKEN_ID, "<|end_of_video|>": VIDEO_END_TOKEN_ID,
+           "<|image|>": IMAGE_TOKEN_ID, "<|video|>": VIDEO_TOKEN_ID}
+    media = {"image": "<|begin_of_image|><|image|><|end_of_image|>", "video": "<|begin_of_video|><|video|><|end_of_video|>"}
+    return qwen_processor(processor, tokenizer=qwen_tokenizer(_VOCAB, ids, image="<|image|>", video="<|video|>"),
+                          images=images, videos=videos, media=media)
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Glm4vProcessor`` (``Glm4vImageProcessor``, ``Glm4vVideoProcessor``): :func:`glm_processor`.
+    Its model takes images and videos in separate batches (see the module docstring)."""
+    return glm_processor("Glm4vProcessor", "Glm4vImageProcessor", "Glm4vVideoProcessor", image_backend)

@@ -18,7 +18,15 @@ from torch import Tensor
 
 from . import glm4v, seeded_distinct
 
-__all__ = ["ADAPTER", "MODEL_TYPE", "build_batch", "build_config", "build_model", "reference_inputs"]
+__all__ = [
+    "ADAPTER",
+    "MODEL_TYPE",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "build_processor",
+    "reference_inputs",
+]
 
 #: the built-in adapter serving this tiny model (the GLM-4V adapter serves all three model types)
 ADAPTER = "glm4v"
@@ -47,3 +55,9 @@ def build_model(seed: int = 0) -> torch.nn.Module:
 def build_batch(seed: int = 0) -> dict[str, Tensor]:
     """GLM-4.1V's videos batch (:func:`ppmedia.testing.tiny_models.glm4v.build_batch` ``variant="videos"``)."""
     return glm4v.build_batch(seed, variant="videos")
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """GLM-4.1V's tiny processor (:func:`ppmedia.testing.tiny_models.glm4v.build_processor`): GLM-4.5V
+    uses ``Glm4vProcessor``."""
+    return glm4v.build_processor(image_backend)

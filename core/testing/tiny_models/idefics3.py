@@ -17,7 +17,7 @@ from . import _idefics, seeded_distinct
 from ._idefics import IMAGE_TOKEN_ID, SAMPLES, TOKENS_PER_CROP, build_batch, reference_inputs
 
 __all__ = ["IMAGE_TOKEN_ID", "MODEL_TYPE", "SAMPLES", "TOKENS_PER_CROP", "build_batch", "build_config", "build_model",
-           "reference_inputs"]
+           "build_processor", "reference_inputs"]
 
 MODEL_TYPE = "idefics3"
 
@@ -37,3 +37,9 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     from transformers import Idefics3ForConditionalGeneration
 
     return seeded_distinct(Idefics3ForConditionalGeneration, build_config(), seed)
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Idefics3Processor`` with ``Idefics3ImageProcessor`` (``...Pil`` with ``image_backend="pil"``):
+    :func:`ppmedia.testing.tiny_models._idefics.build_processor`."""
+    return _idefics.build_processor("Idefics3Processor", "Idefics3ImageProcessor", image_backend)

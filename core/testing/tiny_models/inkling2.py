@@ -39,8 +39,17 @@ from torch import Tensor
 from . import seeded_distinct
 from ._batch import right_padded
 
-__all__ = ["IMAGE_TOKEN_ID", "MODEL_TYPE", "PAD_TOKEN_ID", "TILE", "build_batch", "build_config", "build_model",
-           "reference_inputs"]
+__all__ = [
+    "IMAGE_TOKEN_ID",
+    "MODEL_TYPE",
+    "PAD_TOKEN_ID",
+    "TILE",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "build_processor",
+    "reference_inputs",
+]
 
 MODEL_TYPE = "inkling2"
 
@@ -116,3 +125,17 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Inkling2Processor``: ``Inkling2ImageProcessor`` (torchvision only) at tiles of
+    :data:`TILE` x :data:`TILE` pixels, one token a tile; a word-level tokenizer with the tiny ids
+    (``<|image|>`` ``IMAGE_TOKEN_ID``, ``<|im_start|>`` 1, ``<|im_end|>`` 2), a chatml chat template."""
+    import transformers
+
+    from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
+
+    images = image_processor_class("Inkling2ImageProcessor", image_backend)(size={"height": TILE, "width": TILE})
+    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": 1, "<|im_end|>": 2, "<|image|>": IMAGE_TOKEN_ID}
+    return qwen_processor("Inkling2Processor", tokenizer=qwen_tokenizer(_VOCAB, ids, image="<|image|>"), images=images,
+                          media={"image": "<|image|>"})

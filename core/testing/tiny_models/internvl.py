@@ -47,6 +47,7 @@ __all__ = [
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
     "reference_inputs",
 ]
 
@@ -139,3 +140,26 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values")}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``InternVLProcessor``: ``GotOcr2ImageProcessor`` (``...Pil`` with ``image_backend="pil"``)
+    cutting images into at most 4 tiles of 32 x 32 plus the thumbnail, ``InternVLVideoProcessor`` at
+    32 x 32 frames (frames as given), :data:`TOKENS_PER_ROW` tokens a row; a word-level tokenizer with
+    the tiny ids (``<|im_start|>`` / ``<|im_end|>`` the turns at ``BOS_TOKEN_ID`` / ``EOS_TOKEN_ID``,
+    ``<video>`` 6), a chatml chat template (an image is ``<IMG_CONTEXT>``, a video ``<video>``)."""
+    import transformers
+
+    from ._processors import image_processor_class, qwen_processor
+    from ..word_tokenizer import TokenizerSpec, word_tokenizer
+
+    square = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    images = image_processor_class("GotOcr2ImageProcessor", image_backend)(size=square, crop_to_patches=True, max_patches=4)
+    videos = transformers.InternVLVideoProcessor(size=square, do_sample_frames=False)
+    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
+           "<img>": IMAGE_START_TOKEN_ID, "</img>": IMAGE_END_TOKEN_ID, "<IMG_CONTEXT>": IMAGE_TOKEN_ID, "<video>": 6}
+    attributes = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                  "video_token": "<video>"}
+    tokenizer = word_tokenizer(TokenizerSpec(_VOCAB, ids, pad="<|endoftext|>", eos="<|im_end|>", attributes=attributes))
+    return qwen_processor("InternVLProcessor", tokenizer=tokenizer, images=images, videos=videos,
+                          media={"image": "<IMG_CONTEXT>", "video": "<video>"}, image_seq_length=TOKENS_PER_ROW)

@@ -51,8 +51,17 @@ from .kimi_vl import (
     build_config,
 )
 
-__all__ = ["ADAPTER", "MODEL_TYPE", "SAMPLES", "VideoSplitFixed", "build_batch", "build_config", "build_model",
-           "reference_inputs"]
+__all__ = [
+    "ADAPTER",
+    "MODEL_TYPE",
+    "SAMPLES",
+    "VideoSplitFixed",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "build_processor",
+    "reference_inputs",
+]
 
 #: the built-in adapter serving this tiny model (model type ``kimi_k25``)
 ADAPTER = "kimi_vl"
@@ -164,3 +173,11 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     keys = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
     return {k: batch[k] for k in keys}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """The Kimi-VL family's tiny ``Kimi_K25Processor`` (:func:`ppmedia.testing.tiny_models.kimi_vl.build_processor`):
+    videos in chunks of 2 frames, one ``video_grid_thw`` row a chunk."""
+    from .kimi_vl import build_processor as kimi_processor
+
+    return kimi_processor(image_backend)

@@ -47,6 +47,7 @@ __all__ = [
     "build_checkpoint_model",
     "build_config",
     "build_model",
+    "build_processor",
     "reference_inputs",
 ]
 
@@ -227,3 +228,27 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
         "pixel_values": batch["pixel_values"],
         "image_grid_thw": torch.cat([hws.new_ones((hws.shape[0], 1)), hws], dim=1),
     }
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Kimi_K25Processor``: ``Kimi_K25ImageProcessor`` (torchvision only) and
+    ``Kimi_K25VideoProcessor`` at patch 4, merge 2, at most 32 x 32 pixels (64 patches) an image or frame,
+    videos in chunks of 2 frames (frames as given); a word-level tokenizer with the tiny ids
+    (``<|media_begin|>`` ``VISION_START_TOKEN_ID``, ``<|media_content|>`` 7, ``<|media_end|>``
+    ``VISION_END_TOKEN_ID``; ``<|im_start|>`` / ``<|im_end|>`` the turns), a chatml chat template writing
+    an image as Kimi's ``<|media_begin|>image<|media_content|><|media_pad|><|media_end|>`` (the kind
+    words and the processor's chunk timestamps are unknown words). Kimi-K2.5's model itself: see the ``kimi_k25_video`` family."""
+    import transformers
+
+    from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
+
+    common = {"patch_size": PATCH_SIZE, "merge_size": MERGE[0], "size": {"max_height": 32, "max_width": 32}, "max_patches": 64}
+    images = image_processor_class("Kimi_K25ImageProcessor", image_backend)(**common)
+    videos = transformers.Kimi_K25VideoProcessor(**common, temporal_patch_size=2, do_sample_frames=False)
+    video = "<|kimi_k25_video_placeholder|>"
+    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
+           "<|media_begin|>": VISION_START_TOKEN_ID, "<|media_content|>": 7, "<|media_pad|>": IMAGE_TOKEN_ID,
+           "<|media_end|>": VISION_END_TOKEN_ID, video: VIDEO_TOKEN_ID}
+    tokenizer = qwen_tokenizer(_VOCAB, ids, image="<|media_pad|>", video=video)
+    return qwen_processor("Kimi_K25Processor", tokenizer=tokenizer, images=images, videos=videos,
+                          media={"image": "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>", "video": video})

@@ -1,8 +1,8 @@
 """Tiny seeded Llama 4 (``llama4``): tiles of one size, the projector outside ``get_image_features``,
 a text model with chunked and NoPE attention and a MoE layer.
 
-Media as ``Llama4ImageProcessor`` gives them (it needs torchvision, which cannot run here: the batch is
-built by hand in its layout): ``pixel_values`` ``[tiles, 3, 32, 32]``, every image's local tiles
+Media as ``Llama4ImageProcessor`` gives them (built by hand in its layout; :func:`build_processor` is
+the real processor): ``pixel_values`` ``[tiles, 3, 32, 32]``, every image's local tiles
 (``ratio_h x ratio_w`` of them when the image is cut, none otherwise) and then its global tile, image
 after image in prompt order. Each tile gives :data:`TOKENS_PER_TILE` = (32 / 4)^2 x 0.5^2 = 16
 features (vision tower, pixel shuffle, vision adapter MLP; then the model's ``multi_modal_projector``,
@@ -54,6 +54,7 @@ __all__ = [
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
     "image_tokens",
     "reference_inputs",
 ]
@@ -156,3 +157,25 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values")}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Llama4Processor``: ``Llama4ImageProcessor`` (torchvision only: ``image_backend="pil"`` is
+    refused) cutting images into at most 4 tiles of 32 x 32 plus the global tile, patch 4, pixel
+    shuffle 0.5 (:data:`TOKENS_PER_TILE` tokens a tile); a word-level tokenizer with the tiny ids
+    (``<|begin_of_text|>`` 1, ``<|eot|>`` 2, ``<|header_start|>`` 9, ``<|header_end|>`` 10), Llama 4's
+    chat style."""
+    import transformers
+
+    from ..word_tokenizer import TokenizerSpec, chat_template, word_tokenizer
+    from ._processors import image_processor_class
+
+    images = image_processor_class("Llama4ImageProcessor", image_backend)(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                                                          max_patches=4)
+    ids = {"<|finetune_right_pad|>": PAD_TOKEN_ID, "<|begin_of_text|>": BOS_TOKEN_ID, "<|eot|>": EOS_TOKEN_ID,
+           "<|image_start|>": IMAGE_START_TOKEN_ID, "<|image_end|>": IMAGE_END_TOKEN_ID, "<|image|>": IMAGE_TOKEN_ID,
+           "<|patch|>": PATCH_TOKEN_ID, "<|tile_x_separator|>": TILE_X_TOKEN_ID, "<|tile_y_separator|>": TILE_Y_TOKEN_ID,
+           "<|header_start|>": 9, "<|header_end|>": 10}
+    tokenizer = word_tokenizer(TokenizerSpec(_VOCAB, ids, pad="<|finetune_right_pad|>", eos="<|eot|>", bos="<|begin_of_text|>"))
+    return transformers.Llama4Processor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH_SIZE, pixel_shuffle_ratio=0.5,
+                                        chat_template=chat_template("llama4", {"image": "<|image|>"}, bos="<|begin_of_text|>"))

@@ -33,8 +33,18 @@ from torch import Tensor
 from . import seeded_distinct
 from ._batch import right_padded
 
-__all__ = ["IMAGE_SIZE", "IMAGE_TOKEN_ID", "MODEL_TYPE", "PAD_TOKEN_ID", "TOKENS_PER_IMAGE", "build_batch",
-           "build_config", "build_model", "reference_inputs"]
+__all__ = [
+    "IMAGE_SIZE",
+    "IMAGE_TOKEN_ID",
+    "MODEL_TYPE",
+    "PAD_TOKEN_ID",
+    "TOKENS_PER_IMAGE",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "build_processor",
+    "reference_inputs",
+]
 
 MODEL_TYPE = "llava"
 
@@ -98,3 +108,22 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values")}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``LlavaProcessor``: ``LlavaImageProcessor`` (``...Pil`` with ``image_backend="pil"``)
+    resizing to 16 and center-cropping 16 x 16, :data:`TOKENS_PER_IMAGE` tokens an image (CLS dropped);
+    a word-level tokenizer (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<image>`` ``IMAGE_TOKEN_ID``), a plain
+    chat template (the role word on its own line)."""
+    import transformers
+
+    from ..word_tokenizer import TokenizerSpec, chat_template, word_tokenizer
+    from ._processors import image_processor_class
+
+    images = image_processor_class("LlavaImageProcessor", image_backend)(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    ids = {"<pad>": PAD_TOKEN_ID, "<s>": 1, "</s>": 2, "<image>": IMAGE_TOKEN_ID}
+    tokenizer = word_tokenizer(TokenizerSpec(VOCAB_SIZE, ids, pad="<pad>", eos="</s>", bos="<s>", attributes={"image_token": "<image>"}))
+    return transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                       chat_template=chat_template("plain", {"image": "<image>"}, bos="<s>"))

@@ -47,14 +47,15 @@ from . import seeded
 from ._batch import right_padded
 
 __all__ = [
-    "IMAGE_TOKEN_ID",
     "IMAGES_PER_SAMPLE",
+    "IMAGE_TOKEN_ID",
     "MODEL_TYPE",
     "PAD_TOKEN_ID",
     "SAMPLE_IMAGE_SIZES",
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
     "crops_per_image",
     "reference_inputs",
     "tokens_per_image",
@@ -192,3 +193,25 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
         "pixel_values": batch["pixel_values"],
         "image_sizes": batch["image_sizes"],
     }
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``LlavaNextProcessor``: ``LlavaNextImageProcessor`` (``...Pil`` with
+    ``image_backend="pil"``) with the tiny crop size (16), shortest edge 16 and pinpoints; a word-level
+    tokenizer (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<image>`` ``IMAGE_TOKEN_ID``; ``[INST]`` 3,
+    ``[/INST]`` 4), Mistral's ``[INST] ... [/INST]`` chat template."""
+    import transformers
+
+    from ..word_tokenizer import TokenizerSpec, chat_template, word_tokenizer
+    from ._processors import image_processor_class
+
+    images = image_processor_class("LlavaNextImageProcessor", image_backend)(
+        size={"shortest_edge": CROP_SIZE}, crop_size={"height": CROP_SIZE, "width": CROP_SIZE},
+        image_grid_pinpoints=[list(p) for p in GRID_PINPOINTS],
+    )
+    ids = {"<pad>": PAD_TOKEN_ID, "<s>": 1, "</s>": 2, "[INST]": 3, "[/INST]": 4, "<image>": IMAGE_TOKEN_ID}
+    tokenizer = word_tokenizer(TokenizerSpec(VOCAB_SIZE, ids, pad="<pad>", eos="</s>", bos="<s>", attributes={"image_token": "<image>"}))
+    return transformers.LlavaNextProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=chat_template("inst", {"image": "<image>\n"}, bos="<s>"),
+    )

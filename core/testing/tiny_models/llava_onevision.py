@@ -42,7 +42,7 @@ from . import seeded_distinct
 from ._batch import right_padded
 
 __all__ = ["BASE_TOKENS", "FRAMES", "IMAGE_TOKEN_ID", "MODEL_TYPE", "SAMPLES", "VIDEO_TOKENS", "VIDEO_TOKEN_ID",
-           "build_batch", "build_config", "build_model", "reference_inputs", "tiled_tokens"]
+           "build_batch", "build_config", "build_model", "build_processor", "reference_inputs", "tiled_tokens"]
 
 MODEL_TYPE = "llava_onevision"
 
@@ -166,3 +166,24 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     keys = ("input_ids", "attention_mask", "pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos")
     return {k: batch[k] for k in keys if k in batch}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``LlavaOnevisionProcessor``: ``LlavaOnevisionImageProcessor`` (``...Pil`` with
+    ``image_backend="pil"``) at 16 x 16 crops and the tiny pinpoints, ``LlavaOnevisionVideoProcessor`` at
+    16 x 16 frames (frames as given), 16 tokens a crop, ``anyres_max_1``; a word-level tokenizer with the
+    tiny ids (``<|im_start|>`` 1, ``<|im_end|>`` 2), a chatml chat template."""
+    import transformers
+
+    from ..word_tokenizer import TokenizerSpec, word_tokenizer
+    from ._processors import image_processor_class, qwen_processor
+
+    square = {"height": CROP, "width": CROP}
+    images = image_processor_class("LlavaOnevisionImageProcessor", image_backend)(size=square, image_grid_pinpoints=PINPOINTS)
+    videos = transformers.LlavaOnevisionVideoProcessor(size=square, do_sample_frames=False)
+    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": 1, "<|im_end|>": 2, "<image>": IMAGE_TOKEN_ID, "<video>": VIDEO_TOKEN_ID}
+    tokenizer = word_tokenizer(TokenizerSpec(VOCAB_SIZE, ids, pad="<|endoftext|>", eos="<|im_end|>",
+                                             attributes={"image_token": "<image>", "video_token": "<video>"}))
+    return qwen_processor("LlavaOnevisionProcessor", tokenizer=tokenizer, images=images, videos=videos,
+                          media={"image": "<image>", "video": "<video>"}, num_image_tokens=(CROP // PATCH) ** 2,
+                          vision_feature_select_strategy="full", vision_aspect_ratio=ASPECT)

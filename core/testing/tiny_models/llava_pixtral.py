@@ -29,7 +29,7 @@ from torch import Tensor
 from . import seeded_distinct
 from ._pixtral import PixtralLayout, pixtral_batch
 
-__all__ = ["ADAPTER", "LAYOUT", "MODEL_TYPE", "build_batch", "build_config", "build_model", "reference_inputs"]
+__all__ = ["ADAPTER", "LAYOUT", "MODEL_TYPE", "build_batch", "build_config", "build_model", "build_processor", "reference_inputs"]
 
 #: the built-in adapter serving this tiny model (its model type is llava's)
 ADAPTER = "llava"
@@ -79,3 +79,11 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_sizes")}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``PixtralProcessor`` (``PixtralImageProcessor`` or ``...Pil``) at patch 8, no merge, images
+    of at most 48 pixels a side: :func:`ppmedia.testing.tiny_models._pixtral.pixtral_processor`."""
+    from ._pixtral import pixtral_processor
+
+    return pixtral_processor(LAYOUT, PATCH_SIZE, 1, image_backend)

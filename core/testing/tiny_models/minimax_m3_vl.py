@@ -50,6 +50,7 @@ __all__ = [
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
     "reference_inputs",
 ]
 
@@ -170,3 +171,32 @@ def reference_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     ``num_chunks_per_video``)."""
     keys = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
     return {k: batch[k] for k in keys}
+
+
+#: the tiny processor's image and frame sizes: 16 to 64 pixels a side (multiples of patch x merge = 16).
+MIN_PIXELS = 16 * 16
+MAX_PIXELS = 64 * 48
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``MiniMaxM3VLProcessor``: ``MiniMaxM3VLImageProcessor`` (torchvision only) and
+    ``MiniMaxM3VLVideoProcessor`` at patch 8, temporal patch 2, merge 2, 256..3072 pixels a frame (frames
+    as given), videos cut in chunks of at most 2 temporal steps; a word-level tokenizer with MiniMax's
+    token names at the tiny ids (``<|im_start|>`` / ``<|im_end|>`` the turns), a chatml chat template.
+    The processor's timestamps (``]<]0.1 seconds[>[``) are two unknown words each."""
+    import transformers
+
+    from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
+
+    common = {"patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL, "merge_size": MERGE}
+    images = image_processor_class("MiniMaxM3VLImageProcessor", image_backend)(
+        **common, size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+    videos = transformers.MiniMaxM3VLVideoProcessor(**common, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                                                    vision_segment_max_frames=2, min_frames=1, do_sample_frames=False)
+    names = transformers.MiniMaxM3VLProcessor
+    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
+           names.VISION_START_TOKEN: VISION_START_TOKEN_ID, names.VISION_END_TOKEN: VISION_END_TOKEN_ID,
+           names.IMAGE_TOKEN: IMAGE_TOKEN_ID, names.VIDEO_TOKEN: VIDEO_TOKEN_ID}
+    tokenizer = qwen_tokenizer(_VOCAB, ids, image=names.IMAGE_TOKEN, video=names.VIDEO_TOKEN)
+    return qwen_processor("MiniMaxM3VLProcessor", tokenizer=tokenizer, images=images, videos=videos,
+                          media={"image": names.IMAGE_TOKEN, "video": names.VIDEO_TOKEN})

@@ -52,6 +52,7 @@ __all__ = [
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
     "image_ids",
     "reference_inputs",
     "tokens_per_image",
@@ -158,3 +159,11 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
         "pixel_values": batch["pixel_values"],
         "image_sizes": batch["image_sizes"],
     }
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``PixtralProcessor`` (``PixtralImageProcessor`` or ``...Pil``) at vision patch 8, merge 2,
+    images of at most 64 pixels a side: :func:`ppmedia.testing.tiny_models._pixtral.pixtral_processor`."""
+    from ._pixtral import pixtral_processor
+
+    return pixtral_processor(_LAYOUT, PATCH_SIZE, MERGE, image_backend)

@@ -59,6 +59,7 @@ __all__ = [
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
     "reference_inputs",
     "text_config",
 ]
@@ -151,3 +152,11 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_sizes")}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``PixtralProcessor`` (``PixtralImageProcessor`` or ``...Pil``) at vision patch 4, merge 3,
+    images of at most 48 pixels a side: :func:`ppmedia.testing.tiny_models._pixtral.pixtral_processor`."""
+    from ._pixtral import pixtral_processor
+
+    return pixtral_processor(LAYOUT, PATCH_SIZE, MERGE, image_backend)

@@ -20,7 +20,7 @@ from torch import Tensor
 from . import seeded_distinct
 from .mistral3 import build_batch as _mistral3_batch
 
-__all__ = ["ADAPTER", "MODEL_TYPE", "build_batch", "build_config", "build_model", "reference_inputs"]
+__all__ = ["ADAPTER", "MODEL_TYPE", "build_batch", "build_config", "build_model", "build_processor", "reference_inputs"]
 
 #: the built-in adapter serving this tiny model (its model type is mistral3's)
 ADAPTER = "mistral3"
@@ -72,3 +72,10 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_sizes")}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """Mistral 3's tiny processor (:func:`ppmedia.testing.tiny_models.mistral3.build_processor`): same ids and tower."""
+    from .mistral3 import build_processor as mistral3_processor
+
+    return mistral3_processor(image_backend)

@@ -34,8 +34,16 @@ from torch import Tensor
 from . import seeded_distinct
 from ._batch import right_padded
 
-__all__ = ["IMAGE_TOKEN_ID", "MODEL_TYPE", "TOKENS_PER_IMAGE", "build_batch", "build_config", "build_model",
-           "reference_inputs"]
+__all__ = [
+    "IMAGE_TOKEN_ID",
+    "MODEL_TYPE",
+    "TOKENS_PER_IMAGE",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "build_processor",
+    "reference_inputs",
+]
 
 MODEL_TYPE = "paligemma"
 
@@ -104,3 +112,25 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward (with the token types: its prefix-LM mask)."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids", "pixel_values")}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``PaliGemmaProcessor``: ``SiglipImageProcessor`` (``...Pil`` with ``image_backend="pil"``)
+    at 16 x 16, :data:`TOKENS_PER_IMAGE` tokens an image (the processor puts a sample's images first,
+    then ``<bos>``, the prompt and ``\\n``; a ``suffix=`` call argument is the answer, token type 1); a
+    word-level tokenizer with the tiny ids (``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, ``<image>``
+    ``IMAGE_TOKEN_ID``), a plain chat template whose image items write nothing (the processor places
+    the images). The processor adds PaliGemma's ``<loc....>`` / ``<seg...>`` words past the tiny
+    vocabulary; a prompt must not use them."""
+    import transformers
+
+    from ..word_tokenizer import TokenizerSpec, chat_template, word_tokenizer
+    from ._processors import image_processor_class
+
+    images = image_processor_class("SiglipImageProcessor", image_backend)(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    images.image_seq_length = TOKENS_PER_IMAGE
+    ids = {"<pad>": PAD_TOKEN_ID, "<eos>": EOS_TOKEN_ID, "<bos>": BOS_TOKEN_ID, "<image>": IMAGE_TOKEN_ID}
+    tokenizer = word_tokenizer(TokenizerSpec(VOCAB_SIZE, ids, pad="<pad>", eos="<eos>", bos="<bos>",
+                                             attributes={"image_token": "<image>"}))
+    return transformers.PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer,
+                                           chat_template=chat_template("plain", {"image": ""}))

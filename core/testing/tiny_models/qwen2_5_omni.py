@@ -49,6 +49,7 @@ __all__ = [
     "MODEL_TYPE",
     "PAD_TOKEN_ID",
     "PATCH_DIM",
+    "PROCESSOR_CALL_KWARGS",
     "SAMPLES",
     "VIDEO_TOKEN_ID",
     "VISION_END_TOKEN_ID",
@@ -57,6 +58,8 @@ __all__ = [
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
+    "omni_tokenizer",
     "interleave",
     "reference_inputs",
 ]
@@ -236,3 +239,58 @@ def reference_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     keys = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
             "video_second_per_grid", "input_features", "feature_attention_mask")
     return {k: batch[k] for k in keys if k in batch} | {"use_audio_in_video": True, "use_cache": False}
+
+
+#: the tiny processor's image and video frame sizes: 8 to 32 pixels a side (multiples of patch x merge = 8).
+MIN_PIXELS = 8 * 8
+MAX_PIXELS = 32 * 32
+#: what a call of a LOADED tiny processor needs (``AutoProcessor.from_pretrained``): the Omni processor
+#: classes hold video sizes of their own (``videos_kwargs``, 100352..602112 pixels a frame) that win over
+#: the video processor's, and are not saved; :func:`build_processor` sets them on its instance.
+PROCESSOR_CALL_KWARGS: dict[str, Any] = {"videos_kwargs": {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}}
+#: the token strings of the Omni processors, with the tiny ids.
+TOKENS: dict[str, int] = {
+    "<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
+    "<|vision_bos|>": VISION_START_TOKEN_ID, "<|vision_eos|>": VISION_END_TOKEN_ID, "<|IMAGE|>": IMAGE_TOKEN_ID,
+    "<|VIDEO|>": VIDEO_TOKEN_ID, "<|AUDIO|>": AUDIO_TOKEN_ID, "<|audio_bos|>": AUDIO_START_TOKEN_ID,
+    "<|audio_eos|>": AUDIO_END_TOKEN_ID,
+}
+#: the chat-template markup per media kind (a video's audio track has none: the processor adds it).
+OMNI_MEDIA: dict[str, str] = {
+    "image": "<|vision_bos|><|IMAGE|><|vision_eos|>",
+    "video": "<|vision_bos|><|VIDEO|><|vision_eos|>",
+    "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>",
+}
+
+
+def omni_tokenizer(vocab_size: int = _VOCAB, ids: dict[str, int] | None = None) -> Any:
+    """The Omni processors' tokenizer: :data:`TOKENS` at the tiny ids, and the token attributes their
+    processors read (``image_token``, ``audio_bos_token``, ...)."""
+    from ._processors import qwen_tokenizer
+
+    return qwen_tokenizer(
+        vocab_size, TOKENS if ids is None else ids, image="<|IMAGE|>", video="<|VIDEO|>", audio_token="<|AUDIO|>",
+        vision_bos_token="<|vision_bos|>", vision_eos_token="<|vision_eos|>", audio_bos_token="<|audio_bos|>",
+        audio_eos_token="<|audio_eos|>",
+    )
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Qwen2_5OmniProcessor``: ``Qwen2VLImageProcessor`` (``...Pil`` with ``image_backend="pil"``)
+    and ``Qwen2VLVideoProcessor`` at patch 4, temporal patch 2, merge 2, 64..1024 pixels a frame (frames
+    as given); ``WhisperFeatureExtractor`` (16 kHz, 128 mel bins, every clip padded to 30 s as the
+    processor does); the Omni token names at the tiny ids, a chatml chat template. A video's audio
+    track: :func:`ppmedia.testing.processors.chat_batch`'s ``("video", frames, track)``."""
+    import transformers
+
+    from ._processors import image_processor_class, qwen_processor
+
+    sizes = {"patch_size": PATCH, "temporal_patch_size": TEMPORAL, "merge_size": MERGE,
+             "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
+    images = image_processor_class("Qwen2VLImageProcessor", image_backend)(**sizes)
+    videos = transformers.Qwen2VLVideoProcessor(**sizes, do_sample_frames=False, cap_pixels_per_frame=False)
+    audio = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS)
+    processor = qwen_processor("Qwen2_5OmniProcessor", tokenizer=omni_tokenizer(), images=images, videos=videos,
+                               media=OMNI_MEDIA, feature_extractor=audio)
+    processor.videos_kwargs = dict(PROCESSOR_CALL_KWARGS["videos_kwargs"])  # over the class's own sizes
+    return processor

@@ -53,6 +53,7 @@ __all__ = [
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
     "reference_inputs",
 ]
 
@@ -202,3 +203,27 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
         "mm_token_type_ids": mm_token_type_ids,
         "use_cache": False,
     }
+
+
+#: the tiny processor's image and video sizes: 8 to 32 pixels a side (multiples of patch x merge = 8).
+MIN_PIXELS = 8 * 8
+MAX_PIXELS = 32 * 32
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Qwen2_5_VLProcessor``: ``Qwen2VLImageProcessor`` (``...Pil`` with ``image_backend="pil"``)
+    and ``Qwen2VLVideoProcessor`` at patch 4, temporal patch 2, merge 2, 64..1024 pixels a frame; a
+    word-level tokenizer with the tiny ids (``<|im_start|>`` is ``BOS_TOKEN_ID``, ``<|im_end|>``
+    ``EOS_TOKEN_ID``, ``<|endoftext|>`` ``PAD_TOKEN_ID``); a chatml chat template."""
+    import transformers
+
+    from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
+
+    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
+           "<|vision_start|>": VISION_START_TOKEN_ID, "<|vision_end|>": VISION_END_TOKEN_ID,
+           "<|image_pad|>": IMAGE_TOKEN_ID, "<|video_pad|>": VIDEO_TOKEN_ID}
+    sizes = {"patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE, "merge_size": MERGE,
+             "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
+    images = image_processor_class("Qwen2VLImageProcessor", image_backend)(**sizes)
+    videos = transformers.Qwen2VLVideoProcessor(**sizes, do_sample_frames=False, cap_pixels_per_frame=False)
+    return qwen_processor("Qwen2_5_VLProcessor", tokenizer=qwen_tokenizer(_VOCAB, ids), images=images, videos=videos)

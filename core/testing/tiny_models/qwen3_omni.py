@@ -35,8 +35,19 @@ from .qwen2_5_omni import (  # noqa: F401  (the same token ids and batch layout)
     VISION_START_TOKEN_ID,
 )
 
-__all__ = ["EXTRA_FRAMES", "MODEL_TYPE", "N_WINDOW", "audio_tokens", "build_batch", "build_config", "build_model", "interleave",
-           "reference_inputs"]
+__all__ = [
+    "EXTRA_FRAMES",
+    "MODEL_TYPE",
+    "N_WINDOW",
+    "PROCESSOR_CALL_KWARGS",
+    "audio_tokens",
+    "build_batch",
+    "build_config",
+    "build_model",
+    "build_processor",
+    "interleave",
+    "reference_inputs",
+]
 
 MODEL_TYPE = "qwen3_omni_moe_thinker"
 N_WINDOW = 50
@@ -115,3 +126,24 @@ def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, An
 def reference_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward (``use_audio_in_video=True``)."""
     return _omni.reference_inputs(batch)
+
+
+#: what a call of a LOADED tiny processor needs (see :data:`ppmedia.testing.tiny_models.qwen2_5_omni.PROCESSOR_CALL_KWARGS`),
+#: and the tiny config's positions per second (the processor class holds 13 of its own, unsaved).
+PROCESSOR_CALL_KWARGS: dict[str, Any] = {**_omni.PROCESSOR_CALL_KWARGS, "position_id_per_seconds": _omni.POSITION_ID_PER_SECONDS}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Qwen3OmniMoeProcessor``: Qwen2.5-Omni's tiny pieces
+    (:func:`ppmedia.testing.tiny_models.qwen2_5_omni.build_processor`: ``Qwen2VLImageProcessor`` or
+    ``...Pil``, ``Qwen2VLVideoProcessor``, ``WhisperFeatureExtractor``, the Omni tokenizer) in
+    Qwen3-Omni's processor class, with the tiny config's ``position_id_per_seconds``."""
+    import transformers
+
+    parts = _omni.build_processor(image_backend)
+    processor = transformers.Qwen3OmniMoeProcessor(
+        image_processor=parts.image_processor, video_processor=parts.video_processor, feature_extractor=parts.feature_extractor,
+        tokenizer=parts.tokenizer, chat_template=parts.chat_template)
+    processor.videos_kwargs = dict(PROCESSOR_CALL_KWARGS["videos_kwargs"])
+    processor.position_id_per_seconds = PROCESSOR_CALL_KWARGS["position_id_per_seconds"]
+    return processor

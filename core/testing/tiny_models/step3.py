@@ -61,6 +61,7 @@ __all__ = [
     "build_batch",
     "build_config",
     "build_model",
+    "build_processor",
     "reference_inputs",
 ]
 
@@ -201,3 +202,25 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
         "pixel_values_local": batch["patch_pixel_values"],
         "num_local_patches": batch["num_patches"][has_image].tolist(),
     }
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``Step3p7Processor``: ``Step3p7ImageProcessor`` (torchvision only) with the tiny global
+    view (48 x 48), crops of 32 x 32, images scaled to at most 96 pixels, vision patch 4 and
+    downsampler stride 4 (class attributes of the image processor, set on the instance: 9 tokens a
+    global view, 4 a crop); a word-level tokenizer with the tiny ids (``<im_patch>``,
+    ``<patch_start>``, ``<patch_end>``, ``<patch_newline>``, ``<im_start>``, ``<im_end>``; ``<s>`` 1,
+    ``</s>`` 2), a plain chat template."""
+    from transformers import Step3p7Processor
+
+    from ..word_tokenizer import TokenizerSpec, chat_template, word_tokenizer
+    from ._processors import image_processor_class
+
+    images = image_processor_class("Step3p7ImageProcessor", image_backend)(
+        size={"height": GLOBAL_SIZE, "width": GLOBAL_SIZE}, patch_size=CROP_SIZE, max_image_size=2 * GLOBAL_SIZE)
+    images.vision_patch_size, images.downsampler_stride = VISION_PATCH, 4
+    ids = {"<pad>": PAD_TOKEN_ID, "<s>": 1, "</s>": 2, "<im_patch>": IMAGE_TOKEN_ID, "<patch_start>": PATCH_START_ID,
+           "<patch_end>": PATCH_END_ID, "<patch_newline>": PATCH_NEWLINE_ID, "<im_start>": IM_START_ID, "<im_end>": IM_END_ID}
+    tokenizer = word_tokenizer(TokenizerSpec(_VOCAB, ids, pad="<pad>", eos="</s>", bos="<s>"))
+    return Step3p7Processor(image_processor=images, tokenizer=tokenizer,
+                            chat_template=chat_template("plain", {"image": "<im_patch>"}, bos="<s>"))

@@ -1,0 +1,40 @@
+"""From a user's dataset to the model's batches: ``ppmedia.data``, one module per concern.
+
+==============  ==========================================================================
+``records``     one record in one form (LLaVA or messages style): turns, media by kind
+``sources``     :func:`open_dataset`: JSON / JSON Lines / ``datasets``, checked when opened
+``media``       reading images (PIL), videos (PyAV), audio (soundfile); counted opens
+``labels``      assistant-only labels from the chat template (markers or sentinel rendering)
+``processor``   :class:`SampleProcessor`: the model's processor on one record, lengths
+``batching``    :func:`collate_samples`: padded token rows, media in sample order
+``loader``      :class:`ReplicaLoader`: a replica's share of each global batch, resumable
+``counts``      :func:`global_label_tokens`: the loss's token count over the replicas
+``errors``      :class:`DataError`: one error naming the file and line (or index)
+==============  ==========================================================================
+
+See docs/data.md ("Training on your data").
+"""
+
+from __future__ import annotations
+
+from .batching import collate_samples
+from .counts import global_label_tokens
+from .errors import DataError
+from .loader import ReplicaLoader, epoch_order
+from .processor import SampleProcessor, TooLong
+from .records import Record, parse_record
+from .sources import RecordDataset, open_dataset
+
+__all__ = [
+    "DataError",
+    "Record",
+    "RecordDataset",
+    "ReplicaLoader",
+    "SampleProcessor",
+    "TooLong",
+    "collate_samples",
+    "epoch_order",
+    "global_label_tokens",
+    "open_dataset",
+    "parse_record",
+]

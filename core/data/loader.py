@@ -1,0 +1,197 @@
+"""The per-replica loader: this data-parallel replica's share of every global batch, resumable to the
+sample, with media read only on the pipeline rank that encodes them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
+from .batching import collate_samples
+from .errors import DataError
+from .processor import TOKEN_KEYS, SampleProcessor, TooLong
+from .sources import RecordDataset
+
+__all__ = ["ReplicaLoader", "epoch_order"]
+
+log = logging.getLogger("ppmedia.data")
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The sample order of ``epoch``: ``range(n)``, or a permutation drawn from ``seed`` and ``epoch``
+    alone (the same on every rank and at every layout)."""
+    if not shuffle:
+        return list(range(n))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=gen).tolist()
+
+
+@dataclass
+class _Skip:
+    where: str
+    problem: str
+    too_long: bool
+
+
+class _Samples(torch.utils.data.Dataset[Any]):
+    """Record ``i`` processed, or a :class:`_Skip` (a too long sample always; a bad one when skipping)."""
+
+    def __init__(self, dataset: RecordDataset, processor: SampleProcessor, skip_bad: bool) -> None:
+        self.dataset, self.processor, self.skip_bad = dataset, processor, skip_bad
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        try:
+            return self.processor(self.dataset[i])
+        except TooLong as e:
+            return _Skip(e.where, e.problem, True)
+        except DataError as e:
+            if not self.skip_bad:
+                raise
+            return _Skip(e.where, e.problem, False)
+
+
+class _Collate:
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items: list[Any]) -> dict[str, Any]:
+        samples = [None if isinstance(s, _Skip) else s for s in items]
+        batch: dict[str, Any] = collate_samples(samples, self.pad_id)
+        batch["skipped_samples"] = [(s.where, s.problem, s.too_long) for s in items if isinstance(s, _Skip)]
+        return batch
+
+
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)
+
+
+class ReplicaLoader:
+    """This replica's share of each global batch, collated, with host-side stats.
+
+    Global batch ``i`` of an epoch holds the samples at positions ``[i*B, (i+1)*B)`` of the epoch's
+    order (:func:`epoch_order`: dataset order without ``shuffle``); replica ``dp_rank`` gets the
+    contiguous ``B / dp_size`` of them at ``[dp_rank*b, (dp_rank+1)*b)``. An incomplete last batch is
+    dropped. Iterating yields the rest of the current epoch, then moves to the next one.
+
+    Each batch is a dict: the token keys ``[b, S]`` (``labels`` shifted and marked for
+    :func:`~ppmedia.pipeline.pipeline_loss`), the media keys in the processor's layout (only where
+    ``reads_media``), and ``n_samples`` (real samples; a skipped one leaves a filler row without
+    labels), ``n_label_tokens`` (this replica's), ``skipped`` (samples skipped so far by this loader),
+    ``sample_names`` (``FILE:LINE`` per row, ``None`` for fillers).
+
+    Args:
+        dataset: from :func:`~ppmedia.data.open_dataset`.
+        processor: a :class:`~ppmedia.data.SampleProcessor`.
+        global_batch_size: ``B``, samples per step over all replicas; a multiple of ``dp_size``.
+        dp_rank, dp_size: this replica and the replica count.
+        seed, shuffle: the order (:func:`epoch_order`).
+        workers: ``DataLoader`` worker processes (0: in this process).
+        pp_group: this replica's pipeline group. With it, only the member with ``reads_media`` reads
+            and processes; it broadcasts the token keys and stats to the others, which open no media.
+        reads_media: ``False`` on the pipeline ranks that do not encode (stage 0's rank reads).
+        adapter: the family adapter; with it each batch also holds ``media_counts``
+            (``adapter.media_counts(batch, config)``: the counts :func:`ppmedia.split_media` takes).
+        skip_bad_samples: skip records that fail when processed (missing or undecodable media, a
+            template that refuses the turns), each logged once and counted, instead of raising.
+    """
+
+    def __init__(self, dataset: RecordDataset, processor: SampleProcessor, *, global_batch_size: int,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True, workers: int = 0,
+                 pp_group: Any = None, reads_media: bool = True, adapter: Any = None,
+                 skip_bad_samples: bool = False) -> None:
+        if global_batch_size < dp_size or global_batch_size % dp_size:
+            raise ValueError(f"global_batch_size={global_batch_size} is not a positive multiple of dp_size={dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} outside 0..{dp_size - 1}")
+        if not reads_media and pp_group is None:
+            raise ValueError("reads_media=False needs pp_group: the rank that reads media broadcasts the tokens")
+        self.dataset, self.processor, self.adapter = dataset, processor, adapter
+        self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
+        self.seed, self.shuffle, self.workers, self.skip_bad_samples = seed, shuffle, workers, skip_bad_samples
+        self.pp_group, self.reads_media = pp_group, reads_media
+        self.epoch, self.next_sample, self.skipped = 0, 0, len(dataset.skipped)
+        self._named: set[str] = set()
+        self._source = self._find_source() if pp_group is not None else None
+
+    def _find_source(self) -> int:
+        flags: list[Any] = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(flags, (dist.get_rank(), self.reads_media), group=self.pp_group)
+        readers = [rank for rank, reads in flags if reads]
+        if len(readers) != 1:
+            raise ValueError(f"exactly one rank of the pipeline group reads media, got ranks {readers}")
+        return int(readers[0])
+
+    def __len__(self) -> int:
+        """Global batches left in the current epoch."""
+        return (len(self.dataset) - self.next_sample) // self.global_batch_size
+
+    def _shares(self) -> list[list[int]]:
+        order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+        b, shares = self.global_batch_size // self.dp_size, []
+        for start in range(self.next_sample, len(order) - self.global_batch_size + 1, self.global_batch_size):
+            first = start + self.dp_rank * b
+            shares.append(order[first : first + b])
+        return shares
+
+    def _read(self, shares: list[list[int]]) -> Iterator[dict[str, Any]]:
+        loader = DataLoader(_Samples(self.dataset, self.processor, self.skip_bad_samples), batch_sampler=shares,
+                            num_workers=self.workers, collate_fn=_Collate(self.processor.pad_id),
+                            worker_init_fn=_worker_init if self.workers else None)
+        for share, batch in zip(shares, loader):
+            skips = batch.pop("skipped_samples")
+            for where, problem, too_long in skips:
+                if where not in self._named:  # each named once in the log
+                    self._named.add(where)
+                    log.warning("skipped %s: %s%s", where, problem, " (longer than max_length)" if too_long else "")
+            self.skipped += len(skips)
+            names = {where for where, _, _ in skips}
+            batch["sample_names"] = [None if self.dataset.where(i) in names else self.dataset.where(i) for i in share]
+            batch["n_samples"] = len(share) - len(skips)
+            yield batch
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        shares = self._shares()
+        source = self._read(shares) if self.reads_media else iter(())
+        for _ in shares:
+            batch = next(source) if self.reads_media else {}
+            if self.pp_group is not None:
+                batch = self._broadcast(batch)
+            labels = batch["labels"]
+            batch["n_label_tokens"] = int(((labels != IGNORE_INDEX) & (labels != SHIFTED_MARK)).sum())
+            batch["skipped"] = self.skipped
+            if self.adapter is not None and self.reads_media:
+                batch["media_counts"] = self.adapter.media_counts(batch, self.processor.config)
+            self.next_sample += self.global_batch_size
+            yield batch
+        self.epoch, self.next_sample = self.epoch + 1, 0
+
+    def _broadcast(self, batch: dict[str, Any]) -> dict[str, Any]:
+        shared: list[Any] = [{k: v for k, v in batch.items() if k in TOKEN_KEYS or k in ("n_samples", "sample_names")}, self.skipped]
+        dist.broadcast_object_list(shared, src=self._source, group=self.pp_group)
+        if not self.reads_media:
+            batch, self.skipped = dict(shared[0]), int(shared[1])
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch yielded: ``epoch``, ``next_sample`` (in the epoch's
+        order), the order's ``seed`` and ``shuffle`` (the RNG: the order is drawn from them alone),
+        ``dataset_len`` and ``skipped``. The same on every rank; independent of ``pp x dp``."""
+        return {"epoch": self.epoch, "next_sample": self.next_sample, "seed": self.seed, "shuffle": self.shuffle,
+                "dataset_len": len(self.dataset), "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (any layout, any batch size): the next batch starts at its
+        ``next_sample``; its seed and shuffle replace this loader's."""
+        if int(state["dataset_len"]) != len(self.dataset):
+            raise ValueError(f"the loader state is of a dataset of {state['dataset_len']} samples, this one has "
+                             f"{len(self.dataset)}")
+        self.epoch, self.next_sample = int(state["epoch"]), int(state["next_sample"])
+        self.seed, self.shuffle, self.skipped = int(state["seed"]), bool(state["shuffle"]), int(state["skipped"])

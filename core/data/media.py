@@ -1,0 +1,96 @@
+"""Reading media for the processor: images with PIL, videos with PyAV, audio with soundfile.
+
+Every file is opened through :func:`open_media_file`, and ``OPENED`` counts the files this process
+opened, so a test (or you) can check that a rank which does not encode media reads none.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import IO, Any
+
+import numpy as np
+
+from .errors import DataError
+
+__all__ = ["OPENED", "Video", "load_audio", "load_image", "load_video", "open_media_file"]
+
+#: media files opened by this process (one entry per open: the path)
+OPENED: list[str] = []
+
+
+def open_media_file(item: Any) -> IO[bytes]:
+    """A binary file object of ``item``: a path, or a ``datasets`` ``{"bytes", "path"}`` dict (its
+    bytes when present); paths are appended to :data:`OPENED`."""
+    if isinstance(item, dict):
+        if item.get("bytes"):
+            OPENED.append(str(item.get("path") or "<bytes>"))
+            return io.BytesIO(item["bytes"])
+        item = item.get("path")
+    if not isinstance(item, str):
+        raise TypeError(f"a media item is {type(item).__name__}, expected a path or a datasets bytes dict")
+    OPENED.append(item)
+    return open(item, "rb")
+
+
+def _name(item: Any) -> str:
+    return str(item.get("path") or "<bytes>") if isinstance(item, dict) else str(item)
+
+
+def load_image(item: Any, where: str) -> Any:
+    """``item`` as an RGB ``PIL.Image`` (an image object passes through); :class:`DataError` naming
+    ``where`` and the file if it is missing or cannot be decoded."""
+    from PIL import Image
+
+    if isinstance(item, Image.Image):
+        return item.convert("RGB")
+    try:
+        with open_media_file(item) as f:
+            image = Image.open(f)
+            image.load()
+            return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DataError(where, f"image {_name(item)!r} cannot be read: {e}") from None
+
+
+@dataclass
+class Video:
+    """A decoded video: ``frames`` ``[T, H, W, 3]`` uint8 (every frame) and its frame rate."""
+
+    frames: np.ndarray
+    fps: float
+
+
+def load_video(item: Any, where: str) -> Video:
+    """Every frame of ``item``'s first video stream, decoded with PyAV (the processor samples the
+    frames its family expects from these and the frame rate)."""
+    import av
+
+    try:
+        with open_media_file(item) as f, av.open(f) as container:
+            stream = container.streams.video[0]
+            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+            rate = float(stream.average_rate) if stream.average_rate else 0.0
+    except (OSError, IndexError, av.error.FFmpegError) as e:
+        raise DataError(where, f"video {_name(item)!r} cannot be read: {e}") from None
+    if not frames:
+        raise DataError(where, f"video {_name(item)!r} has no frames")
+    return Video(np.stack(frames), rate or 1.0)
+
+
+def load_audio(item: Any, where: str, sampling_rate: int) -> np.ndarray:
+    """``item`` as mono float32 samples ``[n]`` at ``sampling_rate`` (read with soundfile; another
+    rate is resampled by linear interpolation)."""
+    import soundfile
+
+    try:
+        with open_media_file(item) as f:
+            samples, rate = soundfile.read(f, dtype="float32", always_2d=True)
+    except (OSError, RuntimeError, soundfile.LibsndfileError) as e:
+        raise DataError(where, f"audio {_name(item)!r} cannot be read: {e}") from None
+    mono = samples.mean(axis=1)
+    if rate != sampling_rate and len(mono) > 1:
+        n = max(1, round(len(mono) * sampling_rate / rate))
+        mono = np.interp(np.linspace(0, len(mono) - 1, n), np.arange(len(mono)), mono).astype(np.float32)
+    return mono

@@ -1,0 +1,130 @@
+"""One record -> the model's inputs: the model's own processor and chat template, assistant-only labels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
+from .errors import DataError
+from .labels import align, label_token_mask, render
+from .media import load_audio, load_image, load_video
+from .records import Record
+
+__all__ = ["TOKEN_KEYS", "SampleProcessor", "TooLong"]
+
+#: per-token keys of a processor's output (``[1, S]``), padded per row when batched; others are media
+TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
+
+
+class TooLong(DataError):
+    """A sample longer than ``max_length`` that cannot be truncated without losing media tokens."""
+
+
+class SampleProcessor:
+    """Applies a model's processor and chat template to one :class:`~ppmedia.data.records.Record`.
+
+    Args:
+        processor: the model's processor (``AutoProcessor.from_pretrained(checkpoint)``), with a
+            ``chat_template``.
+        max_length: longest sample in tokens (``None``: no limit). A longer sample raises
+            :class:`TooLong`, unless ``truncate`` and every media token lies before the cut.
+        config: the model's config: which tokens are media placeholders (via its adapter), so a
+            truncation never cuts through them (without a config nothing is truncated).
+        truncate: cut a too long sample at ``max_length`` when no media token is lost.
+        processor_kwargs: more keyword arguments for every processor call (e.g. ``videos_kwargs``
+            that a processor class needs and does not save).
+
+    Calling it returns the processor's own output for the one sample (``input_ids`` /
+    ``attention_mask`` ``[1, S]`` and the media keys in the processor's layout) plus ``labels``
+    ``[1, S]``: shifted (position ``t`` labelled with token ``t + 1``), :data:`IGNORE_INDEX` except on
+    the assistant's tokens and each reply's end-of-turn token, last column :data:`SHIFTED_MARK`
+    (the form :func:`ppmedia.pipeline.pipeline_loss` takes).
+    """
+
+    def __init__(self, processor: Any, max_length: int | None = None, config: Any = None, truncate: bool = False,
+                 processor_kwargs: dict[str, Any] | None = None) -> None:
+        if getattr(processor, "chat_template", None) is None:
+            raise ValueError("the processor has no chat_template: save the checkpoint's processor with its template")
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise ValueError(f"{type(self.tokenizer).__name__} is not a fast tokenizer: the labels need its "
+                             "character offsets (return_offsets_mapping)")
+        self.max_length = max_length
+        self.config = config
+        self.truncate = truncate
+        self.processor_kwargs = dict(processor_kwargs or {})
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def _media_kwargs(self, record: Record) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        where = record.where
+        if record.media.get("image"):
+            kwargs["images"] = [load_image(item, where) for item in record.media["image"]]
+        if record.media.get("video"):
+            from transformers.video_utils import VideoMetadata
+
+            videos = [load_video(item, where) for item in record.media["video"]]
+            kwargs["videos"] = [v.frames for v in videos]
+            kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v.frames), fps=v.fps, height=v.frames.shape[1],
+                                                      width=v.frames.shape[2], duration=len(v.frames) / v.fps) for v in videos]
+        if record.media.get("audio"):
+            extractor = getattr(self.processor, "feature_extractor", None)
+            if extractor is None:
+                raise DataError(where, "the record holds audio but the processor has no feature extractor")
+            rate = int(extractor.sampling_rate)
+            kwargs["audio"] = [load_audio(item, where, rate) for item in record.media["audio"]]
+        return kwargs
+
+    def _labels(self, text: str, spans: list[tuple[int, int]], markers: bool, ids: list[int], where: str) -> Tensor:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        mask = label_token_mask([tuple(o) for o in enc["offset_mapping"]], spans, end_of_turn=not markers)
+        needed = [i for i, m in enumerate(mask) if m]
+        targets = torch.full((len(ids),), IGNORE_INDEX, dtype=torch.int64)
+        for j in align(list(enc["input_ids"]), ids, where, needed).values():
+            targets[j] = ids[j]
+        labels = torch.full_like(targets, IGNORE_INDEX)
+        labels[:-1] = targets[1:]
+        labels[-1] = SHIFTED_MARK
+        return labels[None]
+
+    def __call__(self, record: Record) -> dict[str, Any]:
+        """The sample's tensors (see the class); :class:`DataError` naming ``record.where`` for an
+        unreadable media file, a template that refuses the turns, or a processor error."""
+        text, spans, markers = render(self.processor, record.messages, record.where)
+        kwargs = self._media_kwargs(record)
+        try:
+            out = self.processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs, **self.processor_kwargs)
+        except (ValueError, TypeError, RuntimeError, IndexError) as e:
+            raise DataError(record.where, f"the processor refuses this record ({type(e).__name__}: {e})") from None
+        sample = {k: v for k, v in out.items() if isinstance(v, Tensor)}
+        ids = sample["input_ids"][0].tolist()
+        sample["labels"] = self._labels(text, spans, markers, ids, record.where)
+        if self.max_length is not None and len(ids) > self.max_length:
+            sample = self._cut(sample, record.where)
+        return sample
+
+    def _media_end(self, input_ids: Tensor) -> int:
+        """One past the last media placeholder token (0 when none); -1 when unknown (no config)."""
+        if self.config is None:
+            return -1
+        from ..registry import get_adapter
+
+        masks = get_adapter(self.config).placeholder_masks(input_ids, self.config).values()
+        positions = [int(m[0].nonzero().max()) + 1 for m in masks if bool(m.any())]
+        return max(positions, default=0)
+
+    def _cut(self, sample: dict[str, Any], where: str) -> dict[str, Any]:
+        length, limit = sample["input_ids"].shape[1], int(self.max_length)  # type: ignore[arg-type]
+        end = self._media_end(sample["input_ids"])
+        if not self.truncate or end < 0 or end + 1 > limit:  # keep the token after the last media run
+            raise TooLong(where, f"{length} tokens, over max_length={limit}" + (
+                f" (media tokens up to position {end})" if end > 0 else ""))
+        for key in TOKEN_KEYS:
+            if key in sample:
+                sample[key] = sample[key][:, :limit].clone()
+        sample["labels"][0, -1] = SHIFTED_MARK  # its target was cut off
+        return sample

@@ -1,0 +1,97 @@
+"""A tiny checkpoint folder and a generated image-chat dataset, for fine-tuning runs without downloads.
+
+:func:`save_tiny_checkpoint` writes a tiny family's seeded model (``save_pretrained``, in the dtype
+asked for) and its real processor (:func:`ppmedia.testing.processors.save_tiny_processor`) into one
+folder: what ``examples/train.py --model`` takes. :func:`write_image_chat_dataset` writes PNG images
+and a LLaVA-style JSON Lines file (one ``<image>`` question and one answer per record) whose answer
+words follow the image's colour, so a model can learn it: a loss that falls in a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["IMAGE_SIZES", "main", "save_tiny_checkpoint", "write_image_chat_dataset"]
+
+#: (height, width) of the generated images, in turn (multiples of 8: whole merged patches of the tiny
+#: Qwen2.5-VL processor, 4 to 6 image tokens each).
+IMAGE_SIZES: tuple[tuple[int, int], ...] = ((16, 16), (16, 24), (24, 16))
+
+
+def save_tiny_checkpoint(family: str, folder: str | Path, *, seed: int = 0, dtype: Any = None,
+                         max_shard_size: str = "50GB") -> Path:
+    """The tiny ``family``'s model (seed ``seed``, cast to ``dtype`` if given) and its processor, saved
+    into ``folder``; returns it."""
+    from . import tiny_models
+    from .processors import save_tiny_processor
+
+    path = Path(folder)
+    model = tiny_models.load(family).build_model(seed)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    save_tiny_processor(family, path)
+    return path
+
+
+def write_image_chat_dataset(folder: str | Path, n_samples: int, *, words: list[str], seed: int = 0,
+                             name: str = "train.jsonl") -> Path:
+    """``n_samples`` records in ``folder/name`` (images beside it, paths relative to it).
+
+    Record ``i``: image ``img{i}.png`` (``IMAGE_SIZES[i % 3]``, one of 3 colours with noise), the human
+    turn ``"<image>\\n"`` plus 2 to 4 question words, the assistant's answer 2 words chosen by the
+    image's colour. ``words``: the tokenizer's plain words (``ppmedia.testing.word_tokenizer.text_words``),
+    at least 12.
+    """
+    from PIL import Image
+
+    if len(words) < 12:
+        raise ValueError(f"write_image_chat_dataset: {len(words)} words; expected at least 12")
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    colours = np.array([[220, 40, 40], [40, 200, 60], [50, 60, 230]])
+    lines = []
+    for i in range(n_samples):
+        height, width = IMAGE_SIZES[i % len(IMAGE_SIZES)]
+        colour = int(rng.integers(0, 3))
+        noise = rng.integers(-30, 30, (height, width, 3))
+        pixels = np.clip(colours[colour] + noise, 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(root / f"img{i}.png")
+        question = " ".join(words[int(k)] for k in rng.integers(6, 12, int(rng.integers(2, 5))))
+        answer = f"{words[2 * colour]} {words[2 * colour + 1]}"
+        lines.append({"image": f"img{i}.png", "conversations": [
+            {"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": answer}]})
+    path = root / name
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ppmedia.testing.datasets CHECKPOINT DATA [--samples N]``: the tiny Qwen2.5-VL
+    checkpoint with its processor in ``CHECKPOINT``, ``N`` generated image-chat records in
+    ``DATA/train.jsonl`` (images beside it)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ppmedia.testing.datasets", description=main.__doc__)
+    parser.add_argument("checkpoint", help="folder for the tiny checkpoint and its processor")
+    parser.add_argument("data", help="folder for train.jsonl and its images")
+    parser.add_argument("--samples", type=int, default=16, help="records to write (default 16)")
+    parser.add_argument("--family", default="qwen2_5_vl", help="the tiny family (one with a tiny processor)")
+    args = parser.parse_args(argv)
+    import transformers
+
+    from .word_tokenizer import text_words
+
+    checkpoint = save_tiny_checkpoint(args.family, args.checkpoint)
+    words = text_words(transformers.AutoProcessor.from_pretrained(checkpoint).tokenizer)
+    path = write_image_chat_dataset(args.data, args.samples, words=words)
+    print(f"wrote {checkpoint} (tiny {args.family} and its processor) and {path} ({args.samples} records)")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,81 @@
+"""ppmedia.data across real processes (gloo on 127.0.0.1): in a pipeline group only the rank that
+encodes reads media; the other receives the same token rows and opens no media file. The loss's
+token count is summed over the data-parallel replicas."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import data_fixtures as fx
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    torch.set_num_threads(1)
+    from ppmedia import data
+    from ppmedia.data import media
+
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):  # every open of this process, not only the loader's own
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        processor = data.SampleProcessor(fx.AutoProcessor_from(os.path.join(root, "processor")))
+        media.OPENED.clear()
+        ds = data.open_dataset(os.path.join(root, "train.jsonl"))
+        builtins.open = counting_open
+        try:  # one replica, pp = 2: rank 0 holds stage 0 and reads; rank 1 gets the token rows
+            loader = data.ReplicaLoader(ds, processor, global_batch_size=4, seed=2, pp_group=dist.group.WORLD,
+                                        reads_media=rank == 0)
+            batches = list(loader)
+        finally:
+            builtins.open = real_open
+        media_opened = list(media.OPENED)
+        # then as two replicas (dp = 2): the loss's token count is the global one
+        replica = data.ReplicaLoader(ds, processor, global_batch_size=4, seed=2, dp_rank=rank, dp_size=2)
+        first = next(iter(replica))
+        counts = [first["n_label_tokens"], data.global_label_tokens(first, dist.group.WORLD)]
+        torch.save({"batches": batches, "media_opened": media_opened,
+                    "pngs_opened": [f for f in opened if f.endswith(".png")], "counts": counts},
+                   os.path.join(root, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_only_the_encoding_rank_reads_media(tmp_path):
+    records = fx.llava_records(str(tmp_path), 8)
+    fx.write_jsonl(str(tmp_path / "train.jsonl"), records)
+    fx.save_qwen_processor(str(tmp_path / "processor"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from ppmedia import data  # noqa: F401  (imported before the fork: the children start in a second)
+
+    fx.AutoProcessor_from(str(tmp_path / "processor"))
+    mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    reader, other = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    images = sum(len(r.get("images", [])) + ("image" in r) for r in records)
+    assert len(reader["media_opened"]) == len(reader["pngs_opened"]) == images > 0
+    assert other["media_opened"] == [] and other["pngs_opened"] == []
+    assert len(reader["batches"]) == len(other["batches"]) == 2
+    for mine, theirs in zip(reader["batches"], other["batches"]):
+        assert "pixel_values" in mine and "pixel_values" not in theirs
+        for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids"):
+            assert torch.equal(mine[key], theirs[key]), key
+        for key in ("n_samples", "n_label_tokens", "skipped", "sample_names"):
+            assert mine[key] == theirs[key], key
+    assert reader["counts"][1] == other["counts"][1] == reader["counts"][0] + other["counts"][0]

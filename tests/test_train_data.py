@@ -1,0 +1,270 @@
+"""examples/train.py fine-tuning a real checkpoint on real data, under torchrun (four runs in all).
+
+The checkpoint: the tiny Qwen2.5-VL (``save_pretrained``) with its real processor
+(``ppmedia.testing.processors``); the data: generated PNG images and a LLaVA-style JSON Lines file
+(one or two images, or none, per record), and the same records as a ``datasets`` ``save_to_disk``
+folder in the messages style. The reference is the model itself in this process
+(``AutoModelForImageTextToText`` on the same processor output, ``labels=`` in transformers' form).
+
+1. pp=2 x dp=2, JSONL, ``--lr 0 --no-shuffle``: every step's loss is the model's own loss on that
+   step's global batch within 1e-5, and so is every evaluation of ``--eval-data``; the other log fields;
+   with ``--skip-bad-samples`` a record with a missing image is left out, named and counted
+   (``skipped`` 1), and the batches are those of the file without it.
+2. pp=1 x dp=2, the ``save_to_disk`` folder, ``--lr 0 --no-shuffle``: the same, within 1e-5.
+3. the README quick start's three lines as written, in a scratch folder: a generated checkpoint and
+   16 records, pp=2 x dp=1, shuffled, 2 epochs of 4 steps, checkpoints at steps 4 and 8, the export;
+   step 0 (before any update) is the model's loss on the shuffled batch 0, the loss falls.
+4. the same command at pp=2 x dp=2 with FSDP2, resumed from run 3's step 4 (the loader's position is
+   in the checkpoint): steps 4 to 7 repeat run 3's losses within 1e-5 (the same samples, another
+   layout). Both exports reload with ``AutoProcessor`` and ``AutoModelForImageTextToText``, keep the
+   checkpoint's float32 and equal their run's last DCP checkpoint tensor for tensor.
+
+That a bfloat16 checkpoint stays bfloat16 through loading and export is checked in one process
+(``test_a_bf16_checkpoint_stays_bf16``): the functions train.py calls, without a launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ppmedia import data, pipeline
+from ppmedia.pipeline.loss import SHIFTED_MARK
+from ppmedia.testing.datasets import save_tiny_checkpoint, write_image_chat_dataset
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TORCHRUN = pathlib.Path(sys.executable).with_name("torchrun")
+TOL = 1e-5
+N, B, MAX_LENGTH = 12, 4, 64  # 3 global batches an epoch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(nproc: int, *args: str, cwd: pathlib.Path = ROOT) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
+           "examples/train.py" if cwd != ROOT else str(ROOT / "examples" / "train.py"), *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout + result.stderr
+
+
+def _rows(path: pathlib.Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, path.read_text().splitlines())}
+
+
+def _words(checkpoint: pathlib.Path) -> list[str]:
+    import transformers
+
+    from ppmedia.testing.word_tokenizer import text_words
+
+    return text_words(transformers.AutoProcessor.from_pretrained(checkpoint).tokenizer)
+
+
+def _extra_records(root: pathlib.Path, words: list[str]) -> list[dict]:
+    """A text-only record and one with two images (the generated ones hold one each)."""
+    return [
+        {"conversations": [{"from": "human", "value": f"{words[8]} {words[9]}"}, {"from": "gpt", "value": words[3]}]},
+        {"images": ["img0.png", "img1.png"], "conversations": [
+            {"from": "human", "value": f"<image> <image>\n{words[7]}"}, {"from": "gpt", "value": f"{words[1]} {words[2]}"}]},
+    ]
+
+
+def _save_to_disk(jsonl: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+    """The JSONL's records in the messages style, images as ``Image()`` features, ``save_to_disk``."""
+    import datasets
+
+    rows = []
+    for line in jsonl.read_text().splitlines():
+        record = json.loads(line)
+        images = record.get("images") or ([record["image"]] if "image" in record else [])
+        roles = {"human": "user", "gpt": "assistant"}
+        rows.append({"messages": [{"role": roles[t["from"]], "content": t["value"]} for t in record["conversations"]],
+                     "images": [str(jsonl.parent / p) for p in images]})
+    dataset = datasets.Dataset.from_list(rows).cast_column("images", datasets.List(datasets.Image()))
+    dataset.save_to_disk(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-data")
+    checkpoint = save_tiny_checkpoint("qwen2_5_vl", root / "ckpt", max_shard_size="40KB")
+    words = _words(checkpoint)
+    jsonl = write_image_chat_dataset(root / "data", N - 2, words=words, seed=1)
+    with open(jsonl, "a") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in _extra_records(root / "data", words))
+    held_out = write_image_chat_dataset(root / "data", B, words=words, seed=2, name="eval.jsonl")
+    bad = root / "data" / "with_bad.jsonl"  # the same records and one whose image is missing, in the middle
+    lines = jsonl.read_text().splitlines(keepends=True)
+    missing = {"image": "no_such.png", "conversations": [{"from": "human", "value": f"<image>\n{words[6]}"},
+                                                         {"from": "gpt", "value": words[0]}]}
+    bad.write_text("".join(lines[:5]) + json.dumps(missing) + "\n" + "".join(lines[5:]))
+    return {"root": root, "ckpt": checkpoint, "jsonl": jsonl, "eval": held_out, "with_bad": bad,
+            "disk": _save_to_disk(jsonl, root / "disk")}
+
+
+def _model_losses(world, path, *, shuffle: bool, steps: int) -> list[tuple[float, int]]:
+    """(the model's own loss, label tokens) of each global batch, in one process."""
+    import transformers
+
+    torch.set_num_threads(1)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(world["ckpt"]).train()
+    processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(world["ckpt"]),
+                                     max_length=MAX_LENGTH, config=model.config)
+    loader = data.ReplicaLoader(data.open_dataset(str(path)), processor, global_batch_size=B, dp_rank=0, dp_size=1,
+                                seed=0, shuffle=shuffle)
+    out = []
+    while len(out) < steps:
+        for batch in loader:
+            labels = batch["labels"]
+            unshifted = torch.full_like(labels, pipeline.IGNORE_INDEX)
+            unshifted[:, 1:] = labels[:, :-1]
+            unshifted[unshifted == SHIFTED_MARK] = pipeline.IGNORE_INDEX
+            inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
+            with torch.no_grad():
+                loss = model(**inputs, labels=unshifted, use_cache=False).loss
+            out.append((float(loss), int((unshifted != pipeline.IGNORE_INDEX).sum())))
+    return out[:steps]
+
+
+def _common(world, log: pathlib.Path) -> list[str]:
+    return ["--model", str(world["ckpt"]), "--batch-size", str(B), "--max-length", str(MAX_LENGTH),
+            "--loss-log", str(log)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, source", [(("2", "2"), "with_bad"), (("1", "2"), "disk")],
+                         ids=["pp2xdp2-jsonl", "pp1xdp2-disk"])
+def test_lr0_losses_are_the_models_own(world, tmp_path, layout, source):
+    pp, dp = layout
+    log = tmp_path / "loss.jsonl"
+    jsonl = source == "with_bad"  # its missing image is skipped (and counted) when the file is opened
+    extra = ["--eval-data", str(world["eval"]), "--eval-every", "2", "--skip-bad-samples"] if jsonl else []
+    printed = _torchrun(int(pp) * int(dp), *_common(world, log), "--data", str(world[source]), "--pp", pp, "--dp", dp,
+                        "--epochs", "1", "--lr", "0", "--no-shuffle", *extra)
+    rows = _rows(log)
+    reference = _model_losses(world, world["jsonl"], shuffle=False, steps=N // B)
+    assert sorted(rows) == list(range(N // B))
+    for step, (loss, tokens) in enumerate(reference):
+        row = rows[step]
+        assert abs(row["loss"] - loss) <= TOL, (step, row["loss"], loss)
+        assert (row["tokens"], row["samples"], row["skipped"], row["lr"]) == (tokens, B, int(jsonl), 0.0)
+        assert 0 < row["padding_fraction"] < 1 and row["grad_norm"] > 0
+        assert row["step_time_s"] > 0 and row["tokens_per_s"] == pytest.approx(tokens / row["step_time_s"])
+    if jsonl:
+        assert "no_such.png" in printed  # named in the log (each rank's stderr)
+        (held_out, _), = _model_losses(world, world["eval"], shuffle=False, steps=1)
+        assert sorted(s for s, r in rows.items() if "eval_loss" in r) == [0, 2]
+        assert all(abs(rows[s]["eval_loss"] - held_out) <= TOL for s in (0, 2))  # lr 0: the same weights
+
+
+def _readme_lines() -> list[str]:
+    """The README quick start's three lines from a data file to an exported model."""
+    import shlex
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_docs import README, command_lines, read_blocks, section
+
+    blocks = [b for b in read_blocks(README, section(README.read_text(), "Quick start")) if b.lang == "sh"]
+    lines = command_lines(blocks[1])
+    assert [shlex.split(line)[0] for line in lines] == ["python", "torchrun", "python"], lines
+    return lines
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Run 3: the README's three lines as written, in a scratch folder (pp=2 x dp=1, shuffled, 2 epochs
+    of 4 steps, checkpoints at steps 4 and 8, the export); run 4: the same command at pp=2 x dp=2 with
+    FSDP2, resumed from run 3's step 4 (into another save folder), exported too."""
+    import contextlib
+    import io
+    import shlex
+
+    from ppmedia.testing import datasets
+
+    work = tmp_path_factory.mktemp("readme")
+    (work / "examples").symlink_to(ROOT / "examples")
+    make, train, check = _readme_lines()
+    here = os.getcwd()
+    os.chdir(work)
+    try:
+        datasets.main(shlex.split(make, comments=True)[3:])  # python -m ppmedia.testing.datasets ...
+        argv = shlex.split(train)[4:]  # after torchrun --standalone --nproc-per-node 2
+        assert argv[0] == "examples/train.py"
+        _torchrun(2, *argv[1:], cwd=work)
+        printed = _torchrun(4, *argv[1:], "--pp", "2", "--dp", "2", "--fsdp", "--resume", "runs/step4",
+                            "--save-dir", "runs4", "--loss-log", "resumed.jsonl", "--export", "trained4", cwd=work)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(shlex.split(check)[2], "<README>", "exec"), {})
+    finally:
+        os.chdir(here)
+    return {"work": work, "printed": printed, "dtype_line": out.getvalue(), "straight": _rows(work / "loss.jsonl"),
+            "resumed": _rows(work / "resumed.jsonl")}
+
+
+@pytest.mark.multiprocess
+def test_shuffled_run_resumed_at_another_layout_continues_identically(trained):
+    straight, resumed = trained["straight"], trained["resumed"]
+    assert sorted(straight) == list(range(8)) and sorted(resumed) == list(range(4, 8))  # 2 epochs of 16 / 4
+    work = {"ckpt": trained["work"] / "demo-ckpt"}
+    (first, _), = _model_losses(work, trained["work"] / "demo-data" / "train.jsonl", shuffle=True, steps=1)
+    assert abs(straight[0]["loss"] - first) <= TOL, (straight[0]["loss"], first)  # shuffled: not the file's order
+    assert straight[7]["loss"] < straight[0]["loss"]  # it learns
+    for step in range(4, 8):  # the loader's position came back with the weights: the same samples
+        assert abs(resumed[step]["loss"] - straight[step]["loss"]) <= TOL, (step, resumed[step], straight[step])
+        assert resumed[step]["tokens"] == straight[step]["tokens"]
+    assert "resumed from runs/step4" in trained["printed"] and "continuing at step 4" in trained["printed"]
+    assert trained["dtype_line"] == "torch.float32\n"  # the README's last line
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("export, saved", [("trained", "runs"), ("trained4", "runs4")], ids=["pp2xdp1", "pp2xdp2-fsdp"])
+def test_the_export_reloads_with_the_processor_and_the_dtype(trained, export, saved):
+    import transformers
+
+    work = trained["work"]
+    processor = transformers.AutoProcessor.from_pretrained(work / export)
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor" and processor.chat_template
+    model, info = transformers.AutoModelForImageTextToText.from_pretrained(work / export, output_loading_info=True)
+    assert not any(info.values()), info
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the checkpoint's
+    (stage,) = pipeline.build_stage_modules(model, 1)
+    last = pipeline.build_stage_modules(transformers.AutoModelForImageTextToText.from_pretrained(work / "demo-ckpt"), 1)
+    pipeline.load_checkpoint(str(work / saved / "step8"), last, None)
+    exported, expected = stage.state_dict(), last[0].state_dict()
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
+    initial = transformers.AutoModelForImageTextToText.from_pretrained(work / "demo-ckpt").state_dict()
+    assert sum(not torch.equal(initial[k], exported[k]) for k in exported) > len(exported) // 2  # it trained
+
+
+def test_a_bf16_checkpoint_stays_bf16(tmp_path):
+    """What train.py does with a bfloat16 checkpoint and no --dtype: the stages load in the
+    checkpoint's dtype (``checkpoint_dtype``), the export writes it so, with the processor files."""
+    import transformers
+
+    torch.set_num_threads(1)
+    source = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "bf16", dtype=torch.bfloat16)
+    dtype = pipeline.checkpoint_dtype(source)
+    assert dtype == torch.bfloat16
+    stages = pipeline.stages_from_pretrained(source, 2, dtype=dtype)
+    assert {p.dtype for s in stages for p in s.parameters()} == {torch.bfloat16}
+    pipeline.save_pretrained_stages(stages, tmp_path / "export")
+    pipeline.copy_processor_files(source, tmp_path / "export")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "export", dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert pipeline.checkpoint_dtype(tmp_path / "export") == torch.bfloat16
+    assert transformers.AutoProcessor.from_pretrained(tmp_path / "export").chat_template
