@@ -198,7 +198,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.bf16 and not args.fsdp:
         parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
     untested = [flag for flag, on in (("--encoder spread", args.encoder == "spread"), ("--data", args.data),
-                                      ("--presplit", args.presplit), ("--export", args.export)) if on]
+                                      ("--presplit", args.presplit)) if on]
     if args.tp > 1 and untested:
         parser.error(f"--tp {args.tp} with {', '.join(untested)}: not supported (docs/tensor-parallel.md); "
                      f"drop one of them")
@@ -486,7 +486,8 @@ def export(ctx: dict[str, Any], args: argparse.Namespace) -> None:
     files, so that ``AutoProcessor`` and ``AutoModelForImageTextToText`` load it."""
     parts = ctx["parts"]
     if args.fsdp or ctx["dp_rank"] == 0:
-        # each pipeline rank writes its stages' shards (FSDP2: every replica gathers, the first writes)
+        # each pipeline rank writes its stages' shards (FSDP2 / --tp: every replica or tp peer gathers,
+        # the first writes)
         pipeline.save_pretrained_stages(parts.modules, args.export, group=parts.pp_group)
     if args.model and dist.get_rank() == 0:
         copied = pipeline.copy_processor_files(args.model, args.export)

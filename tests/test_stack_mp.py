@@ -53,7 +53,8 @@ TP = "1f1b/static/tp2"
 TP_FSDP = "1f1b/static/dp2/tp2/fsdp"
 TP_DP = "1f1b/static/dp2/tp2"  # replicated over dp: all_reduce_gradients sums the tp shards
 TP_UNREDUCED = "1f1b/static/unreduced_tower/tp2"
-TP_FAMILIES = ("qwen2_5_vl", "gemma3", "llava_next", "qwen3_vl")
+TP_PRETRAINED = "1f1b/static/tp2/pretrained"  # stages_from_pretrained(tp_mesh=), exported back
+TP_FAMILIES = ("qwen2_5_vl", "gemma3", "llava_next", "qwen3_vl", "glm4v_moe")  # GLM-4.5V: MoE, experts replicated
 #: pre-split microbatches (Qwen2.5-VL: its mrope positions made on stage 0 from each chunk's grids),
 #: 2 processes: every torch schedule (V-shaped and interleaved ones give every stage of a rank the
 #: ``media`` keyword), inferred and static shapes, the spread, evaluation before every training step
@@ -65,13 +66,14 @@ PRESPLIT_DP = ("1f1b/static/dp2/fsdp/clip/presplit", "gpipe/inferred/dp2/fsdp/va
 #: single families' scenarios in the same 4-process spawn
 DP_FAMILY_SCENARIOS = {
     "qwen2_5_vl": (*FSDP_SCHEDULES, *VARLEN, "1f1b/static/dp2/fsdp/bf16", *PRESPLIT_DP, TP, TP_FSDP, TP_DP,
-                   TP_UNREDUCED),
+                   TP_UNREDUCED, TP_PRETRAINED),
     "llava_next": ("1f1b/static/dp2/fsdp/bf16", TP),
     "qwen3_vl": ("1f1b/static/dp2/fsdp/text_only_replica", TP),  # default split: deepstack level 1 crosses
     "kimi_vl": ("1f1b/static/dp2/fsdp/clip", "ZBVZeroBubble/static/dp2/fsdp"),  # tied embedding
     # per-sample inputs (token_type_ids [B, S], on every stage) through shard_batch, FSDP2 and the spread
     "paligemma": ("1f1b/static/dp2/clip", "1f1b/static/dp2/fsdp/clip/spread"),
     "gemma3": (TP,),  # per-head q_norm/k_norm whole with summed gradients; its head tied (kept whole)
+    "glm4v_moe": (TP,),  # GLM-4.5V's MoE layers: routed experts whole on every tp rank, shared experts split
 }
 PP_SCENARIOS = (
     *(f"{name}/static" for name in TORCH_SCHEDULES),
@@ -589,3 +591,24 @@ def test_a_skipped_tower_reduction_fails_the_comparison():
     first = result.steps[0]
     assert first.loss_diff <= TOL and first.grad_diff_lm <= TOL
     assert first.grad_diff_vision > 1e-3 and not result.passed(TOL)
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_stages_read_only_their_shards_and_export_whole():
+    """``stages_from_pretrained(..., tp_mesh=mesh["tp"])`` at pp=2 x tp=2: each rank read from the
+    safetensors slices exactly the elements it holds (its local shards, and the tensors left whole),
+    fewer than its stage's whole tensors; trained, loss and every gradient within 1e-5 of the model.
+    ``save_pretrained_stages`` from those stages, reloaded with ``from_pretrained``, equals the
+    checkpoint's model exactly (the DTensors gathered). Loading whole tensors and slicing them after
+    would read more than is held and fail here."""
+    from ppmedia.pipeline import build_stage_modules
+    from ppmedia.testing import tiny_models
+
+    result = _report(4).family("qwen2_5_vl").scenario(TP_PRETRAINED)
+    _assert_parity(result)
+    model = tiny_models.load("qwen2_5_vl").build_model(0)
+    whole = [sum(t.numel() for t in m.state_dict().values()) for m in build_stage_modules(model, 2)]
+    assert len(result.loaded) == 4
+    for rank, view in enumerate(result.loaded):  # rank = pp_rank * 2 + tp_rank
+        assert view["elements_read"] == view["elements_held"] < whole[rank // 2], (rank, view, whole)
+        assert view["export_diff"] == 0.0

@@ -42,7 +42,8 @@ def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _writes_files(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether this rank writes: with DTensors (FSDP2) only the rank at coordinate 0 of their mesh."""
+    """Whether this rank writes: with DTensors (FSDP2, tensor parallelism) only the rank at coordinate
+    0 of their mesh."""
     from torch.distributed.tensor import DTensor
 
     for tensor in tensors:
@@ -218,9 +219,10 @@ def save_pretrained_stages(
     tensors (its own shard files), rank 0 of the group the index and the config; the call returns on
     every rank once the checkpoint is complete.
 
-    FSDP2 (parameters that are ``DTensor`` s): call it on every rank of the stages' meshes (each
-    parameter is gathered with ``full_tensor()``, a collective over its mesh); only the ranks at
-    coordinate 0 of the mesh write, with ``group`` their pipeline group. With replicated data
+    FSDP2 or tensor parallelism (parameters that are ``DTensor`` s): call it on every rank of the
+    stages' meshes (each parameter is gathered with ``full_tensor()``, a collective over its mesh, in
+    sorted name order); only the ranks at coordinate 0 of the mesh write, with ``group`` their
+    pipeline group (``pipeline_mesh(...)["pp"]``: every ``tp`` slice's pipeline calls, slice 0 writes). With replicated data
     parallelism (plain parameters on every replica), call it on one replica only.
 
     Args:

@@ -26,6 +26,12 @@ from ``from_pretrained(path, dtype=...)`` tensor for tensor (parameters and ever
    ``from_pretrained`` computes them after loading;
 8. the stages are put in eval mode, as ``from_pretrained`` leaves a model.
 
+With ``tp_mesh`` the stages are made tensor-parallel (:func:`~ppmedia.pipeline.apply_tensor_parallel`)
+while still on the meta device, between steps 3 and 5: their planned parameters are then meta
+``DTensor`` s, for which transformers' loader reads through each safetensors slice only this rank's
+rows or columns (``DtensorShardOperation``: ``get_slice(name)[rows, cols]``); the tensors left whole
+(norms, the vision tower, a tied embedding) are read whole on every ``tp`` rank.
+
 Unlike ``from_pretrained``, nothing is initialised at random: a tensor the stages need that the
 checkpoint lacks, a checkpoint tensor the model has no place for (unless the class declares it
 ignorable, e.g. Qwen3.5's ``mtp.*``), a shape mismatch or a failed conversion is a ``ValueError``
@@ -401,6 +407,7 @@ def stages_from_pretrained(
     layers_per_stage: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    tp_mesh: Any = None,
 ) -> list[StageModule]:
     """This rank's pipeline stages, loaded from the Hugging Face checkpoint in ``path`` alone.
 
@@ -417,6 +424,10 @@ def stages_from_pretrained(
         layers_per_stage: decoder layers per stage (default :func:`default_layer_split`).
         dtype: the parameters' dtype, as ``from_pretrained``'s ``dtype`` (``None``: float32).
         device: where the stages' tensors are allocated.
+        tp_mesh: the tensor-parallel ``DeviceMesh`` (``pipeline_mesh(...)["tp"]``): the stages come
+            back tensor-parallel over it, each rank having read only its shards of the split
+            tensors (do not call :func:`~ppmedia.pipeline.apply_tensor_parallel` again; FSDP2 may
+            follow). Call it on every rank of the mesh. ``None``: whole stages.
 
     Returns:
         The :class:`StageModule` objects in the order of ``stages``, in eval mode; ``module.tied``
@@ -425,7 +436,8 @@ def stages_from_pretrained(
 
     Raises:
         ValueError: a tensor the stages need is missing, a checkpoint tensor is unexpected, a shape
-            does not match, a conversion fails, a file is damaged or truncated (each naming it).
+            does not match, a conversion fails, a file is damaged or truncated (each naming it);
+            anything :func:`~ppmedia.pipeline.check_tensor_parallel` refuses (before any read).
         FileNotFoundError: no safetensors checkpoint in ``path``, or a shard the index names is absent.
     """
     path = os.fspath(path)
@@ -441,13 +453,19 @@ def stages_from_pretrained(
         )
     modules = build_stage_modules(model, n_stages, stages=stages, layers_per_stage=layers_per_stage)
     plan = _plan(model, modules, names, checkpoint)
+    tied = tuple(tied_groups(model))
+    if tp_mesh is not None:  # meta DTensors: the loader reads only this rank's shards
+        from .tensor_parallel import apply_tensor_parallel
+
+        for module in modules:
+            module.tied = tied  # which head is tied (kept whole) decides the plan
+        apply_tensor_parallel(modules, tp_mesh)
     device = torch.device(device)
     _load_tensors(model, checkpoint, plan, names, dtype, device)
     for name, carrier in plan.carriers.items():  # tie_weights: the target is the source's tensor
         _set_tensor(model, name, model.get_parameter(carrier))
     _computed_buffers(model, modules, plan, device)
     _into_stages(model, modules)
-    tied = tuple(tied_groups(model))
     for module in modules:
         module.tied = tied
         module.eval()

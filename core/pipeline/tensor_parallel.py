@@ -66,7 +66,11 @@ _GROUP = "_ppmedia_tp_group"
 
 def tensor_parallel_plan(config: Any, adapter: VlmAdapter | None = None) -> dict[str, str]:
     """The language model's plan ``{module path: style}``: the text config's ``base_model_tp_plan``,
-    else ``adapter.tp_plan(config)``.
+    else ``adapter.tp_plan(config)``, without the entries of MoE routed experts (``mlp.experts``:
+    transformers' ``packed_colwise`` / ``moe_tp_experts`` styles). Those experts stay whole on every
+    ``tp`` rank: their input is the replicated hidden state, so each rank routes and computes every
+    token and gets the experts' whole gradient (no reduction over ``tp``); shared experts and dense
+    MLPs are split as the plan says.
 
     Raises:
         ValueError: neither gives one (the family cannot be tensor-parallel yet: name the adapter).
@@ -84,7 +88,13 @@ def tensor_parallel_plan(config: Any, adapter: VlmAdapter | None = None) -> dict
             f"tensor parallelism: {type(text).__name__} has no base_model_tp_plan and "
             f"{type(adapter).__name__}.tp_plan returns none; give the adapter a tp_plan"
         )
-    return dict(plan)
+    return {key: style for key, style in plan.items() if not _routed_experts(key)}
+
+
+def _routed_experts(key: str) -> bool:
+    """A plan entry of a MoE block's routed experts (``...mlp.experts``, ``...text_moe.experts.down_proj``;
+    not ``shared_experts``): left out, the experts stay whole and replicated over ``tp``."""
+    return "experts" in key.split(".")
 
 
 def check_tensor_parallel(

@@ -430,6 +430,9 @@ class ScenarioResult:
     microbatches: int | None = None
     tp: int = 1
     presplit: bool = False
+    #: ``pretrained`` scenarios: per rank (in rank order), checkpoint elements read and stage
+    #: elements held (local shards), and with ``tp > 1`` the export round trip's largest difference.
+    loaded: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -812,7 +815,11 @@ def _stages(
     if scenario.pretrained:
         assert checkpoint is not None
         dtype = torch.bfloat16 if scenario.dtype == "bfloat16" else None
-        modules = stages_from_pretrained(checkpoint, n_stages, stages=indices, layers_per_stage=layers_per_stage, dtype=dtype)
+        tp_mesh = g.mesh["tp"] if scenario.tp > 1 else None  # tensor-parallel as loaded: each rank its shards
+        with _counted_reads() as read:
+            modules = stages_from_pretrained(checkpoint, n_stages, stages=indices, layers_per_stage=layers_per_stage,
+                                             dtype=dtype, tp_mesh=tp_mesh)
+        modules[0].__dict__[_READ_ATTRIBUTE] = read[0]
         stages = make_pipeline_stages(modules, n_stages, indices, "cpu", group=g.pp_group, static_microbatch=static)
         return stages, list(modules[0].tied)
     model = copy.deepcopy(pristine)
@@ -828,6 +835,91 @@ def _stages(
         encoder=scenario.encoder,
     )
     return stages, tied  # the model itself is dropped: this rank keeps only its stages' modules
+
+
+#: the first stage module's record of the checkpoint elements its rank read (``pretrained`` scenarios).
+_READ_ATTRIBUTE = "_ppmedia_parity_elements_read"
+
+
+@contextlib.contextmanager
+def _counted_reads() -> Iterator[list[int]]:
+    """Inside the block, the elements :func:`~ppmedia.pipeline.stages_from_pretrained` reads from
+    the checkpoint's safetensors slices (``slice[index]``), summed into the yielded list's one item."""
+    from ..pipeline import pretrained
+
+    read = [0]
+    original = pretrained.open_tensors
+
+    class _Counted:
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def __getitem__(self, index: Any) -> Any:
+            out = self._inner[index]
+            read[0] += int(out.numel())
+            return out
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+    @contextlib.contextmanager
+    def counted(checkpoint: Any, names: Any) -> Iterator[dict[str, Any]]:
+        with original(checkpoint, names) as slices:
+            yield {k: _Counted(v) for k, v in slices.items()}
+
+    pretrained.open_tensors = counted
+    try:
+        yield read
+    finally:
+        pretrained.open_tensors = original
+
+
+def _local_elements(modules: Sequence[Any]) -> int:
+    """Elements of the stages' persistent tensors this rank holds (a ``DTensor``'s local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    state = {n: t for m in modules for n, t in m.state_dict(keep_vars=True).items()}
+    return sum(int((t.to_local() if isinstance(t, DTensor) else t).numel()) for t in
+               {id(t): t for t in state.values()}.values())
+
+
+def _export_round_trip(built: "_Built", g: _Groups, checkpoint: str) -> float:
+    """``save_pretrained_stages`` from the (tensor-parallel) stages as loaded, beside ``checkpoint``;
+    rank 0 reloads it with ``from_pretrained``: the largest difference to the checkpoint's model
+    (every rank gets it)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from ..pipeline import save_pretrained_stages
+
+    out = checkpoint.rstrip(os.sep) + "-export"
+    save_pretrained_stages(built.modules, out, group=g.pp_group)
+    dist.barrier()
+    diff = torch.zeros((), dtype=torch.float64)
+    if dist.get_rank() == 0:
+        model_class: Any = type(built.reference)
+        exported = model_class.from_pretrained(out).state_dict()
+        want = built.reference.state_dict()
+        if set(exported) != set(want):
+            diff.fill_(float("inf"))
+        else:
+            diff.fill_(max(float((exported[k].double() - want[k].double()).abs().max()) for k in want if want[k].numel()))
+        shutil.rmtree(out)
+    dist.all_reduce(diff)  # max of one non-zero entry: a sum
+    return float(diff)
+
+
+def _loaded(built: "_Built", scenario: Scenario, g: _Groups, checkpoint: str | None) -> dict[str, Any]:
+    """``pretrained`` scenarios: the elements this rank read and holds; with ``tp > 1`` (before any
+    step) the export round trip's largest difference to the checkpoint's model."""
+    if not scenario.pretrained:
+        return {}
+    loaded = {"elements_read": built.modules[0].__dict__.get(_READ_ATTRIBUTE), "elements_held": _local_elements(built.modules)}
+    if scenario.tp > 1:
+        assert checkpoint is not None
+        loaded["export_diff"] = _export_round_trip(built, g, checkpoint)
+    return loaded
 
 
 def _build(
@@ -847,7 +939,7 @@ def _build(
     n = scenario.microbatches or job.n_microbatches
     static = (B // g.dp // n, S) if scenario.shapes == "static" else None
     stages, tied = _stages(scenario, pristine, n_stages, indices, g, layers_per_stage, static, checkpoint)
-    if scenario.tp > 1:
+    if scenario.tp > 1 and not scenario.pretrained:  # stages_from_pretrained(tp_mesh=) made them so
         from ..pipeline import apply_tensor_parallel
 
         apply_tensor_parallel(stages, g.mesh["tp"])
@@ -1182,6 +1274,7 @@ def _run_scenario(
     adapter, config = get_adapter(pristine), pristine.config
     g = _groups(world, rank, scenario.dp, scenario.tp)
     built = _build(scenario, job, g, pristine, tiny_module, checkpoint)
+    loaded = _loaded(built, scenario, g, checkpoint)
     probe = _Probe(built)
     step_results = []
     try:
@@ -1248,6 +1341,7 @@ def _run_scenario(
         "stage_indices": built.indices,
         "dp_rank": g.dp_rank,
         "tp_rank": g.tp_rank,
+        "loaded": loaded,
         "owned": sorted(built.owned),
         "all_params": sorted(dict(built.reference.named_parameters(remove_duplicate=False))),
         "steps": step_results,
@@ -1383,6 +1477,7 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         tp=sc.get("tp", 1),
         presplit=sc.get("presplit", False),
         stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0 and not v.get("tp_rank")],
+        loaded=[dict(v.get("loaded") or {}) for v in views],
     )
 
 
