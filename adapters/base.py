@@ -603,7 +603,7 @@ class VlmAdapter(abc.ABC):
             per patch plus attention over the sequence, windowed layers over their window); override
             it for an encoder whose cost grows differently.
         """
-        from ..balance import encoder_flops
+        from ..balancing import encoder_flops
 
         return encoder_flops(patches, config)
 

@@ -35,18 +35,20 @@ import math
 import numbers
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
 import torch
 from torch import Tensor
 
+from .assemble import FIELD_KINDS, FieldSplit, Part
 from .hostreads import HostReader
 
 __all__ = [
     "Context",
     "Counts",
+    "FIELD_KINDS",
     "FieldSplit",
     "IMAGE_GRID_KEYS",
     "Part",
@@ -115,40 +117,6 @@ class Context:
         """``"sample s, microbatch k"`` holding item ``item`` (an image or video), given counts per sample."""
         sample = int(np.searchsorted(offsets(per_sample), item, side="right")) - 1
         return f"sample {sample}, microbatch {bisect.bisect_right(self.bounds, sample) - 1}"
-
-
-#: what axis 0 of a staged field holds, as :class:`FieldSplit` ``kind`` says it:
-#: ``"media"``: rows or items of the media (the ranges tile dim 0 in microbatch order);
-#: ``"sample"``: one entry per sample, metadata of the media: staged EMPTY in a microbatch that holds
-#: no media rows at all, so the consumer sees a text-only microbatch (Step3's ``num_patches``);
-#: ``"input"``: one entry per sample, always staged (per-sample inputs, e.g. token types).
-FIELD_KINDS: tuple[str, ...] = ("media", "sample", "input")
-
-
-class FieldSplit(NamedTuple):
-    """One chunk field: its batch tensor, the key it came from, its ranges along dim 0 per microbatch.
-
-    ``name`` is a :class:`~ppmedia.VlmMediaChunk` field, or any other name, which the chunk then
-    carries in ``chunk.extras[name]``. ``sizes``: the ranges' lengths when they tile dim 0 (fast
-    views), else ``None``. ``kind``: one of :data:`FIELD_KINDS`; a ``"sample"`` or ``"input"`` field's
-    ranges are the microbatches' sample ranges.
-    """
-
-    name: str
-    source: str
-    tensor: Tensor
-    ranges: tuple[Range, ...]
-    sizes: tuple[int, ...] | None
-    kind: str = "media"
-
-
-class Part(NamedTuple):
-    """A planner's result: its fields, and per microbatch its items (images, videos, ...) and media rows
-    (the rows of its pixel tensor: the ones that make a microbatch hold media)."""
-
-    fields: list[FieldSplit]
-    items: tuple[int, ...]
-    rows: tuple[int, ...]
 
 
 # --------------------------------------------------------------------------------------------------

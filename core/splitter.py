@@ -1,41 +1,37 @@
-"""The one path every split takes: select the batch's layouts, plan, read once, finish, assemble.
+"""The plan step of the producer path: select the batch's layouts, check, plan, read once, finish.
 
-:func:`ppmedia.split_media` (plain) and :func:`ppmedia.balance.balanced_split` both call :func:`plan_split`
-and :func:`assemble`; the balanced split reorders the per-sample plan in between. Nothing here modifies
-the batch except :func:`pop_media`, called only once every check passed and every view exists.
+:func:`plan_split` is the first step :func:`ppmedia.split_media` calls (``n`` microbatches for the plain
+split, ``B`` of one sample each for a row order such as ``balance=``); it returns a
+:class:`~ppmedia.assemble.Planned` and calls only downwards (layouts, planners, host reads, and the
+types of :mod:`ppmedia.assemble`). Nothing here modifies the batch.
 """
 
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import torch
 from torch import Tensor
 
-from .chunk import STAGED_ATTRIBUTES
+from .assemble import FIELD_KINDS, FieldSplit, Part, Planned
 from .layouts import LayoutSet, MediaLayout, Selection
 from .planners import (
-    FIELD_KINDS,
     Context,
     Counts,
     CountsArgument,
-    FieldSplit,
-    Part,
     is_empty,
     no_media,
     pending_counts,
     require_tensor,
     shape_of,
 )
-from .staged import Range, StagedMedia, cached_bounds, views
+from .staged import cached_bounds
 
-__all__ = ["Planned", "SampleInputsArgument", "assemble", "default_layouts", "plan_split", "pop_media"]
+__all__ = ["Planned", "SampleInputsArgument", "default_layouts", "plan_split"]
 
 #: ``split_media(sample_inputs=...)``: batch keys (taken from the batch), or ``{key: None or [B, ...] tensor}``.
 SampleInputsArgument = Mapping[str, "Tensor | None"] | Sequence[str] | None
-_ORDER = {name: i for i, name in enumerate(STAGED_ATTRIBUTES)}
 
 
 _registry: Any = None  # ppmedia.registry.default_registry, imported on first use (the registry imports this module's layouts)
@@ -50,21 +46,6 @@ def default_layouts() -> LayoutSet:
         _registry = default_registry
     layouts: LayoutSet = _registry().media_layouts()
     return layouts
-
-
-@dataclass
-class Planned:
-    """A batch planned for ``n`` microbatches: every check passed, the host read done, no view made yet.
-
-    ``parts`` pairs each finished :class:`~ppmedia.planners.Part` with its layout (``None``: the
-    per-sample inputs); ``popped`` is every batch key a successful split removes.
-    """
-
-    batch_size: int
-    bounds: tuple[int, ...]
-    samples: tuple[Range, ...]
-    parts: list[tuple[MediaLayout | None, Part]]
-    popped: frozenset[str]
 
 
 def _media_of(batch: MutableMapping[str, Any], layouts: LayoutSet) -> dict[str, Any]:
@@ -279,83 +260,3 @@ def _check_part(layout: MediaLayout, part: Part, n: int) -> None:
                 f"media layout {layout.name!r}: its planner staged {f.name!r} (kind {f.kind!r}, {len(f.ranges)} "
                 f"ranges); expected one of its fields {list(layout.fields)}, a kind of {list(FIELD_KINDS)} and {n} ranges"
             )
-
-
-def _checked_views(f: FieldSplit) -> list[Tensor]:
-    try:
-        return views(f.tensor, f.ranges, f.sizes)
-    except RuntimeError as error:  # a guard: the planners checked the ranges already
-        raise ValueError(f"{f.source}: shape {shape_of(f.tensor)}; cannot be cut at {list(f.ranges)} ({error})") from error
-
-
-def _without_media(planned: Planned) -> list[int]:
-    """The microbatches that hold no media rows in any layout."""
-    n = len(planned.samples)
-    held = [False] * n
-    for layout, part in planned.parts:
-        if layout is not None:
-            for k, rows in enumerate(part.rows):
-                if rows:
-                    held[k] = True
-    return [k for k in range(n) if not held[k]]
-
-
-def _blanked(f: FieldSplit, empty: Sequence[int]) -> FieldSplit:
-    ranges = list(f.ranges)
-    for k in empty:
-        ranges[k] = (ranges[k][0], ranges[k][0])
-    return f._replace(ranges=tuple(ranges), sizes=None)
-
-
-def assemble(planned: Planned, permutation: tuple[int, ...] | None = None) -> StagedMedia:
-    """The :class:`StagedMedia` of a plan: every view made here (``"sample"`` fields staged empty in the
-    microbatches without media), nothing popped."""
-    n = len(planned.samples)
-    zero = (0,) * n
-    items: dict[str, tuple[int, ...]] = {}
-    rows: dict[str, tuple[int, ...]] = {}
-    splits: list[FieldSplit] = []
-    empty: list[int] | None = None
-    names: list[str] = []
-    for layout, part in planned.parts:
-        if layout is not None:
-            m = layout.modality
-            items[m] = part.items if m not in items else tuple(map(sum, zip(items[m], part.items)))
-            rows[m] = part.rows if m not in rows else tuple(map(sum, zip(rows[m], part.rows)))
-            names.append(layout.name)
-        for f in part.fields:
-            if f.kind == "sample":
-                empty = _without_media(planned) if empty is None else empty
-                if empty:
-                    f = _blanked(f, empty)
-            splits.append(f)
-    if len(splits) > 1:
-        splits.sort(key=_field_order)
-    tensors: dict[str, Tensor] = {}
-    sources: dict[str, str] = {}
-    ranges: dict[str, tuple[Range, ...]] = {}
-    kinds: dict[str, str] = {}
-    chunks: dict[str, list[Tensor]] = {}
-    for f in splits:
-        if f.name in tensors:
-            raise ValueError(f"{f.source}: staged as {f.name!r}, which {sources[f.name]} is staged as too; expected one key per field")
-        tensors[f.name], sources[f.name], ranges[f.name], kinds[f.name] = f.tensor, f.source, f.ranges, f.kind
-        chunks[f.name] = _checked_views(f)
-    return StagedMedia(
-        n_microbatches=n, batch_size=planned.batch_size, tensors=tensors, sources=sources, ranges=ranges,
-        samples=planned.samples, images=items.get("image", zero), videos=items.get("video", zero),
-        image_rows=rows.get("image", zero), video_rows=rows.get("video", zero), crop_rows=rows.get("crop", zero),
-        permutation=permutation, chunks=chunks, items=items or {"image": zero, "video": zero}, rows=rows,
-        kinds=kinds, layouts=tuple(names),
-    )
-
-
-def _field_order(f: FieldSplit) -> int:
-    return _ORDER.get(f.name, len(_ORDER))
-
-
-def pop_media(batch: MutableMapping[str, Any], planned: Planned) -> None:
-    """Remove from ``batch`` every key the split took (media keys, counts, per-sample inputs)."""
-    popped = planned.popped
-    for key in [k for k in batch if k in popped]:
-        del batch[key]
