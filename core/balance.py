@@ -13,8 +13,8 @@ changes nothing but time (tested: loss and every gradient equal to the unbalance
 Costs: per encoder sequence (an image, a video, a crop) ``cost(patches)``; a sample's cost is the sum
 over its sequences. The default is linear in patches; :meth:`VlmAdapter.image_costs
 <ppmedia.adapters.base.VlmAdapter.image_costs>` gives the family's encoder model
-(:func:`encoder_flops`: linear layers per patch plus attention over the image's patches, windowed
-layers over a window only).
+(:func:`encoder_flops`, defined in :mod:`ppmedia.costs`: linear layers per patch plus attention over the
+image's patches, windowed layers over a window only).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .costs import encoder_flops, vision_value
 from .layouts import LayoutSet
 from .planners import Part
 from .splitter import Planned, assemble, default_layouts, plan_split, pop_media
@@ -203,44 +204,6 @@ def restore_order(values: Tensor | Sequence[Any], permutation: Sequence[int]) ->
 
 # --------------------------------------------------------------------------------------------------
 # costs
-
-
-def _vision_value(config: Any, *names: str, default: Any = None) -> Any:
-    vision = getattr(config, "vision_config", None) or config
-    for name in names:
-        value = getattr(vision, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def encoder_flops(patches: np.ndarray, config: Any = None) -> np.ndarray:
-    """Relative forward FLOPs of a ViT-style encoder on sequences of ``patches`` patches each.
-
-    Per layer and patch, the linear layers cost ``2 * (4 d^2 + 2 d m)`` (q, k, v, output projections
-    and a two-matrix MLP of width ``m``), and attention ``4 d * span``: ``span`` is the sequence
-    itself under full attention (quadratic in patches) and the window under windowed attention
-    (Qwen2.5-VL: ``window_size / patch_size`` squared patches, except the ``fullatt_block_indexes``
-    layers). Without a config: ``patches`` (linear).
-
-    Args:
-        patches: int ``[sequences]``: patches per encoder sequence (image, video, crop).
-        config: the model config (its ``vision_config`` is read), or ``None``.
-    """
-    p = np.asarray(patches, dtype=np.float64)
-    if config is None:
-        return p
-    d = float(_vision_value(config, "hidden_size", "embed_dim", "width", default=1024))
-    m = float(_vision_value(config, "intermediate_size", default=4 * d))
-    depth = int(_vision_value(config, "depth", "num_hidden_layers", "num_layers", default=24))
-    full = _vision_value(config, "fullatt_block_indexes", default=None)
-    window_px = _vision_value(config, "window_size", default=None)
-    patch = _vision_value(config, "patch_size", default=None)
-    n_full = depth if full is None or not window_px or not patch else len(full)
-    window = float((int(window_px) // int(patch)) ** 2) if window_px and patch else 0.0
-    linear = 2.0 * (4 * d * d + 2 * d * m) * p * depth
-    attention = 4.0 * d * p * (n_full * p + (depth - n_full) * np.minimum(p, window))
-    return linear + attention
 
 
 def sample_costs(per_sample: Any, pixel_tensors: dict[str, Tensor], image_cost: ImageCost | None = None, patch_size: int | None = None) -> np.ndarray:
@@ -430,7 +393,7 @@ def balanced_split(
 def _costs(balance: BalanceSpec, per_sample: StagedMedia, B: int, patch_size: int | None) -> np.ndarray:
     if patch_size is None and isinstance(balance, functools.partial):  # partial(adapter.image_costs, config=...)
         config = balance.keywords.get("config")
-        patch_size = _vision_value(config, "patch_size") if config is not None else None
+        patch_size = vision_value(config, "patch_size") if config is not None else None
         if isinstance(patch_size, (list, tuple)) and len(patch_size) == 2:  # (ph, pw), as InternVL's config gives it
             patch_size = math.isqrt(int(patch_size[0]) * int(patch_size[1]))
     if callable(balance) or balance is True:

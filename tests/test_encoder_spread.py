@@ -154,7 +154,7 @@ def test_a_rank_without_stage_0_needs_the_full_model_with_real_tensors():
     and a model on the meta device are refused, before any process group is touched."""
     import types
 
-    from ppmedia.pipeline.stages import _attach_spread
+    from ppmedia.pipeline.rank_stages import _attach_spread
 
     module = tiny.load("qwen2_5_vl")
     model = module.build_model(0)

@@ -638,7 +638,8 @@ class EncoderSpread:
     def plan(self, staged: Any, input_ids: Tensor) -> SpreadPlan:
         """This step's :class:`SpreadPlan` (the same on every rank for the same batch): one host read
         of each sample's placeholder counts; costs from the split's metadata (no read)."""
-        from ..balance import _vision_value, sample_costs
+        from ..balance import sample_costs
+        from ..costs import vision_value
 
         if staged.batch_size != input_ids.shape[0]:
             raise ValueError(
@@ -650,7 +651,7 @@ class EncoderSpread:
         per_sample = read_host(masks, {}).placeholders  # the one host read
         rows = tuple({m: sum(per_sample[m][a:b]) for m in masks} for a, b in staged.samples)
         cost = functools.partial(adapter.image_costs, config=config)
-        costs = sample_costs(staged, staged.tensors, cost, _vision_value(config, "patch_size")) / 1e6
+        costs = sample_costs(staged, staged.tensors, cost, vision_value(config, "patch_size")) / 1e6
         owners = tuple(int(r) for r in self.assign([float(c) for c in costs], self.size))
         if len(owners) != len(rows) or any(not 0 <= r < self.size for r in owners):
             raise ValueError(f"encoder spread: assign returned {list(owners)}; expected {len(rows)} ranks in 0..{self.size - 1}")
