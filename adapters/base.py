@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk
+from ..costs import encoder_flops
 from ..hostreads import HostReader
 
 if TYPE_CHECKING:
@@ -599,12 +600,10 @@ class VlmAdapter(abc.ABC):
             patches: int64 ``[sequences]`` host array. config: the model's config.
 
         Returns:
-            float ``[sequences]``. The default is :func:`ppmedia.balance.encoder_flops` (linear layers
+            float ``[sequences]``. The default is :func:`ppmedia.balance.encoder_flops` (from :mod:`ppmedia.costs`; linear layers
             per patch plus attention over the sequence, windowed layers over their window); override
             it for an encoder whose cost grows differently.
         """
-        from ..balancing import encoder_flops
-
         return encoder_flops(patches, config)
 
     def position_ids(

@@ -66,7 +66,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
              "repeatable: --family A --family B runs both, in that order",
     )
     parser.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per step (default 4)")
-    from .demo import schedule_argument, schedule_choices
+    from .pipeline.schedules import schedule_argument, schedule_choices
 
     choices = schedule_choices()
     parser.add_argument(

@@ -31,22 +31,6 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-def schedule_choices() -> list[str]:
-    """What ``--schedule`` accepts: ppmedia's short names, then every schedule torch ships."""
-    from .pipeline import SCHEDULE_ALIASES, schedule_names
-
-    short = set(SCHEDULE_ALIASES)
-    return [*SCHEDULE_ALIASES, *(name for name in schedule_names() if name.lower() not in short)]
-
-
-def schedule_argument(value: str) -> str:
-    """``--schedule``'s type: the canonical spelling of a name given in any case (``zbvzerobubble``)."""
-    for name in schedule_choices():
-        if name.lower() == value.lower():
-            return name
-    return value  # argparse then reports it with the list of choices
-
-
 def _layout(args: argparse.Namespace) -> tuple[int, int, str]:
     """``(pp, dp, where)``: under torchrun the launcher's world is ``pp x dp`` (``--dp`` given)."""
     dp = getattr(args, "dp", 1)

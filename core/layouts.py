@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-from .layout_planners import item_planner, sample_planner
+from .layout_planners import GridRows, item_planner, sample_planner
 from .planners_audio import AUDIO_FEATURE_KEYS, AUDIO_MASKS, audio_planner
 from .planners_frames import frames_planner
 from .planners import (
@@ -47,6 +47,7 @@ from .planners import (
 
 __all__ = [
     "BUILTIN_LAYOUTS",
+    "GridRows",
     "LayoutSet",
     "MediaLayout",
     "Planner",
@@ -302,13 +303,13 @@ def item_layout(
     field: str | None = None,
     per_item: Mapping[str, str] | None = None,
     per_row: Mapping[str, str] | None = None,
-    rows_per_item: str | None = None,
+    rows_per_item: str | GridRows | None = None,
     optional: Sequence[str] = (),
 ) -> MediaLayout:
     """A layout whose ``pixels`` hold items on axis 0 (one row per item), or, with ``rows_per_item``,
-    ``rows_per_item[i]`` rows for item ``i``; items map to samples by the per-sample counts of
-    ``modality`` (``n_<modality>s_per_sample``, ``<modality>s_per_sample=``, else one per sample when
-    there are exactly ``B``).
+    several rows per item; items map to samples by the per-sample counts of ``modality``
+    (``n_<modality>s_per_sample``, ``<modality>s_per_sample=``, else one per sample when there are
+    exactly ``B``).
 
     Args:
         name: the layout's name; modality: what the items are (``"video"``).
@@ -318,22 +319,34 @@ def item_layout(
         per_item: ``{batch key: chunk field}`` of per-item metadata (axis 0: items), e.g.
             ``{"num_frames_per_video": "num_frames_per_video"}``.
         per_row: ``{batch key: chunk field}`` of per-row metadata (axis 0: the rows of ``pixels``).
-        rows_per_item: the batch key of the ``[items]`` integer rows per item (its own entry in
-            ``per_item`` stages it too).
+        rows_per_item: the rows of each item: the batch key of an ``[items]`` integer tensor, or a
+            :class:`GridRows`, the product of a grid key's columns ``[items, columns]`` (optionally
+            over a merge size squared), e.g. ``GridRows("video_grid_thw")``: ``t * h * w`` rows per
+            video. The keys it names are required; give one in ``per_item`` too to stage it.
         optional: keys of ``per_item``/``per_row`` that may be absent (the others are required).
 
     Example: LLaVA-OneVision videos ``[videos, frames, C, H, W]`` with nothing else::
 
         item_layout("onevision_videos", "video", "pixel_values_videos")
+
+    Example: patch rows ``[sum of t*h*w, D]`` per ``video_grid_thw`` ``[videos, 3]``, with per-video
+    merge sizes staged beside them::
+
+        item_layout("merged_videos", "video", "pixel_values_videos", rows_per_item=GridRows("video_grid_thw"),
+                    per_item={"video_grid_thw": "video_grid", "video_merge_sizes": "video_merge_sizes"})
     """
     per_item, per_row = dict(per_item or {}), dict(per_row or {})
     meta = [*per_item, *per_row]
-    requires = (pixels, *([rows_per_item] if rows_per_item and rows_per_item not in meta else []),
-                *(k for k in meta if k not in optional))
+    if rows_per_item is not None and not isinstance(rows_per_item, (str, GridRows)) or rows_per_item == "":
+        raise ValueError(f"media layout {name!r}: rows_per_item is {rows_per_item!r}; expected a batch key or a GridRows")
+    sources = (rows_per_item.keys if isinstance(rows_per_item, GridRows) else (rows_per_item,)) if rows_per_item else ()
+    requires = (pixels, *(k for k in sources if k not in meta), *(k for k in meta if k not in optional))
     axis0 = {pixels: "rows" if rows_per_item else f"{modality}s", **{k: f"{modality}s" for k in per_item},
              **{k: f"rows of {pixels}" for k in per_row}}
-    if rows_per_item:
-        axis0[rows_per_item] = f"{modality}s"
+    for key in sources:
+        if key in optional:
+            raise ValueError(f"media layout {name!r}: {key} gives the rows per item and is in optional; expected it required")
+        axis0[key] = f"{modality}s"
     return MediaLayout(
         name, modality, tuple(dict.fromkeys(requires)),
         item_planner(name, modality, pixels, field or pixels, per_item, per_row, rows_per_item),

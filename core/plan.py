@@ -20,47 +20,14 @@ the config's FLOPs), with the recommendation; ``--timeline FILE.svg`` draws thei
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 from typing import Any
 
 from .cli_base import UsageError, non_negative_float, positive_int
+from .loads import plan_batch
 
 __all__ = ["add_arguments", "plan_batch", "run"]
-
-
-def plan_batch(batch: dict[str, Any], n_microbatches: int, adapter: Any = None, config: Any = None) -> dict[str, Any]:
-    """Per-sample costs, the plain and balanced per-microbatch loads and media (images + videos) counts,
-    and the balancing permutation."""
-    from .balance import balance_microbatches, microbatch_loads, sample_costs
-    from .split import split_media
-
-    work = dict(batch)
-    kwargs: dict[str, Any] = {}
-    if adapter is not None and config is not None and "input_ids" in work:
-        kwargs = dict(adapter.media_counts(work, config))
-    ids = work.get("input_ids")
-    B = ids.shape[0] if ids is not None and ids.dim() else None
-    if not B:
-        raise ValueError("batch: no input_ids [B, S] to plan for")
-    per_sample = split_media(work, B, **kwargs)
-    if adapter is not None and config is not None:
-        costs = sample_costs(per_sample, per_sample.tensors, functools.partial(adapter.image_costs, config=config)) / 1e6
-        unit = "MFLOP"
-    else:
-        costs, unit = sample_costs(per_sample, per_sample.tensors), "patches"
-    permutation = balance_microbatches(costs, n_microbatches)
-    images = [float(i + v) for i, v in zip(per_sample.images, per_sample.videos)]
-    return {
-        "unit": unit,
-        "costs": costs.tolist(),
-        "permutation": permutation,
-        "loads": microbatch_loads(costs, n_microbatches),
-        "balanced_loads": microbatch_loads(costs, n_microbatches, permutation),
-        "images": microbatch_loads(images, n_microbatches),
-        "balanced_images": microbatch_loads(images, n_microbatches, permutation),
-    }
 
 
 def _calibration(path: pathlib.Path) -> Any:
@@ -194,7 +161,7 @@ def _placements(args: argparse.Namespace, batch: dict[str, Any], plan: dict[str,
 
 def _schedule(value: str) -> str:
     """``--schedule``: ``all``, or a schedule name in any case (its canonical spelling)."""
-    from .demo import schedule_argument, schedule_choices
+    from .pipeline.schedules import schedule_argument, schedule_choices
 
     if value.lower() == "all":
         return "all"

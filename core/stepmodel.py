@@ -447,6 +447,11 @@ class AutoSplit:
     costs: OpCosts | None = None
     encoder: str = "stage0"
 
+    def split_layers(self, config: Any, n_stages: int, adapter: Any = None, num_layers: int | None = None) -> list[int]:
+        """``layers_per_stage`` for ``n_stages`` stages of a model of ``config``: what the stage cutter
+        asks a ``layers_per_stage="auto"`` request for (:func:`auto_layer_split`'s best split)."""
+        return list(auto_layer_split(config, n_stages, self, adapter, num_layers).layers_per_stage)
+
 
 def auto_layer_split(config: Any, n_stages: int, request: AutoSplit, adapter: Any = None,
                      num_layers: int | None = None) -> StepPrediction:
@@ -457,7 +462,7 @@ def auto_layer_split(config: Any, n_stages: int, request: AutoSplit, adapter: An
         ValueError: ``n_stages`` does not fit the schedule's placement, or the batch cannot be split.
     """
     from .pipeline import schedule_layout
-    from .plan import plan_batch
+    from .loads import plan_batch
 
     layout = schedule_layout(request.schedule)
     if n_stages % layout.stages_per_rank:

@@ -953,7 +953,7 @@ def test_adapter_method_table_matches_vlm_adapter():
 
 
 def test_schedule_names_match_torch_and_the_demo():
-    from ppmedia.demo import schedule_choices
+    from ppmedia.pipeline.schedules import schedule_choices
 
     commands = section((DOCS / "cli.md").read_text(), "Subcommands")
     for name in schedule_choices():

@@ -154,7 +154,7 @@ def test_a_rank_without_stage_0_needs_the_full_model_with_real_tensors():
     and a model on the meta device are refused, before any process group is touched."""
     import types
 
-    from ppmedia.pipeline.stages import _attach_spread
+    from ppmedia.pipeline.rank_stages import _attach_spread
 
     module = tiny.load("qwen2_5_vl")
     model = module.build_model(0)
@@ -334,6 +334,13 @@ def test_layers_per_stage_auto_takes_the_step_models_best_split(one_thread):
         build_stage_modules(model, 2, layers_per_stage="auto")
     with pytest.raises(ValueError, match="expected a list of counts or 'auto'"):
         build_stage_modules(model, 2, layers_per_stage="best", auto_split=request)
+
+    class FixedSplit:  # any LayerSplitRequest: the cutter asks it, it never imports the step model
+        def split_layers(self, config, n_stages, adapter=None, num_layers=None):
+            assert (n_stages, num_layers) == (2, 2) and adapter is not None
+            return [2, 0]
+
+    assert [s.num_layers for s in build_stage_modules(model, 2, layers_per_stage="auto", auto_split=FixedSplit())] == [2, 0]
 
 
 # ----------------------------------------------------------------------------------------------

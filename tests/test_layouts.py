@@ -11,7 +11,7 @@ import torch
 import ppmedia
 from ppmedia import HostReadCounter, split_media
 from ppmedia.adapters.media_layouts import FAMILY_LAYOUTS, IDEFICS3_IMAGES, ONEVISION_VIDEOS
-from ppmedia.layouts import BUILTIN_LAYOUTS, LayoutSet, MediaLayout, item_layout, sample_layout
+from ppmedia.layouts import BUILTIN_LAYOUTS, GridRows, LayoutSet, MediaLayout, item_layout, sample_layout
 from ppmedia.planners import FieldSplit, Part
 from ppmedia.registry import AdapterRegistry, PluginError
 
@@ -94,6 +94,57 @@ def test_items_with_rows_per_item_and_per_row_metadata():
     assert second.extras["num_frames"].tolist() == [4]
 
 
+# rows per clip = the product of its clip_grid row over its clip_merge size squared (no precomputed key)
+GRID = item_layout("grid_clips", "video", "clip_patches", rows_per_item=GridRows("clip_grid", merge="clip_merge"),
+                   per_item={"clip_grid": "clip_grid"})
+GRID_SET = LayoutSet([*BUILTIN_LAYOUTS, GRID])
+
+
+def _grid_batch(**changes):
+    batch = {"input_ids": _ids(), "clip_patches": torch.arange(20.0)[:, None], "clip_grid": torch.tensor([[1, 4, 4], [2, 2, 2], [1, 2, 4]]),
+             "clip_merge": torch.tensor([2, 1, 1]), "n_videos_per_sample": torch.tensor([1, 0, 1, 1])}
+    return {**batch, **changes}
+
+
+def test_rows_per_item_as_a_grid_product():
+    assert GRID.requires == ("clip_patches", "clip_merge", "clip_grid") and GRID.axis0["clip_merge"] == "videos"
+    batch = _grid_batch()
+    with HostReadCounter() as reads:
+        staged = split_media(batch, 2, layouts=GRID_SET)
+    assert reads.total == 1 and set(batch) == {"input_ids"}
+    assert staged.videos == (1, 2) and staged.video_rows == (4, 16)  # 16 / 2**2, then 8 + 8
+    assert staged.chunk(1).extras["clip_patches"][:, 0].tolist() == list(range(4, 20))
+    assert staged.chunk(1).extras["clip_grid"].tolist() == [[2, 2, 2], [1, 2, 4]]
+    plain = item_layout("plain", "video", "clip_patches", rows_per_item=GridRows("clip_grid"))  # t * h * w rows
+    both = split_media({"input_ids": _ids(2), "clip_patches": torch.zeros(24, 3), "clip_grid": torch.tensor([[1, 4, 4], [2, 2, 2]])},
+                       2, layouts=LayoutSet([*BUILTIN_LAYOUTS, plain]))
+    assert both.video_rows == (16, 8)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"clip_merge": torch.tensor([3, 1, 1])}, r"clip_grid: video 0 \(sample 0, microbatch 0\) is \[1, 4, 4\], product 16; expected a "
+     r"multiple of 3\*\*2 = 9 \(merge size 3 from clip_merge\), whole rows of clip_patches \[20, 1\]"),
+    ({"clip_grid": torch.tensor([[1, 4, 4], [2, 0, 2], [1, 2, 4]])}, r"clip_grid: row 1 \(video 1 \(sample 2, microbatch 1\)\) is "
+     r"\[2, 0, 2\]; expected positive entries"),
+    ({"clip_grid": torch.tensor([[1, 4, 4], [2, 2, 2], [1, 2, 5]])}, r"the clip_grid products / clip_merge\*\*2: sum to 22; expected 20, "
+     r"the rows of clip_patches \[20, 1\] \(whole batch\)"),
+    ({"clip_grid": torch.tensor([[1, 4, 4], [2, 2, 2], [1, 2, 2**40]])}, r"clip_grid: video 2 \(sample 3, microbatch 1\) is "
+     r"\[1, 2, 1099511627776\], 2199023255552 rows .*; expected at most 20, the rows of clip_patches"),
+    ({"clip_merge": torch.tensor([0, 1, 1])}, r"clip_merge: video 0 \(sample 0, microbatch 0\) has merge size 0; expected 1\.\."),
+    ({"clip_grid": torch.tensor([[1, 4, 4], [2, 2, 2]])}, r"clip_merge: shape \[3\]; expected \[2\] \(one merge size per row of clip_grid \[2, 3\]\)"),
+    ({"clip_grid": torch.tensor([16, 8, 8])}, r"clip_grid: shape \[3\]; expected \[videos, columns\]"),
+    ({"clip_grid": torch.tensor([[1.0, 4, 4], [2, 2, 2], [1, 2, 4]])}, r"clip_grid: dtype torch.float32; expected an integer dtype"),
+])
+def test_a_bad_grid_is_refused_naming_the_key_and_the_item(changes, match):
+    batch = _grid_batch(**changes)
+    before = dict(batch)
+    with pytest.raises((ValueError, TypeError), match=match):
+        split_media(batch, 2, layouts=GRID_SET)
+    assert batch.keys() == before.keys()  # nothing popped
+    with pytest.raises(ValueError, match=r"GridRows\('g'\)\.merge is 0; expected an int >= 1 or a per-item batch key"):
+        GridRows("g", merge=0)
+
+
 def test_samples_on_axis_0():
     pixels = torch.randn(B, 2, 3, 4, 4)
     staged = split_media({"input_ids": _ids(), "pixel_values": pixels, "pixel_attention_mask": torch.ones(B, 2, 4, 4)},
@@ -109,7 +160,7 @@ def test_samples_on_axis_0():
     ({"frames": torch.randn(7, 5), "num_frames": torch.tensor([3, 4]), "frame_positions": torch.zeros(6, 2),
       "n_videos_per_sample": torch.tensor([1, 0, 0, 1])}, ValueError, r"frame_positions: shape \[6, 2\]; expected \[7, \.\.\.\]"),
     ({"frames": torch.randn(7, 5), "num_frames": torch.tensor([2**62, 2**62 + 7]), "n_videos_per_sample": torch.tensor([1, 0, 0, 1])},
-     ValueError, r"num_frames: video 0 has 4611686018427387904 rows of frames; expected 0..7"),
+     ValueError, r"num_frames: video 0 \(sample 0, microbatch 0\) has 4611686018427387904 rows of frames; expected 0..7"),
     ({"num_frames": torch.tensor([3, 4])}, ValueError, r"num_frames: shape \[2\] given without frames"),
     ({"pixel_values_videos": torch.randn(3, 2, 3, 4, 4)}, ValueError,
      r"pixel_values_videos: 3 videos for a batch of 4 samples and nothing maps them to samples; expected n_videos_per_sample \[4\]"),

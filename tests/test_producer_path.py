@@ -33,9 +33,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("order", ("ppmedia.balancing",)),  # the row-order strategies: balancing (packing's joins here)
     ("assemble", ("ppmedia.assemble",)),
     ("views", ("ppmedia.staged", "ppmedia.chunk")),
+    ("leaves", ("ppmedia.costs",)),  # the encoder cost model: imports no ppmedia module
 )
-#: user-supplied callbacks the path calls (the adapter's cost function): transparent to the tracer
-CALLBACKS = frozenset({"ppmedia.adapters.base"})
+#: user-supplied callbacks the path calls (the adapter's cost function, and the cost model it calls by
+#: default): transparent to the tracer
+CALLBACKS = frozenset({"ppmedia.adapters.base", "ppmedia.costs"})
 ENTRY = 1
 
 
@@ -204,7 +206,7 @@ def test_every_producer_module_is_declared():
     # a new module of the producer side needs its layer (packing's row order goes in "order")
     layer = layer_of()
     path_modules = {"split", "splitter", "balance", "balancing", "assemble", "staged", "chunk", "layouts",
-                    "planners", "layout_planners", "planners_audio", "planners_frames", "hostreads"}
+                    "planners", "layout_planners", "planners_audio", "planners_frames", "hostreads", "costs"}
     for name in path_modules:
         assert f"ppmedia.{name}" in layer and (ROOT / "core" / f"{name}.py").is_file(), name
     for module in layer:

@@ -61,7 +61,8 @@ The package, one module per concern (every public name is importable from ``ppme
 
 ==================  ===========================================================================
 ``surgery``         cutting the model's module tree per stage (kept layers, shallow copies)
-``stages``          :class:`StageModule`, :func:`build_stage_modules`, :func:`make_pipeline_stages`
+``stages``          :class:`StageModule`, :func:`build_stage_modules` (the stage cutter)
+``rank_stages``     :func:`make_pipeline_stages`: a rank's ``PipelineStage`` objects, the encoder spread on them
 ``schedules``       schedules by torch's name, their stage placement, :func:`build_schedule`
 ``loss``            :func:`make_labels`, :func:`count_valid_tokens`, :func:`pipeline_loss`
 ``tied``            tied parameters across stages
@@ -120,6 +121,7 @@ from .fsdp import (SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedul
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
 from .pretrained import checkpoint_dtype, stages_from_pretrained
+from .rank_stages import make_pipeline_stages
 from .schedules import (
     SCHEDULE_ALIASES,
     SCHEDULES,
@@ -130,7 +132,7 @@ from .schedules import (
     schedule_names,
     stage_indices_for_rank,
 )
-from .stages import StageModule, build_stage_modules, make_pipeline_stages, refuse_router_loss, static_stage_args
+from .stages import StageModule, build_stage_modules, refuse_router_loss, static_stage_args
 from .step_inputs import presplit_batch
 from .surgery import default_layer_split, find_language_model, find_merge_module
 from .tensor_parallel import (TP_STYLES, apply_tensor_parallel, check_tensor_parallel, reduce_tensor_parallel_gradients,

@@ -638,7 +638,8 @@ class EncoderSpread:
     def plan(self, staged: Any, input_ids: Tensor) -> SpreadPlan:
         """This step's :class:`SpreadPlan` (the same on every rank for the same batch): one host read
         of each sample's placeholder counts; costs from the split's metadata (no read)."""
-        from ..balancing import sample_costs, vision_value
+        from ..balancing import sample_costs
+        from ..costs import vision_value
 
         if staged.batch_size != input_ids.shape[0]:
             raise ValueError(

@@ -18,6 +18,8 @@ __all__ = [
     "ScheduleLayout",
     "ShapeFollowingSchedule",
     "build_schedule",
+    "schedule_argument",
+    "schedule_choices",
     "schedule_layout",
     "schedule_names",
     "stage_indices_for_rank",
@@ -109,6 +111,23 @@ def schedule_names() -> list[str]:
             continue
     return names
 
+
+
+def schedule_choices() -> list[str]:
+    """What a ``--schedule`` option accepts (``ppmedia demo``, ``ppmedia plan``): ppmedia's short names
+    (:data:`SCHEDULE_ALIASES`), then every schedule torch ships (:func:`schedule_names`)."""
+    short = set(SCHEDULE_ALIASES)
+    return [*SCHEDULE_ALIASES, *(name for name in schedule_names() if name.lower() not in short)]
+
+
+def schedule_argument(value: str) -> str:
+    """A ``--schedule`` option's type: the canonical spelling of a name given in any case
+    (``zbvzerobubble`` -> ``ZBVZeroBubble``); an unknown name comes back unchanged (argparse then
+    reports it with the list of choices)."""
+    for name in schedule_choices():
+        if name.lower() == value.lower():
+            return name
+    return value
 
 def schedule_layout(name: str, stages_per_rank: int | None = None) -> ScheduleLayout:
     """Resolve a schedule name (ppmedia's short ones or any of torch's, case-insensitive).
