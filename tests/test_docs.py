@@ -636,6 +636,15 @@ NOT_RUN: dict[str, NotRun] = {
     **{command_key(line): _SPREAD_RUN for line in [
         "torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen2_5_vl --pp 2 --schedule ZBVZeroBubble "
         "--microbatches 4 --steps 2 --encoder spread --trace step.svg --loss-log loss.jsonl"]},
+    **{command_key(line): NotRun(
+        "run once already: tests/test_tensor_parallel.py runs the page's two lines as written and checks them",
+        "test_train_with_tp_gives_the_losses_of_the_model_and_its_checkpoint_resumes_at_pp2_dp2_fsdp: every "
+        "step's loss and gradient norm against the model's own run, the checkpoint resumed at pp2 x dp2 with FSDP2",
+        _run_as_written_by("test_tensor_parallel", "documented_tp_lines")) for line in [
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2 --steps 2 "
+        "--loss-log tp.jsonl --save-dir ckpt --save-every 1",
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp --steps 2 "
+        "--resume ckpt/step1 --loss-log fsdp.jsonl"]},
     **{command_key(line): _FSDP_DCP for line in [
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp "
         "--steps 6 --save-dir ckpt --save-every 2 --eval-every 2 --loss-log straight.jsonl",

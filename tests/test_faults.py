@@ -61,7 +61,7 @@ _REFERENCE: dict[str, list[float]] = {}
 def own_adamw_losses(family: str, steps: int = README_STEPS) -> list[float]:
     """The model itself, one process, the README's batch every step: AdamW(1e-3) on its parameters."""
     if family not in _REFERENCE:
-        _REFERENCE[family] = model_adamw_run(family, [0] * steps)[0]
+        _REFERENCE[family] = model_adamw_run(family, [0] * steps).losses
     return _REFERENCE[family]
 
 

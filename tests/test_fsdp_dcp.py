@@ -32,7 +32,7 @@ import torch
 
 import ppmedia.testing.tiny_models as tiny
 from ppmedia import pipeline
-from train_helpers import model_adamw_run
+from train_helpers import model_adamw_run, train_py_groups
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "fsdp-dcp.md"
@@ -76,17 +76,10 @@ def _reference() -> dict[str, dict[int, float]]:
     """The model itself, one process, full batches: AdamW(1e-3) after clipping to norm 1 (as train.py),
     and the held-out batch's loss at the weights each step trains from."""
     if not _REFERENCE:
-        train, evals = model_adamw_run("qwen2_5_vl", [step % 2 for step in range(STEPS)], clip=1.0,
-                                       groups=_train_py_groups, held_out=HELD_OUT_SEED)
-        _REFERENCE.update(train=dict(enumerate(train)), eval=dict(enumerate(evals)))
+        own = model_adamw_run("qwen2_5_vl", [step % 2 for step in range(STEPS)], clip=1.0, groups=train_py_groups,
+                              held_out=HELD_OUT_SEED)
+        _REFERENCE.update(train=dict(enumerate(own.losses)), eval=dict(enumerate(own.evals)))
     return _REFERENCE
-
-
-def _train_py_groups(model: torch.nn.Module) -> list[dict]:
-    """train.py's AdamW groups: weight decay 0.01, none on biases, norm weights (1-D) and the embedding table."""
-    plain = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed_tokens" in n]
-    decayed = [p for p in model.parameters() if all(p is not q for q in plain)]
-    return [{"params": decayed, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}]
 
 
 @pytest.fixture(scope="module")

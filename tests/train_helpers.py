@@ -9,7 +9,7 @@ import importlib.util
 import pathlib
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,17 +27,33 @@ def train_script() -> ModuleType:
     return module
 
 
+def train_py_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """examples/train.py's AdamW groups: weight decay 0.01, none on biases, 1-D norm weights and the
+    embedding table."""
+    plain = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed_tokens" in n]
+    decayed = [p for p in model.parameters() if all(p is not q for q in plain)]
+    return [{"params": decayed, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}]
+
+
+class OwnRun(NamedTuple):
+    """:func:`model_adamw_run`'s figures, one per step."""
+
+    losses: list[float]  # the training loss
+    evals: list[float]  # the held-out batch's loss at the weights the step trains from ([] without held_out)
+    norms: list[float]  # the global gradient norm before clipping (nan without clip)
+
+
 def model_adamw_run(family: str, seeds: Sequence[int], *, clip: float | None = None,
                     groups: Callable[[torch.nn.Module], Any] | None = None, held_out: int | None = None,
-                    lr: float = 1e-3) -> tuple[list[float], list[float]]:
+                    lr: float = 1e-3) -> OwnRun:
     """The tiny ``family``'s model itself (``build_model(0)``), one process, one thread: step ``k`` takes
     the loss of ``build_batch(seeds[k])`` (labels from ``pipeline.make_labels``), its backward, clipping
     to the global norm ``clip`` (none by default), ``AdamW(lr)`` on ``groups(model)`` (default: every
     parameter, torch's weight decay 0.01).
 
     Returns:
-        (the training loss of every step, and with ``held_out`` the loss of ``build_batch(held_out)``
-        at the weights each step trains from, else ``[]``).
+        :class:`OwnRun`: per step its loss, with ``held_out`` the loss of ``build_batch(held_out)`` at
+        the weights the step trains from, and with ``clip`` the gradient norm before clipping.
     """
     module = tiny_models.load(family)
     threads = torch.get_num_threads()
@@ -52,18 +68,17 @@ def model_adamw_run(family: str, seeds: Sequence[int], *, clip: float | None = N
             return model(**{"use_cache": False, **module.reference_inputs(batch)}, labels=targets).loss
 
         held = None if held_out is None else module.build_batch(held_out)
-        train, evals = [], []
+        train, evals, norms = [], [], []
         for seed in seeds:
             if held is not None:
                 with torch.no_grad():
                     evals.append(loss_of(held).item())
             loss = loss_of(module.build_batch(seed))
             loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(float("nan") if clip is None else torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             train.append(loss.item())
     finally:
         torch.set_num_threads(threads)
-    return train, evals
+    return OwnRun(train, evals, norms)
