@@ -497,14 +497,25 @@ def test_generated_batches_succeed_or_fail_with_one_line(capsys, tmp_path_factor
 
 
 # ------------------------------------------------------------------------------------- demo
+def documented_demo_lines() -> list[str]:
+    """docs/cli.md's one-family demo line (tests/test_docs.py leaves it to the test below)."""
+    from test_docs import DOCS, command_lines, read_blocks
+
+    blocks = [b for b in read_blocks(DOCS / "cli.md") if b.lang == "sh"]
+    return [line for b in blocks for line in command_lines(b) if line.startswith("ppmedia demo --family")]
+
+
 @pytest.mark.multiprocess
-def test_demo_runs_a_real_pipeline_and_prints_parity():
-    result = subprocess.run([str(EXE), "demo", "--family", "kimi_vl", "--steps", "1", "--schedule", "gpipe"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_demo_runs_a_real_pipeline_and_prints_parity(tmp_path):
+    """docs/cli.md's ``ppmedia demo --family llava_next --schedule DualPipeV --steps 1`` as written (a
+    user's shell, from a sandbox of the repository): a real 2-process pipeline, its parity printed."""
+    from test_docs import run_documented
+
+    (line,) = documented_demo_lines()
+    (result,) = run_documented("docs/cli.md", [line], tmp_path)
     out = result.stdout
-    assert "kimi_vl (kimi_k25): 8 samples x 24 tokens, 4 microbatches" in out
-    assert "text-only" in out and "gpipe/inferred" in out and "gpipe/static" in out
+    assert re.search(r"^llava_next \(llava_next\): 8 samples x \d+ tokens, 4 microbatches", out, flags=re.M), out
+    assert "text-only" in out and "DualPipeV/inferred" in out and "DualPipeV/static" in out
     assert "5/5" in out  # the shape-inference forward ran and did not cost a chunk
     assert "all 1 families match the single-process run within 1e-5" in out
 

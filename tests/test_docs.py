@@ -504,23 +504,45 @@ def _every_family_in(*paths: str) -> Callable[[str], None]:
     return check
 
 
-def _run_by_fsdp_tests(line: str) -> None:
+def _test_module(name: str):
     sys.path.insert(0, str(ROOT / "tests"))
     try:
-        fsdp = importlib.import_module("test_fsdp_dcp")
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "tests"))
+
+
+def _run_by_fsdp_tests(line: str) -> None:
+    fsdp = _test_module("test_fsdp_dcp")
     assert shlex.split(line, comments=True) in fsdp._doc_commands(), "tests/test_fsdp_dcp.py does not run it"
     assert "for argv in _doc_commands():" in inspect.getsource(fsdp.docs_runs)
     assert "subprocess.run([str(TORCHRUN), *argv[1:]]" in inspect.getsource(fsdp.docs_runs)
+
+
+def run_documented(where: str, lines: list[str], folder: pathlib.Path) -> list[subprocess.CompletedProcess]:
+    """``lines`` of a page run as written (a user's shell, in order, each exiting 0) in a fresh sandbox
+    made in ``folder``: for a test elsewhere that runs a page's command itself and checks what it did
+    (NOT_RUN's :func:`_run_as_written_by` entries point to it)."""
+    return run_lines(where, lines, sandbox(folder))
+
+
+def _run_as_written_by(module: str, lines: str) -> Callable[[str], None]:
+    """The check of a line that ``tests/<module>.py`` runs as written with :func:`run_documented`, reading
+    it from the page with its function ``lines()``, and checks what it did."""
+    def check(line: str) -> None:
+        check_command(line)
+        tests = _test_module(module)
+        assert command_key(line) in [command_key(l) for l in getattr(tests, lines)()], f"tests/{module}.py does not run it"
+        assert "run_documented(" in inspect.getsource(tests), f"tests/{module}.py no longer runs the page's lines"
+    return check
 
 
 _PARITY_SPAWNS = ("tests/test_pipeline_mp.py", "tests/test_families18_mp.py", "tests/test_families_more_mp.py",
                   "tests/test_state_families_mp.py", "tests/test_audio_families_mp.py")
 _DEMO = NotRun(
     "every family through a 2-process pipeline: over a minute of the suite's CPU",
-    "the demo's path runs here as docs/cli.md writes it for one family (`ppmedia demo --family llava_next "
-    "--schedule DualPipeV --steps 1`); every family's pipeline parity runs in the shared spawns of "
+    "the demo's path runs as docs/cli.md writes it for one family (`ppmedia demo --family llava_next "
+    "--schedule DualPipeV --steps 1`, run by tests/test_cli.py); every family's pipeline parity runs in the shared spawns of "
     + ", ".join(_PARITY_SPAWNS), _every_family_in(*_PARITY_SPAWNS))
 _BENCH = NotRun("the benchmarks take minutes; `make bench` is their own target, not part of the suite",
                 "the line is parsed by tests/bench/run.py's own parser; the Makefile's bench target runs it",
@@ -528,6 +550,35 @@ _BENCH = NotRun("the benchmarks take minutes; `make bench` is their own target, 
 _FSDP_DCP = NotRun("4 + 2 + 2 processes of 6 steps: the suite's longest commands, run once already",
                    "tests/test_fsdp_dcp.py's docs_runs fixture runs them as written (read from the page) in a "
                    "scratch folder and checks their losses against the model's", _run_by_fsdp_tests)
+
+_SPREAD_RUN = NotRun(
+    "run once already: tests/test_encoder_spread.py runs the page's line as written and checks it",
+    "test_train_script_with_the_spread_matches_the_model_and_traces_the_schedules_order: its losses against the "
+    "model's own AdamW run, the trace's bars in torch's order per rank, the vision backwards on their lane",
+    _run_as_written_by("test_encoder_spread", "documented_spread_lines"))
+_QUICK_START = NotRun(
+    "run once already: tests/test_train_data.py runs the README's three lines as written and checks them",
+    "its trained fixture (test_shuffled_run_resumed_at_another_layout_continues_identically, "
+    "test_the_export_reloads_with_the_processor_and_the_dtype): step 0's loss is the model's own, the loss "
+    "falls, the export reloads with its processor in float32, the last line prints torch.float32",
+    _run_as_written_by("test_train_data", "_readme_lines"))
+_CLI_DEMO = NotRun(
+    "run once already: tests/test_cli.py runs the page's line as written and checks what it prints",
+    "test_demo_runs_a_real_pipeline_and_prints_parity: the batch line, inferred and static shapes, the "
+    "shape-inference forward costing no chunk (5/5), a text-only microbatch, the closing parity line",
+    _run_as_written_by("test_cli", "documented_demo_lines"))
+
+
+def _parity_line_covered(family: str, scenario: str, spawn: str) -> Callable[[str], None]:
+    """A parity command line whose family and scenario a shared spawn runs (the same harness, run_parity)."""
+    def check(line: str) -> None:
+        check_command(line)
+        words = shlex.split(line, comments=True)
+        assert words[words.index("ppmedia.testing.parity") + 1] == family and scenario in words, line
+        source = (ROOT / spawn).read_text()
+        assert f'"{family}"' in source and f'"{scenario}' in source, f"{spawn} no longer runs {family} {scenario}"
+    return check
+
 
 #: The ONE table of documented commands not run as written here (keys: ``command_key`` of the line).
 #: Every other command line of every page runs.
@@ -564,6 +615,36 @@ NOT_RUN: dict[str, NotRun] = {
         "tests/test_train_data.py runs the README's data lines as "
         "written (checkpoint, data file, export) and --data runs at pp2 x dp2 with FSDP2",
         _test_source_has("tests/test_train_data.py", "--data")),
+    "python -m ppmedia.testing.parity llava_next --scenario ZBVZeroBubble/static/dp2 --world-size 4 --steps 1": NotRun(
+        "4 processes for a scenario the shared 4-process spawn runs already (the page's first line runs the "
+        "module's command line as written)",
+        "tests/test_stack_mp.py's pp2 x dp2 spawn runs llava_next ZBVZeroBubble/static/dp2 through the same "
+        "harness (run_parity), 2 steps, and asserts loss and gradients within 1e-5",
+        _parity_line_covered("llava_next", "ZBVZeroBubble/static/dp2", "tests/test_stack_mp.py")),
+    "torchrun --standalone --nproc-per-node 2 -m ppmedia.testing.parity qwen2_5_vl --scenario gpipe --steps 1": NotRun(
+        "the module under torchrun's rendezvous runs already, as two agents",
+        "tests/test_train_example.py runs `-m ppmedia.testing.parity qwen2_5_vl` under two torchrun agents "
+        "(the workers are torchrun's, as here) and checks its parity line; qwen2_5_vl's gpipe parity runs in "
+        "tests/test_pipeline_mp.py's shared spawn",
+        _test_source_has("tests/test_train_example.py", '"-m", "ppmedia.testing.parity", "qwen2_5_vl"')),
+    "ppmedia demo --family llava_next --schedule DualPipeV --steps 1": _CLI_DEMO,
+    **{command_key(line): _QUICK_START for line in [
+        "python -m ppmedia.testing.datasets demo-ckpt demo-data",
+        "torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
+        "--batch-size 4 --max-length 64 --epochs 2 --save-dir runs --save-every 4 --loss-log loss.jsonl --export trained",
+        "python -c \"import transformers as t; print(t.AutoModelForImageTextToText.from_pretrained('trained').dtype)\""]},
+    **{command_key(line): _SPREAD_RUN for line in [
+        "torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen2_5_vl --pp 2 --schedule ZBVZeroBubble "
+        "--microbatches 4 --steps 2 --encoder spread --trace step.svg --loss-log loss.jsonl"]},
+    **{command_key(line): NotRun(
+        "run once already: tests/test_tensor_parallel.py runs the page's two lines as written and checks them",
+        "test_train_with_tp_gives_the_losses_of_the_model_and_its_checkpoint_resumes_at_pp2_dp2_fsdp: every "
+        "step's loss and gradient norm against the model's own run, the checkpoint resumed at pp2 x dp2 with FSDP2",
+        _run_as_written_by("test_tensor_parallel", "documented_tp_lines")) for line in [
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2 --steps 2 "
+        "--loss-log tp.jsonl --save-dir ckpt --save-every 1",
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp --steps 2 "
+        "--resume ckpt/step1 --loss-log fsdp.jsonl"]},
     **{command_key(line): _FSDP_DCP for line in [
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp "
         "--steps 6 --save-dir ckpt --save-every 2 --eval-every 2 --loss-log straight.jsonl",

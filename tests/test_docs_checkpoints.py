@@ -5,7 +5,6 @@ the dataset writer's too). tests/test_train_data.py runs the same command (the R
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import re
 import shlex
@@ -13,6 +12,7 @@ import shlex
 import pytest
 import torch
 import transformers
+from train_helpers import train_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "checkpoints.md").read_text()
@@ -47,8 +47,6 @@ def test_the_pages_command_lines_are_real():
         datasets.main([*writer[3:], "--help"])
     assert exit_info.value.code == 0
     assert runner[0] == ".venv/bin/torchrun" and runner[4] == "examples/train.py"
-    spec = importlib.util.spec_from_file_location("train_example", ROOT / "examples" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = train_script()
     args = train.build_parser().parse_args(runner[5:])  # the paths exist once the first line ran
     assert (args.model, args.data, args.pp, args.export) == ("hf-tiny", "hf-data/train.jsonl", 2, "hf-trained")

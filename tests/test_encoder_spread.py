@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -25,6 +21,7 @@ from ppmedia.pipeline.encoder import AHEAD, _precomputed, encoded_ahead, interle
 from ppmedia.pipeline.stages import FEATURES_ATTRIBUTE
 from ppmedia.stepmodel import AutoSplit, OpCosts, best_layer_split, compare_placements, predict_step, schedule_actions
 from ppmedia.timeline import Bar, Timeline, render_svg
+from train_helpers import model_adamw_run, train_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SVG = "{http://www.w3.org/2000/svg}"
@@ -421,38 +418,29 @@ def test_plan_prints_the_placements_recommends_one_and_draws_them(capsys, tmp_pa
 # examples/train.py --encoder spread --trace, under torchrun
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def documented_spread_lines() -> list[str]:
+    """docs/encoder-spread.md's "Use it" command (tests/test_docs.py leaves it to the test below)."""
+    from test_docs import command_lines, read_blocks, section
+
+    text = DOC.read_text()
+    (block,) = [b for b in read_blocks(DOC, section(text, "Use it")) if b.lang == "bash"]
+    return command_lines(block)
 
 
 @pytest.mark.multiprocess
 def test_train_script_with_the_spread_matches_the_model_and_traces_the_schedules_order(tmp_path):
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
-    log, svg = tmp_path / "loss.jsonl", tmp_path / "trace.svg"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           str(ROOT / "examples/train.py"), "--family", "qwen2_5_vl", "--pp", "2", "--schedule", "ZBVZeroBubble",
-           "--microbatches", "4", "--steps", "2", "--encoder", "spread", "--trace", str(svg), "--loss-log", str(log)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    env.pop("PYTHONPATH", None)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    """docs/encoder-spread.md's command as written (a user's shell, from a sandbox of the repository):
+    2 steps of ZBVZeroBubble with the spread, its loss log and its trace."""
+    from test_docs import command_key, run_documented
+
+    (line,) = documented_spread_lines()
+    assert "--schedule ZBVZeroBubble --microbatches 4 --steps 2 --encoder spread" in command_key(line), line
+    run_documented(f"{DOC.name}: Use it", [line], tmp_path)
+    log, svg = tmp_path / "loss.jsonl", tmp_path / "step.svg"
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     # the model itself, one process, the same two batches, AdamW after clipping to norm 1
-    module = tiny.load("qwen2_5_vl")
-    torch.set_num_threads(1)
-    model = module.build_model(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step, loss in enumerate(losses):
-        batch = module.build_batch(step % 2)
-        targets = pipeline.make_labels(batch["input_ids"], model.config, attention_mask=batch["attention_mask"], shift=False)
-        out = model(**{"use_cache": False, **module.reference_inputs(batch)}, labels=targets)
-        assert abs(out.loss.item() - loss) <= 1e-5, (step, out.loss.item(), loss)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+    own = model_adamw_run("qwen2_5_vl", [step % 2 for step in range(len(losses))], clip=1.0).losses
+    assert len(losses) == 2 and max(abs(a - b) for a, b in zip(losses, own)) <= 1e-5, (losses, own)
     lanes = _lanes(svg.read_text())  # the measured bars: each rank's actions in torch's own order
     for rank in range(2):
         assert [b for b in lanes[rank] if b[0] >= 0] == schedule_actions("ZBVZeroBubble", 2, 4)[rank]
@@ -485,17 +473,14 @@ def test_the_docs_python_blocks_run_and_print_the_quoted_table(capsys):
 
 
 def test_the_docs_commands_work(capsys, monkeypatch, tmp_path):
-    import importlib.util
     import re
     import shlex
 
     from ppmedia.cli import main
     from ppmedia.testing.parity import parse_scenarios
 
-    spec = importlib.util.spec_from_file_location("train_example", ROOT / "examples/train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    lines = [line for block in _blocks("bash") for line in block.strip().splitlines()]
+    train = train_script()
+    lines = [line for block in _blocks("bash") for line in block.replace("\\\n", " ").strip().splitlines()]
     assert any(line.startswith("torchrun ") for line in lines) and any(line.startswith("ppmedia plan ") for line in lines)
     monkeypatch.chdir(ROOT)
     for line in lines:

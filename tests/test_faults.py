@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from ppmedia import pipeline
 from ppmedia.testing import tiny_models
+from train_helpers import model_adamw_run, train_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-5  # the issue's per-step tolerance against the model's own AdamW loop
@@ -60,23 +61,7 @@ _REFERENCE: dict[str, list[float]] = {}
 def own_adamw_losses(family: str, steps: int = README_STEPS) -> list[float]:
     """The model itself, one process, the README's batch every step: AdamW(1e-3) on its parameters."""
     if family not in _REFERENCE:
-        module = tiny_models.load(family)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        model = module.build_model(0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for _ in range(steps):
-            batch = module.build_batch(0)
-            targets = pipeline.make_labels(batch["input_ids"], model.config, attention_mask=batch["attention_mask"],
-                                           shift=False)
-            loss = model(**{"use_cache": False, **module.reference_inputs(batch)}, labels=targets).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        torch.set_num_threads(threads)
-        _REFERENCE[family] = losses
+        _REFERENCE[family] = model_adamw_run(family, [0] * steps).losses
     return _REFERENCE[family]
 
 
@@ -165,13 +150,7 @@ def test_readme_step_trains_a_tied_family_like_the_model_in_two_processes(two_ra
 
 
 # -- examples/train.py's options, refused before anything starts -----------------------------------
-def _train_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ppmedia_train_example", ROOT / "examples" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_train_script = train_script
 
 
 @pytest.mark.parametrize("argv, says", [

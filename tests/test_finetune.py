@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import math
@@ -23,6 +22,7 @@ import torch
 
 import ppmedia.testing.tiny_models as tiny
 from ppmedia import pipeline
+from train_helpers import train_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -199,11 +199,7 @@ def test_copy_processor_files_takes_the_processor_not_the_weights(tmp_path):
     assert sorted(p.name for p in export.iterdir()) == processor
 
 
-def _train_script():
-    spec = importlib.util.spec_from_file_location("_train_example", ROOT / "examples" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_train_script = train_script
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -32,6 +32,7 @@ import torch
 
 import ppmedia.testing.tiny_models as tiny
 from ppmedia import pipeline
+from train_helpers import model_adamw_run, train_py_groups
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "fsdp-dcp.md"
@@ -74,35 +75,10 @@ _REFERENCE: dict[str, dict[int, float]] = {}
 def _reference() -> dict[str, dict[int, float]]:
     """The model itself, one process, full batches: AdamW(1e-3) after clipping to norm 1 (as train.py),
     and the held-out batch's loss at the weights each step trains from."""
-    if _REFERENCE:
-        return _REFERENCE
-    module = tiny.load("qwen2_5_vl")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model = module.build_model(0)
-    # train.py's AdamW: weight decay 0.01, none on biases, norm weights (1-D) and the embedding table
-    plain = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed_tokens" in n]
-    decayed = [p for p in model.parameters() if all(p is not q for q in plain)]
-    optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}],
-                                  lr=1e-3)
-
-    def loss_of(batch):
-        targets = pipeline.make_labels(batch["input_ids"], model.config, attention_mask=batch["attention_mask"], shift=False)
-        return model(**{"use_cache": False, **module.reference_inputs(batch)}, labels=targets).loss
-
-    held_out = module.build_batch(HELD_OUT_SEED)
-    train, evals = {}, {}
-    for step in range(STEPS):
-        with torch.no_grad():
-            evals[step] = loss_of(held_out).item()
-        loss = loss_of(module.build_batch(step % 2))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        train[step] = loss.item()
-    torch.set_num_threads(before)
-    _REFERENCE.update(train=train, eval=evals)
+    if not _REFERENCE:
+        own = model_adamw_run("qwen2_5_vl", [step % 2 for step in range(STEPS)], clip=1.0, groups=train_py_groups,
+                              held_out=HELD_OUT_SEED)
+        _REFERENCE.update(train=dict(enumerate(own.losses)), eval=dict(enumerate(own.evals)))
     return _REFERENCE
 
 

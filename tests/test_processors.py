@@ -297,6 +297,21 @@ def inkling2_samples(rng):
     ]
 
 
+def inkling_samples(rng):
+    """Images of 4x4 to 12x10 pixels (4 x 4 tiles, one token each) and audio clips of 0.1 to 0.3 s (one
+    token per 50 ms), an image and a clip back to back in sample 3."""
+    return [
+        [3, image(rng, 8, 8), 2, audio(rng, 0.2)],
+        [audio(rng, 0.3), 2, image(rng, 4, 12), 1],
+        [image(rng, 12, 6), 3],
+        [audio(rng, 0.1), 1, image(rng, 5, 5), audio(rng, 0.25)],
+        [5],
+        [7],
+        [audio(rng, 0.15), image(rng, 8, 3), 2],
+        [image(rng, 4, 4), image(rng, 10, 7), 4],
+    ]
+
+
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
@@ -351,6 +366,8 @@ CASES: dict[str, Case] = {
                     forward={"use_cache": False}),
     "kimi_k25_video": Case(kimi_video_samples, ("Kimi_K25Processor", "Kimi_K25ImageProcessor", "Kimi_K25VideoProcessor"),
                            forward={"use_cache": False}),
+    "inkling": Case(inkling_samples, ("InklingProcessor", "InklingImageProcessor", "InklingFeatureExtractor"),
+                    call={"sampling_rate": 16000}, forward={"use_cache": False}),
     "inkling2": Case(inkling2_samples, ("Inkling2Processor", "Inkling2ImageProcessor"), forward={"use_cache": False}),
 }
 
@@ -399,6 +416,9 @@ def test_family_on_its_processor(family, backend):
     assert names == expected
     if family == "minimax_m3_vl":  # 4 videos in 6 chunks, one grid row a chunk (the processor drops the count)
         assert batch["video_grid_thw"][:, 0].tolist() == [2, 1, 1, 2, 2, 2] and "num_chunks_per_video" not in batch
+    if family == "inkling":  # 30 tiles a token each; 5 clips of 2 to 6 frames (the processor drops the tile counts)
+        assert batch["pixel_values"].shape == (30, 2, 4, 4, 3) and "num_patches" not in batch
+        assert batch["audio_input_ids_mask"].sum(-1).tolist() == [4, 6, 2, 5, 3]
     if family == "kimi_k25_video":  # 5 videos in 11 chunks of 2 frames
         assert batch["video_grid_thw"][:, 0].tolist() == [2] * 11
     assert_matches_model(family, batch, build_tiny_processor_model(family_of(family)))
@@ -505,7 +525,8 @@ def test_saved_processor_round_trips_and_feeds_the_model(family, tmp_path):
 
 def test_the_docs_table_names_these_tests():
     """docs/processors.md: a row per family of the README's Families table (and per tiny family);
-    every ``tested (...)`` cell names a test of this module that exists."""
+    every ``tested (...)`` cell names a test of this module that exists; every image, video and audio
+    cell is tested, refused or none (nothing "not yet tested")."""
     from ppmedia.testing.tiny_models import FAMILIES
 
     text = (ROOT / "docs" / "processors.md").read_text()
@@ -523,3 +544,6 @@ def test_the_docs_table_names_these_tests():
     assert named and set(named) <= ids, set(named) - ids
     for name in CASES:  # every family tested here says so in its row
         assert "tested (" in rows[family_of(name)], name
+    for family, row in rows.items():  # every modality cell: tested, refused (with the reason) or none
+        cells = [cell.strip() for cell in row.strip("|").split(" | ")[2:]]
+        assert len(cells) == 3 and all(c == "none" or c.startswith(("tested", "refused")) for c in cells), (family, cells)

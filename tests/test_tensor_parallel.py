@@ -115,62 +115,38 @@ EXPORT_TOL = 1e-5
 def _reference_losses(steps):
     """The model itself, one process, full batches, train.py's AdamW (1e-3, weight decay 0.01 but none
     on biases, 1-D norm weights and the embedding table) after clipping to norm 1: the losses ``--pp 2``
-    and ``--pp 2 --dp 2 --fsdp`` reproduce within 1e-5 (tests/test_fsdp_dcp.py)."""
-    from ppmedia import pipeline
+    and ``--pp 2 --dp 2 --fsdp`` reproduce within 1e-5 (tests/test_fsdp_dcp.py); (loss, norm) a step."""
+    from train_helpers import model_adamw_run, train_py_groups
 
-    module = tiny_models.load("qwen2_5_vl")
-    model = module.build_model(0)
-    plain = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed_tokens" in n]
-    decayed = [p for p in model.parameters() if all(p is not q for q in plain)]
-    optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}],
-                                  lr=1e-3)
-    losses = []
-    for step in range(steps):
-        batch = module.build_batch(step % 2)
-        targets = pipeline.make_labels(batch["input_ids"], model.config, attention_mask=batch["attention_mask"], shift=False)
-        loss = model(**{"use_cache": False, **module.reference_inputs(batch)}, labels=targets).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append((loss.item(), norm.item()))
-    return losses
+    own = model_adamw_run("qwen2_5_vl", [step % 2 for step in range(steps)], clip=1.0, groups=train_py_groups)
+    return list(zip(own.losses, own.norms))
 
 
-def _train(root, tmp_path, nproc, *args):
-    import os
-    import pathlib
-    import socket
-    import subprocess
-    import sys
+def documented_tp_lines() -> list[str]:
+    """docs/tensor-parallel.md's two commands (tests/test_docs.py leaves them to the test below)."""
+    from test_docs import DOCS, command_lines, read_blocks, section
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    cmd = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(nproc),
-           "--master-port", port, str(root / "examples" / "train.py"), "--family", "qwen2_5_vl", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    env.pop("PYTHONPATH", None)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return result.stdout
+    page = DOCS / "tensor-parallel.md"
+    (block,) = [b for b in read_blocks(page, section(page.read_text(), "From the command line")) if b.lang == "sh"]
+    return command_lines(block)
 
 
 @pytest.mark.multiprocess
 def test_train_with_tp_gives_the_losses_of_the_model_and_its_checkpoint_resumes_at_pp2_dp2_fsdp(tmp_path):
-    """``torchrun --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2``: every
+    """docs/tensor-parallel.md's commands as written (a user's shell, a sandbox of the repository):
+    ``torchrun --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2``: every
     step's global loss within 1e-5 of the model's own run (which ``--pp 2`` matches too), and the
     global gradient norm (summed over the tp shards) within 1e-5 of it. Its DCP checkpoint of step 1
     (tp-sharded parameters and AdamW state) resumes at ``--pp 2 --dp 2 --fsdp`` (FSDP2 shards over
     dp instead of tp) with the same loss and norm."""
     import json
-    import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    _train(root, tmp_path, 4, "--pp", "2", "--tp", "2", "--steps", "2", "--loss-log", "tp.jsonl",
-           "--save-dir", "ckpt", "--save-every", "1", "--export", "tp-export")
-    out = _train(root, tmp_path, 4, "--pp", "2", "--dp", "2", "--fsdp", "--steps", "2", "--resume", "ckpt/step1",
-                 "--loss-log", "fsdp.jsonl", "--export", "fsdp-export")
+    from test_docs import command_key, run_documented
+
+    tp, fsdp = documented_tp_lines()
+    assert "--pp 2 --tp 2 --steps 2 --loss-log tp.jsonl --save-dir ckpt --save-every 1 --export tp-export" in command_key(tp), tp
+    assert "--pp 2 --dp 2 --fsdp --steps 2 --resume ckpt/step1 --loss-log fsdp.jsonl --export fsdp-export" in command_key(fsdp), fsdp
+    out = run_documented("docs/tensor-parallel.md: From the command line", [tp, fsdp], tmp_path)[1].stdout
     assert "saved at pp=2 x dp=1 x tp=2" in out, out
     rows = [json.loads(line) for line in (tmp_path / "tp.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

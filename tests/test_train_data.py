@@ -11,7 +11,8 @@ folder in the messages style. The reference is the model itself in this process
    with ``--skip-bad-samples`` a record with a missing image is left out, named and counted
    (``skipped`` 1), and the batches are those of the file without it.
 2. pp=1 x dp=2, the ``save_to_disk`` folder, ``--lr 0 --no-shuffle``: the same, within 1e-5.
-3. the README quick start's three lines as written, in a scratch folder: a generated checkpoint and
+3. the README quick start's three lines as written (a user's shell, a sandbox of the repository; the
+   docs test leaves them to this one): a generated checkpoint and
    16 records, pp=2 x dp=1, shuffled, 2 epochs of 4 steps, checkpoints at steps 4 and 8, the export;
    step 0 (before any update) is the model's loss on the shuffled batch 0, the loss falls.
 4. the same command at pp=2 x dp=2 with FSDP2, resumed from run 3's step 4 (the loader's position is
@@ -189,30 +190,19 @@ def trained(tmp_path_factory):
     """Run 3: the README's three lines as written, in a scratch folder (pp=2 x dp=1, shuffled, 2 epochs
     of 4 steps, checkpoints at steps 4 and 8, the export); run 4: the same command at pp=2 x dp=2 with
     FSDP2, resumed from run 3's step 4 (into another save folder), exported too."""
-    import contextlib
-    import io
     import shlex
 
-    from ppmedia.testing import datasets
+    from test_docs import run_documented
 
     work = tmp_path_factory.mktemp("readme")
-    (work / "examples").symlink_to(ROOT / "examples")
     make, train, check = _readme_lines()
-    here = os.getcwd()
-    os.chdir(work)
-    try:
-        datasets.main(shlex.split(make, comments=True)[3:])  # python -m ppmedia.testing.datasets ...
-        argv = shlex.split(train)[4:]  # after torchrun --standalone --nproc-per-node 2
-        assert argv[0] == "examples/train.py"
-        _torchrun(2, *argv[1:], cwd=work)
-        printed = _torchrun(4, *argv[1:], "--pp", "2", "--dp", "2", "--fsdp", "--resume", "runs/step4",
-                            "--save-dir", "runs4", "--loss-log", "resumed.jsonl", "--export", "trained4", cwd=work)
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            exec(compile(shlex.split(check)[2], "<README>", "exec"), {})
-    finally:
-        os.chdir(here)
-    return {"work": work, "printed": printed, "dtype_line": out.getvalue(), "straight": _rows(work / "loss.jsonl"),
+    # as a user types them, in a clean environment (tests/test_docs.py leaves them to this fixture)
+    *_, printed_check = run_documented("README.md: Quick start", [make, train, check], work)
+    argv = shlex.split(train)[4:]  # after torchrun --standalone --nproc-per-node 2
+    assert argv[0] == "examples/train.py"
+    printed = _torchrun(4, *argv[1:], "--pp", "2", "--dp", "2", "--fsdp", "--resume", "runs/step4",
+                        "--save-dir", "runs4", "--loss-log", "resumed.jsonl", "--export", "trained4", cwd=work)
+    return {"work": work, "printed": printed, "dtype_line": printed_check.stdout, "straight": _rows(work / "loss.jsonl"),
             "resumed": _rows(work / "resumed.jsonl")}
 
 

@@ -11,6 +11,10 @@ The model (``InklingForConditionalGeneration``):
   with 4 experts; the head divides the hidden states by ``logits_mup_width_multiplier`` and keeps the
   first ``unpadded_vocab_size`` logits (the pipeline's last stage does the same).
 
+The tiny processor (:func:`build_processor`) is transformers' own ``InklingProcessor``; its image
+processor cuts an image into 4 x 4 tiles, one more column than ``width // 4`` (padded with -1), and its
+feature extractor gives one audio token per 50 ms.
+
 Tokens: an image ``<image_bos> <image> * patches``, an audio clip ``<audio_bos> <audio> * frames``. The
 processor drops the patches per image, so the rows of a sample are counted from its tokens: one
 ``pixel_values`` row per image token (:meth:`ppmedia.adapters.inkling.InklingAdapter.media_per_sample`).
@@ -38,7 +42,7 @@ from . import seeded_distinct
 from ._batch import right_padded
 
 __all__ = ["AUDIO_TOKEN_ID", "IMAGE_TOKEN_ID", "MODEL_TYPE", "PAD_TOKEN_ID", "SAMPLES", "build_batch",
-           "build_config", "build_model", "reference_inputs"]
+           "build_config", "build_model", "build_processor", "reference_inputs"]
 
 MODEL_TYPE = "inkling_mm_model"
 
@@ -136,3 +140,23 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
     keys = ("input_ids", "attention_mask", "pixel_values", "audio_input_ids", "audio_input_ids_mask")
     return {k: batch[k] for k in keys if k in batch} | {"use_cache": False}
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``InklingProcessor``: ``InklingImageProcessor`` (torchvision only) at :data:`PATCH` x
+    :data:`PATCH` tiles, ``InklingFeatureExtractor`` (16 kHz, :data:`MEL_BINS` mel bins, one frame per
+    50 ms; the processor quantises it into :data:`MEL_VOCAB` dMel codes); a word-level tokenizer with the
+    tiny ids (``<|content_image|>`` / ``<|content_audio_input|>`` the media starts, ``<|image|>`` /
+    ``<|audio|>`` the placeholders; ``<|im_start|>`` 7, ``<|im_end|>`` 8 the turns), a chatml chat template."""
+    import transformers
+
+    from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
+
+    images = image_processor_class("InklingImageProcessor", image_backend)(size={"height": PATCH, "width": PATCH})
+    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": 7, "<|im_end|>": 8, "<|content_image|>": IMAGE_BOS_TOKEN_ID,
+           "<|content_audio_input|>": AUDIO_BOS_TOKEN_ID, "<|image|>": IMAGE_TOKEN_ID, "<|audio|>": AUDIO_TOKEN_ID}
+    tokenizer = qwen_tokenizer(_VOCAB, ids, image="<|image|>", video=None, audio_token="<|audio|>")
+    media = {"image": "<|content_image|><|image|>", "audio": "<|content_audio_input|><|audio|>"}
+    return qwen_processor("InklingProcessor", tokenizer=tokenizer, images=images, media=media,
+                          feature_extractor=transformers.InklingFeatureExtractor(feature_size=MEL_BINS),
+                          num_dmel_bins=MEL_VOCAB)

@@ -131,11 +131,9 @@ def build_processor(image_backend: str = "torchvision") -> Any:
     """A real ``Inkling2Processor``: ``Inkling2ImageProcessor`` (torchvision only) at tiles of
     :data:`TILE` x :data:`TILE` pixels, one token a tile; a word-level tokenizer with the tiny ids
     (``<|image|>`` ``IMAGE_TOKEN_ID``, ``<|im_start|>`` 1, ``<|im_end|>`` 2), a chatml chat template."""
-    import transformers
-
     from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
 
     images = image_processor_class("Inkling2ImageProcessor", image_backend)(size={"height": TILE, "width": TILE})
     ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": 1, "<|im_end|>": 2, "<|image|>": IMAGE_TOKEN_ID}
-    return qwen_processor("Inkling2Processor", tokenizer=qwen_tokenizer(_VOCAB, ids, image="<|image|>"), images=images,
+    return qwen_processor("Inkling2Processor", tokenizer=qwen_tokenizer(_VOCAB, ids, image="<|image|>", video=None), images=images,
                           media={"image": "<|image|>"})

@@ -283,12 +283,10 @@ def build_processor(image_backend: str = "torchvision") -> Any:
     track: :func:`ppmedia.testing.processors.chat_batch`'s ``("video", frames, track)``."""
     import transformers
 
-    from ._processors import image_processor_class, qwen_processor
+    from ._processors import qwen_media_processors, qwen_processor
 
-    sizes = {"patch_size": PATCH, "temporal_patch_size": TEMPORAL, "merge_size": MERGE,
-             "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
-    images = image_processor_class("Qwen2VLImageProcessor", image_backend)(**sizes)
-    videos = transformers.Qwen2VLVideoProcessor(**sizes, do_sample_frames=False, cap_pixels_per_frame=False)
+    images, videos = qwen_media_processors("Qwen2VLVideoProcessor", image_backend, patch_size=PATCH, temporal_patch_size=TEMPORAL,
+                                           merge_size=MERGE, pixels=(MIN_PIXELS, MAX_PIXELS))
     audio = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS)
     processor = qwen_processor("Qwen2_5OmniProcessor", tokenizer=omni_tokenizer(), images=images, videos=videos,
                                media=OMNI_MEDIA, feature_extractor=audio)

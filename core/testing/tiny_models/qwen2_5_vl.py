@@ -209,21 +209,18 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
 MIN_PIXELS = 8 * 8
 MAX_PIXELS = 32 * 32
 
+#: the processor's Qwen tokens (:data:`~ppmedia.testing.tiny_models._processors.QWEN_TOKENS`) at the tiny ids
+_PROCESSOR_TOKEN_IDS = (PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, VISION_START_TOKEN_ID, VISION_END_TOKEN_ID, IMAGE_TOKEN_ID,
+                        VIDEO_TOKEN_ID)
+
 
 def build_processor(image_backend: str = "torchvision") -> Any:
     """A real ``Qwen2_5_VLProcessor``: ``Qwen2VLImageProcessor`` (``...Pil`` with ``image_backend="pil"``)
     and ``Qwen2VLVideoProcessor`` at patch 4, temporal patch 2, merge 2, 64..1024 pixels a frame; a
     word-level tokenizer with the tiny ids (``<|im_start|>`` is ``BOS_TOKEN_ID``, ``<|im_end|>``
     ``EOS_TOKEN_ID``, ``<|endoftext|>`` ``PAD_TOKEN_ID``); a chatml chat template."""
-    import transformers
+    from ._processors import qwen_vl_processor
 
-    from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
-
-    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
-           "<|vision_start|>": VISION_START_TOKEN_ID, "<|vision_end|>": VISION_END_TOKEN_ID,
-           "<|image_pad|>": IMAGE_TOKEN_ID, "<|video_pad|>": VIDEO_TOKEN_ID}
-    sizes = {"patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE, "merge_size": MERGE,
-             "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
-    images = image_processor_class("Qwen2VLImageProcessor", image_backend)(**sizes)
-    videos = transformers.Qwen2VLVideoProcessor(**sizes, do_sample_frames=False, cap_pixels_per_frame=False)
-    return qwen_processor("Qwen2_5_VLProcessor", tokenizer=qwen_tokenizer(_VOCAB, ids), images=images, videos=videos)
+    return qwen_vl_processor("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", image_backend, vocab_size=_VOCAB,
+                             token_ids=_PROCESSOR_TOKEN_IDS, sizes=(PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE),
+                             pixels=(MIN_PIXELS, MAX_PIXELS))

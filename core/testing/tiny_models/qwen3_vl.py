@@ -268,6 +268,10 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
 MIN_PIXELS = 32 * 32
 MAX_PIXELS = 96 * 64
 
+#: the processor's Qwen tokens (:data:`~ppmedia.testing.tiny_models._processors.QWEN_TOKENS`) at the tiny ids
+_PROCESSOR_TOKEN_IDS = (PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, VISION_START_TOKEN_ID, VISION_END_TOKEN_ID, IMAGE_TOKEN_ID,
+                        VIDEO_TOKEN_ID)
+
 
 def build_processor(image_backend: str = "torchvision") -> Any:
     """A real ``Qwen3VLProcessor``: ``Qwen2VLImageProcessor`` (``...Pil`` with ``image_backend="pil"``)
@@ -275,17 +279,10 @@ def build_processor(image_backend: str = "torchvision") -> Any:
     (frames as given: no sampling); Qwen's tokenizer names at the tiny ids, a chatml chat template.
     The processor writes each temporal step of a video after its timestamp (``<0.1 seconds>``: two
     words outside the vocabulary, so two unknown-token ids)."""
-    import transformers
+    from ._processors import qwen_vl_processor
 
-    from ._processors import image_processor_class, qwen_processor, qwen_tokenizer
-
-    ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
-           "<|vision_start|>": VISION_START_TOKEN_ID, "<|vision_end|>": VISION_END_TOKEN_ID,
-           "<|image_pad|>": IMAGE_TOKEN_ID, "<|video_pad|>": VIDEO_TOKEN_ID}
-    sizes = {"patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE, "merge_size": MERGE,
-             "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
-    images = image_processor_class("Qwen2VLImageProcessor", image_backend)(**sizes)
-    videos = transformers.Qwen3VLVideoProcessor(**sizes, do_sample_frames=False, cap_pixels_per_frame=False)
-    tokenizer = qwen_tokenizer(_VOCAB, ids, vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>")
-    return qwen_processor("Qwen3VLProcessor", tokenizer=tokenizer, images=images, videos=videos,
-                          media={"image": "<|vision_start|><|image_pad|><|vision_end|>", "video": "<|video_pad|>"})
+    return qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", image_backend, vocab_size=_VOCAB,
+                             token_ids=_PROCESSOR_TOKEN_IDS, sizes=(PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE),
+                             pixels=(MIN_PIXELS, MAX_PIXELS),
+                             media={"image": "<|vision_start|><|image_pad|><|vision_end|>", "video": "<|video_pad|>"},
+                             vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>")
