@@ -371,7 +371,8 @@ class DataSource:
         return data.ReplicaLoader(
             dataset, self.processor, global_batch_size=args.batch_size, dp_rank=ctx["dp_rank"], dp_size=args.dp,
             seed=args.seed, shuffle=shuffle, workers=args.workers, pp_group=ctx["parts"].pp_group,
-            reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples)
+            reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples,
+            dp_group=ctx["parts"].dp_group)  # the counts (and the saved skip count) over all replicas
 
     def _shares(self, loader: Any, epochs: int | None) -> Iterator[pipeline.ReplicaShare]:
         ctx, parts = self.ctx, self.ctx["parts"]

@@ -268,3 +268,23 @@ def test_a_bf16_checkpoint_stays_bf16(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert pipeline.checkpoint_dtype(tmp_path / "export") == torch.bfloat16
     assert transformers.AutoProcessor.from_pretrained(tmp_path / "export").chat_template
+
+
+def test_a_saved_gemma4_checkpoint_takes_its_processors_batches(tmp_path):
+    """``save_tiny_checkpoint`` saves the model its processor's output fits: Gemma 4's processor puts
+    up to 280 patches an image, whose coordinates (a 16 x 24 image: 19) passed the plain tiny model's
+    position table of 16 (``IndexError`` in the model's own forward before the fix)."""
+    import transformers
+
+    torch.set_num_threads(1)
+    checkpoint = save_tiny_checkpoint("gemma4", tmp_path / "ckpt")
+    path = write_image_chat_dataset(tmp_path / "data", 3, words=_words(checkpoint))  # 16x16, 16x24, 24x16
+    model = transformers.AutoModelForImageTextToText.from_pretrained(checkpoint)
+    processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(checkpoint), max_length=512,
+                                     config=model.config)
+    batch = next(iter(data.ReplicaLoader(data.open_dataset(str(path)), processor, global_batch_size=3, shuffle=False)))
+    assert int(batch["image_position_ids"].max()) >= 16  # past the plain tiny table
+    inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+    assert logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(logits).all()

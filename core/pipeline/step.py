@@ -168,27 +168,41 @@ def loader_shares(loader: Any, config: Any, adapter: Any, n_microbatches: int, *
     global batch with ``n_label_tokens``, ``n_samples`` and ``skipped``), epoch after epoch
     (``epochs=None``: without end; else until that many passes, counted from the loader's position).
 
-    Each batch goes to ``device`` (floating tensors in ``dtype``); one ``all_reduce`` over ``dp_group``
-    per batch sums the replicas' label tokens, samples and skipped samples (``share.skipped``: the
-    records every replica's dataset left out when opened, counted once, plus each replica's own skips).
+    Each batch goes to ``device`` (floating tensors in ``dtype``). A loader built with ``dp_group``
+    summed the counts over the replicas already (``global_label_tokens``, ``global_samples``, its
+    ``skipped``); for any other, one ``all_reduce`` over ``dp_group`` per batch sums the replicas'
+    label tokens, samples and skipped samples (the records every replica's dataset left out when
+    opened counted once, plus each replica's own skips; such a loader's saved ``skipped`` is its own,
+    so resume it at ``dp > 1`` only when built with ``dp_group``).
     """
-    import torch.distributed as dist
-
     opened = len(getattr(getattr(loader, "dataset", None), "skipped", ()) or ())  # the same on every replica
     done = 0
     while epochs is None or done < epochs:
         for batch in loader:
             batch = batch_to(batch, device, dtype)
-            counts = torch.tensor([int(batch["n_label_tokens"]), int(batch["n_samples"]),
-                                   int(batch.get("skipped", opened)) - opened], dtype=torch.int64, device=device)
-            if dp_group is not None:
-                dist.all_reduce(counts, group=dp_group)
-            tokens, samples, skipped = (int(c) for c in counts.tolist())
+            if "global_label_tokens" in batch:  # summed over the replicas by the loader (its dp_group)
+                tokens, samples = int(batch["global_label_tokens"]), int(batch["global_samples"])
+                skipped = int(batch["skipped"])
+            else:
+                tokens, samples, skipped = _replica_sums(batch, opened, dp_group, device)
             share = share_of_replica_batch(batch, config, adapter, n_microbatches, num_valid_tokens=tokens,
                                            samples=samples, stages_media=stages_media)
-            share.skipped = opened + skipped
+            share.skipped = skipped
             yield share
         done += 1
+
+
+def _replica_sums(batch: Mapping[str, Any], opened: int, dp_group: Any, device: Any) -> tuple[int, int, int]:
+    """(global label tokens, samples, skipped) of a batch whose loader did not sum them: one
+    ``all_reduce`` over ``dp_group`` (the records left out when opened counted once)."""
+    import torch.distributed as dist
+
+    counts = torch.tensor([int(batch["n_label_tokens"]), int(batch["n_samples"]),
+                           int(batch.get("skipped", opened)) - opened], dtype=torch.int64, device=device)
+    if dp_group is not None:
+        dist.all_reduce(counts, group=dp_group)
+    tokens, samples, skipped = (int(c) for c in counts.tolist())
+    return tokens, samples, opened + skipped
 
 
 def _run_schedule(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]) -> None:
