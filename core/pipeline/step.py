@@ -31,7 +31,8 @@ class ReplicaShare:
         input_ids, attention_mask: ``[b, S]``, the replica's rows (every pipeline rank of it).
         labels: ``[b, S]`` shifted labels (:func:`~ppmedia.pipeline.make_labels`'s form).
         staged: the replica's media split per microbatch (:func:`~ppmedia.split_media`), on the rank
-            that stages them (stage 0's); ``None`` elsewhere.
+            that stages them (stage 0's); elsewhere ``None`` or (a loader's share) the split of the
+            token rows alone, without media.
         num_valid_tokens: label tokens of the GLOBAL batch (all replicas): the loss's divisor.
         samples: samples of the global batch.
         pad_positions, positions: padded and all token positions of the replica's rows.
@@ -147,16 +148,19 @@ def share_of_replica_batch(batch: Mapping[str, Any], config: Any, adapter: Any, 
             not tensors (a loader's statistics) are left out of the split.
         num_valid_tokens: the global batch's label tokens (all replicas).
         samples: the global batch's samples.
-        stages_media: whether this rank splits and stages the media (stage 0's rank).
+        stages_media: whether this rank splits and stages the media (stage 0's rank). Elsewhere
+            ``staged`` is the split of the token rows alone (no media, every chunk ``None``): the
+            microbatch bounds :func:`ppmedia.microbatch_inputs` needs on every rank (``presplit``).
     """
     from ..split import split_media
 
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    staged = None
     if stages_media:
         media = {k: v for k, v in batch.items() if isinstance(v, Tensor) and k != "labels"}
         counts = batch.get("media_counts") or adapter.media_counts(media, config)
         staged = split_media(media, n_microbatches, **counts)
+    else:  # the rows' split alone (tensor_split's, as stage 0's): pre-split microbatches need its bounds
+        staged = split_media({"input_ids": ids, "attention_mask": mask}, n_microbatches)
     pads, positions = _padding(mask)
     return ReplicaShare(ids, mask, batch["labels"], staged, int(num_valid_tokens), int(samples), pads, positions)
 
