@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the vision tower runs: on stage 0, or spread over the pipeline ranks")
     add("--presplit", action="store_true",
         help="feed the schedule pre-split microbatches (each one's media its own keyword input) instead of "
-             "staging the media on stage 0 (the stand-in batches)")
+             "staging the media on stage 0")
     add("--trace", metavar="FILE.svg", help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     return parser
 
@@ -190,9 +190,6 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.encoder == "spread" and args.model:
         parser.error("--encoder spread cuts each rank's copy of the vision tower from the full model; "
                      "--model loads only each rank's stages: drop one of them")
-    if args.presplit and args.data:
-        parser.error("--presplit hands every rank its microbatches' media; with --data only stage 0's rank reads "
-                     "them: drop --presplit")
     if args.resume == "auto" and not args.save_dir:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
     if args.bf16 and not args.fsdp:
@@ -382,7 +379,8 @@ class DataSource:
         return data.ReplicaLoader(
             dataset, self.processor, global_batch_size=args.batch_size, dp_rank=ctx["dp_rank"], dp_size=args.dp,
             seed=args.seed, shuffle=shuffle, workers=args.workers, pp_group=ctx["parts"].pp_group,
-            reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples)
+            reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples,
+            dp_group=ctx["parts"].dp_group)  # the counts (and the saved skip count) over all replicas
 
     def _shares(self, loader: Any, epochs: int | None) -> Iterator[pipeline.ReplicaShare]:
         ctx, parts = self.ctx, self.ctx["parts"]

@@ -50,15 +50,56 @@ def _worker(rank: int, port: int, root: str) -> None:
         first = next(iter(replica))
         counts = [first["n_label_tokens"], data.global_label_tokens(first, dist.group.WORLD)]
         torch.save({"batches": batches, "media_opened": media_opened,
-                    "pngs_opened": [f for f in opened if f.endswith(".png")], "counts": counts},
+                    "pngs_opened": [f for f in opened if f.endswith(".png")], "counts": counts,
+                    "skips": _skips_resumed(rank, root, processor)},
                    os.path.join(root, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+def _skips_resumed(rank: int, root: str, processor) -> dict:
+    """dp = 2 over ``skips.jsonl`` (one record left out when opened, two undecodable ones that only
+    replica 1 meets, one a batch): ``skipped`` of batch 0, the state after it, ``skipped`` of batch 1
+    from loaders resumed from replica 0's state (what a checkpoint holds), and through loader_shares."""
+    from ppmedia import data, pipeline
+
+    ds = data.open_dataset(os.path.join(root, "skips", "skips.jsonl"), skip_bad_samples=True)
+
+    def loader():
+        return data.ReplicaLoader(ds, processor, global_batch_size=4, shuffle=False, dp_rank=rank, dp_size=2,
+                                  skip_bad_samples=True, dp_group=dist.group.WORLD)
+
+    first = loader()
+    batch0 = next(iter(first))
+    states: list = [None, None]
+    dist.all_gather_object(states, first.state_dict())
+    resumed = loader()
+    resumed.load_state_dict(states[0])
+    share = next(pipeline.loader_shares(resumed, None, None, 1, dp_group=dist.group.WORLD, stages_media=False))
+    return {"batch0": batch0["skipped"], "states": [s["skipped"] for s in states], "share1": share.skipped,
+            "samples1": share.samples}
+
+
+def _write_skips(root) -> None:
+    """skips.jsonl: 8 usable records (a missing image among them, left out when opened); records 3
+    and 6 of the usable ones have an undecodable image (replica 1's share at B=4, dp=2)."""
+    import json
+
+    root = root / "skips"
+    root.mkdir()
+    (root / "broken.png").write_bytes(b"not a png at all")
+    good = fx.llava_records(str(root), 6, seed=3)
+    broken = {"image": "broken.png", "conversations": [{"from": "human", "value": "<image>\nw1"},
+                                                       {"from": "gpt", "value": "w2"}]}
+    missing = dict(broken, image="no_such.png")
+    fx.write_jsonl(str(root / "skips.jsonl"), good[:3] + [broken, missing] + good[3:5] + [broken, good[5]])
+    assert json.loads((root / "skips.jsonl").read_text().splitlines()[4])["image"] == "no_such.png"
+
+
 def test_only_the_encoding_rank_reads_media(tmp_path):
     records = fx.llava_records(str(tmp_path), 8)
     fx.write_jsonl(str(tmp_path / "train.jsonl"), records)
+    _write_skips(tmp_path)
     fx.save_qwen_processor(str(tmp_path / "processor"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,3 +120,7 @@ def test_only_the_encoding_rank_reads_media(tmp_path):
         for key in ("n_samples", "n_label_tokens", "skipped", "sample_names"):
             assert mine[key] == theirs[key], key
     assert reader["counts"][1] == other["counts"][1] == reader["counts"][0] + other["counts"][0]
+    # skipped: global (every replica's), saved so, and continued so after a resume at dp = 2
+    for rank in (reader, other):
+        assert rank["skips"]["batch0"] == 2 and rank["skips"]["states"] == [2, 2], rank["skips"]
+        assert rank["skips"]["share1"] == 3 and rank["skips"]["samples1"] == 3, rank["skips"]

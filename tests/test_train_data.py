@@ -1,4 +1,4 @@
-"""examples/train.py fine-tuning a real checkpoint on real data, under torchrun (four runs in all).
+"""examples/train.py fine-tuning a real checkpoint on real data, under torchrun (five runs in all).
 
 The checkpoint: the tiny Qwen2.5-VL (``save_pretrained``) with its real processor
 (``ppmedia.testing.processors``); the data: generated PNG images and a LLaVA-style JSON Lines file
@@ -15,9 +15,10 @@ folder in the messages style. The reference is the model itself in this process
    docs test leaves them to this one): a generated checkpoint and
    16 records, pp=2 x dp=1, shuffled, 2 epochs of 4 steps, checkpoints at steps 4 and 8, the export;
    step 0 (before any update) is the model's loss on the shuffled batch 0, the loss falls.
-4. the same command at pp=2 x dp=2 with FSDP2, resumed from run 3's step 4 (the loader's position is
-   in the checkpoint): steps 4 to 7 repeat run 3's losses within 1e-5 (the same samples, another
-   layout). Both exports reload with ``AutoProcessor`` and ``AutoModelForImageTextToText``, keep the
+4. the same command at pp=2 x dp=2 with FSDP2 and ``--presplit`` (pre-split microbatches; the rank
+   without stage 0 reads no media), resumed from run 3's step 4 (the loader's position is in the
+   checkpoint): steps 4 to 7 repeat run 3's losses within 1e-5 (the same samples, another layout,
+   pre-split against staged); and at pp=1 x dp=2 (staged), steps 4 and 5 the same. Both exports reload with ``AutoProcessor`` and ``AutoModelForImageTextToText``, keep the
    checkpoint's float32 and equal their run's last DCP checkpoint tensor for tensor.
 
 That a bfloat16 checkpoint stays bfloat16 through loading and export is checked in one process
@@ -189,7 +190,8 @@ def _readme_lines() -> list[str]:
 def trained(tmp_path_factory):
     """Run 3: the README's three lines as written, in a scratch folder (pp=2 x dp=1, shuffled, 2 epochs
     of 4 steps, checkpoints at steps 4 and 8, the export); run 4: the same command at pp=2 x dp=2 with
-    FSDP2, resumed from run 3's step 4 (into another save folder), exported too."""
+    FSDP2 and --presplit, resumed from run 3's step 4 (into another save folder), exported too; run 5: pp=1 x
+    dp=2 resumed from it for 2 steps."""
     import shlex
 
     from test_docs import run_documented
@@ -200,10 +202,13 @@ def trained(tmp_path_factory):
     *_, printed_check = run_documented("README.md: Quick start", [make, train, check], work)
     argv = shlex.split(train)[4:]  # after torchrun --standalone --nproc-per-node 2
     assert argv[0] == "examples/train.py"
-    printed = _torchrun(4, *argv[1:], "--pp", "2", "--dp", "2", "--fsdp", "--resume", "runs/step4",
+    printed = _torchrun(4, *argv[1:], "--pp", "2", "--dp", "2", "--fsdp", "--presplit", "--resume", "runs/step4",
                         "--save-dir", "runs4", "--loss-log", "resumed.jsonl", "--export", "trained4", cwd=work)
+    short = [a for a in argv[1:] if a not in ("--epochs", "2")] + ["--steps", "6"]  # steps 4 and 5
+    _torchrun(2, *short, "--pp", "1", "--dp", "2", "--resume", "runs/step4", "--save-dir", "runs5",
+              "--loss-log", "resumed5.jsonl", "--export", "trained5", cwd=work)
     return {"work": work, "printed": printed, "dtype_line": printed_check.stdout, "straight": _rows(work / "loss.jsonl"),
-            "resumed": _rows(work / "resumed.jsonl")}
+            "resumed": _rows(work / "resumed.jsonl"), "resumed5": _rows(work / "resumed5.jsonl")}
 
 
 @pytest.mark.multiprocess
@@ -214,9 +219,14 @@ def test_shuffled_run_resumed_at_another_layout_continues_identically(trained):
     (first, _), = _model_losses(work, trained["work"] / "demo-data" / "train.jsonl", shuffle=True, steps=1)
     assert abs(straight[0]["loss"] - first) <= TOL, (straight[0]["loss"], first)  # shuffled: not the file's order
     assert straight[7]["loss"] < straight[0]["loss"]  # it learns
+    assert sorted(trained["resumed5"]) == [4, 5]
     for step in range(4, 8):  # the loader's position came back with the weights: the same samples
         assert abs(resumed[step]["loss"] - straight[step]["loss"]) <= TOL, (step, resumed[step], straight[step])
         assert resumed[step]["tokens"] == straight[step]["tokens"]
+        other = trained["resumed5"].get(step)  # pp=1 x dp=2, staged (run 4: pp=2 x dp=2, pre-split)
+        if other is not None:
+            assert abs(other["loss"] - straight[step]["loss"]) <= TOL, (step, other, straight[step])
+            assert other["tokens"] == straight[step]["tokens"] and other["lr"] == straight[step]["lr"] > 0
     assert "resumed from runs/step4" in trained["printed"] and "continuing at step 4" in trained["printed"]
     assert trained["dtype_line"] == "torch.float32\n"  # the README's last line
 
@@ -258,3 +268,23 @@ def test_a_bf16_checkpoint_stays_bf16(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert pipeline.checkpoint_dtype(tmp_path / "export") == torch.bfloat16
     assert transformers.AutoProcessor.from_pretrained(tmp_path / "export").chat_template
+
+
+def test_a_saved_gemma4_checkpoint_takes_its_processors_batches(tmp_path):
+    """``save_tiny_checkpoint`` saves the model its processor's output fits: Gemma 4's processor puts
+    up to 280 patches an image, whose coordinates (a 16 x 24 image: 19) passed the plain tiny model's
+    position table of 16 (``IndexError`` in the model's own forward before the fix)."""
+    import transformers
+
+    torch.set_num_threads(1)
+    checkpoint = save_tiny_checkpoint("gemma4", tmp_path / "ckpt")
+    path = write_image_chat_dataset(tmp_path / "data", 3, words=_words(checkpoint))  # 16x16, 16x24, 24x16
+    model = transformers.AutoModelForImageTextToText.from_pretrained(checkpoint)
+    processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(checkpoint), max_length=512,
+                                     config=model.config)
+    batch = next(iter(data.ReplicaLoader(data.open_dataset(str(path)), processor, global_batch_size=3, shuffle=False)))
+    assert int(batch["image_position_ids"].max()) >= 16  # past the plain tiny table
+    inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+    assert logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(logits).all()

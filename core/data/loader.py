@@ -69,6 +69,10 @@ class _Collate:
         return batch
 
 
+#: the per-batch values the reading rank of a pipeline group broadcasts with the token keys.
+_SHARED_STATS = ("n_samples", "sample_names", "n_skipped")
+
+
 def _worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
@@ -84,8 +88,10 @@ class ReplicaLoader:
     Each batch is a dict: the token keys ``[b, S]`` (``labels`` shifted and marked for
     :func:`~ppmedia.pipeline.pipeline_loss`), the media keys in the processor's layout (only where
     ``reads_media``), and ``n_samples`` (real samples; a skipped one leaves a filler row without
-    labels), ``n_label_tokens`` (this replica's), ``skipped`` (samples skipped so far by this loader),
-    ``sample_names`` (``FILE:LINE`` per row, ``None`` for fillers).
+    labels), ``n_label_tokens`` (this replica's), ``skipped`` (samples skipped so far: the records left
+    out when the dataset was opened, counted once, plus the samples skipped since, over all replicas
+    with ``dp_group``, else this replica's own), ``sample_names`` (``FILE:LINE`` per row, ``None`` for
+    fillers); with ``dp_group`` also ``global_label_tokens`` and ``global_samples`` (the global batch's).
 
     Args:
         dataset: from :func:`~ppmedia.data.open_dataset`.
@@ -101,12 +107,16 @@ class ReplicaLoader:
             (``adapter.media_counts(batch, config)``: the counts :func:`ppmedia.split_media` takes).
         skip_bad_samples: skip records that fail when processed (missing or undecodable media, a
             template that refuses the turns), each logged once and counted, instead of raising.
+        dp_group: the data-parallel group (the replicas at this rank's pipeline position). With it,
+            one ``all_reduce`` per batch sums the label tokens, samples and new skips over the
+            replicas, so ``skipped`` and :meth:`state_dict` hold the global count (needed to resume
+            it at ``dp_size > 1``); without it at ``dp_size > 1`` they hold this replica's own.
     """
 
     def __init__(self, dataset: RecordDataset, processor: SampleProcessor, *, global_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True, workers: int = 0,
                  pp_group: Any = None, reads_media: bool = True, adapter: Any = None,
-                 skip_bad_samples: bool = False) -> None:
+                 skip_bad_samples: bool = False, dp_group: Any = None) -> None:
         if global_batch_size < dp_size or global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not a positive multiple of dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -116,7 +126,7 @@ class ReplicaLoader:
         self.dataset, self.processor, self.adapter = dataset, processor, adapter
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.seed, self.shuffle, self.workers, self.skip_bad_samples = seed, shuffle, workers, skip_bad_samples
-        self.pp_group, self.reads_media = pp_group, reads_media
+        self.pp_group, self.reads_media, self.dp_group = pp_group, reads_media, dp_group
         self.epoch, self.next_sample, self.skipped = 0, 0, len(dataset.skipped)
         self._named: set[str] = set()
         self._source = self._find_source() if pp_group is not None else None
@@ -151,7 +161,7 @@ class ReplicaLoader:
                 if where not in self._named:  # each named once in the log
                     self._named.add(where)
                     log.warning("skipped %s: %s%s", where, problem, " (longer than max_length)" if too_long else "")
-            self.skipped += len(skips)
+            batch["n_skipped"] = len(skips)
             names = {where for where, _, _ in skips}
             batch["sample_names"] = [None if self.dataset.where(i) in names else self.dataset.where(i) for i in share]
             batch["n_samples"] = len(share) - len(skips)
@@ -166,6 +176,10 @@ class ReplicaLoader:
                 batch = self._broadcast(batch)
             labels = batch["labels"]
             batch["n_label_tokens"] = int(((labels != IGNORE_INDEX) & (labels != SHIFTED_MARK)).sum())
+            new = int(batch.pop("n_skipped"))
+            if self.dp_group is not None:
+                new = self._sum_over_replicas(batch, new)
+            self.skipped += new
             batch["skipped"] = self.skipped
             if self.adapter is not None and self.reads_media:
                 batch["media_counts"] = self.adapter.media_counts(batch, self.processor.config)
@@ -174,16 +188,27 @@ class ReplicaLoader:
         self.epoch, self.next_sample = self.epoch + 1, 0
 
     def _broadcast(self, batch: dict[str, Any]) -> dict[str, Any]:
-        shared: list[Any] = [{k: v for k, v in batch.items() if k in TOKEN_KEYS or k in ("n_samples", "sample_names")}, self.skipped]
+        shared: list[Any] = [{k: v for k, v in batch.items() if k in TOKEN_KEYS or k in _SHARED_STATS}]
         dist.broadcast_object_list(shared, src=self._source, group=self.pp_group)
-        if not self.reads_media:
-            batch, self.skipped = dict(shared[0]), int(shared[1])
-        return batch
+        return batch if self.reads_media else dict(shared[0])
+
+    def _sum_over_replicas(self, batch: dict[str, Any], new_skips: int) -> int:
+        """One ``all_reduce`` over ``dp_group`` of [label tokens, samples, new skips]: the global
+        counts go into ``batch``; returns the replicas' new skips together."""
+        device = torch.device("cpu")
+        if dist.get_backend(self.dp_group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        sums = torch.tensor([batch["n_label_tokens"], batch["n_samples"], new_skips], dtype=torch.int64, device=device)
+        dist.all_reduce(sums, group=self.dp_group)
+        tokens, samples, skips = (int(v) for v in sums.tolist())
+        batch["global_label_tokens"], batch["global_samples"] = tokens, samples
+        return skips
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch yielded: ``epoch``, ``next_sample`` (in the epoch's
         order), the order's ``seed`` and ``shuffle`` (the RNG: the order is drawn from them alone),
-        ``dataset_len`` and ``skipped``. The same on every rank; independent of ``pp x dp``."""
+        ``dataset_len`` and ``skipped`` (the global count with ``dp_group`` or at ``dp_size`` 1). The
+        same on every rank; independent of ``pp x dp``."""
         return {"epoch": self.epoch, "next_sample": self.next_sample, "seed": self.seed, "shuffle": self.shuffle,
                 "dataset_len": len(self.dataset), "skipped": self.skipped}
 

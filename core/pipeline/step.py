@@ -31,7 +31,8 @@ class ReplicaShare:
         input_ids, attention_mask: ``[b, S]``, the replica's rows (every pipeline rank of it).
         labels: ``[b, S]`` shifted labels (:func:`~ppmedia.pipeline.make_labels`'s form).
         staged: the replica's media split per microbatch (:func:`~ppmedia.split_media`), on the rank
-            that stages them (stage 0's); ``None`` elsewhere.
+            that stages them (stage 0's); elsewhere ``None`` or (a loader's share) the split of the
+            token rows alone, without media.
         num_valid_tokens: label tokens of the GLOBAL batch (all replicas): the loss's divisor.
         samples: samples of the global batch.
         pad_positions, positions: padded and all token positions of the replica's rows.
@@ -154,16 +155,19 @@ def share_of_replica_batch(batch: Mapping[str, Any], config: Any, adapter: Any, 
             not tensors (a loader's statistics) are left out of the split.
         num_valid_tokens: the global batch's label tokens (all replicas).
         samples: the global batch's samples.
-        stages_media: whether this rank splits and stages the media (stage 0's rank).
+        stages_media: whether this rank splits and stages the media (stage 0's rank). Elsewhere
+            ``staged`` is the split of the token rows alone (no media, every chunk ``None``): the
+            microbatch bounds :func:`ppmedia.microbatch_inputs` needs on every rank (``presplit``).
     """
     from ..split import split_media
 
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    staged = None
     if stages_media:
         media = {k: v for k, v in batch.items() if isinstance(v, Tensor) and k != "labels"}
         counts = batch.get("media_counts") or adapter.media_counts(media, config)
         staged = split_media(media, n_microbatches, **counts)
+    else:  # the rows' split alone (tensor_split's, as stage 0's): pre-split microbatches need its bounds
+        staged = split_media({"input_ids": ids, "attention_mask": mask}, n_microbatches)
     pads, positions = _padding(mask)
     return ReplicaShare(ids, mask, batch["labels"], staged, int(num_valid_tokens), int(samples), pads, positions)
 
@@ -175,27 +179,41 @@ def loader_shares(loader: Any, config: Any, adapter: Any, n_microbatches: int, *
     global batch with ``n_label_tokens``, ``n_samples`` and ``skipped``), epoch after epoch
     (``epochs=None``: without end; else until that many passes, counted from the loader's position).
 
-    Each batch goes to ``device`` (floating tensors in ``dtype``); one ``all_reduce`` over ``dp_group``
-    per batch sums the replicas' label tokens, samples and skipped samples (``share.skipped``: the
-    records every replica's dataset left out when opened, counted once, plus each replica's own skips).
+    Each batch goes to ``device`` (floating tensors in ``dtype``). A loader built with ``dp_group``
+    summed the counts over the replicas already (``global_label_tokens``, ``global_samples``, its
+    ``skipped``); for any other, one ``all_reduce`` over ``dp_group`` per batch sums the replicas'
+    label tokens, samples and skipped samples (the records every replica's dataset left out when
+    opened counted once, plus each replica's own skips; such a loader's saved ``skipped`` is its own,
+    so resume it at ``dp > 1`` only when built with ``dp_group``).
     """
-    import torch.distributed as dist
-
     opened = len(getattr(getattr(loader, "dataset", None), "skipped", ()) or ())  # the same on every replica
     done = 0
     while epochs is None or done < epochs:
         for batch in loader:
             batch = batch_to(batch, device, dtype)
-            counts = torch.tensor([int(batch["n_label_tokens"]), int(batch["n_samples"]),
-                                   int(batch.get("skipped", opened)) - opened], dtype=torch.int64, device=device)
-            if dp_group is not None:
-                dist.all_reduce(counts, group=dp_group)
-            tokens, samples, skipped = (int(c) for c in counts.tolist())
+            if "global_label_tokens" in batch:  # summed over the replicas by the loader (its dp_group)
+                tokens, samples = int(batch["global_label_tokens"]), int(batch["global_samples"])
+                skipped = int(batch["skipped"])
+            else:
+                tokens, samples, skipped = _replica_sums(batch, opened, dp_group, device)
             share = share_of_replica_batch(batch, config, adapter, n_microbatches, num_valid_tokens=tokens,
                                            samples=samples, stages_media=stages_media)
-            share.skipped = opened + skipped
+            share.skipped = skipped
             yield share
         done += 1
+
+
+def _replica_sums(batch: Mapping[str, Any], opened: int, dp_group: Any, device: Any) -> tuple[int, int, int]:
+    """(global label tokens, samples, skipped) of a batch whose loader did not sum them: one
+    ``all_reduce`` over ``dp_group`` (the records left out when opened counted once)."""
+    import torch.distributed as dist
+
+    counts = torch.tensor([int(batch["n_label_tokens"]), int(batch["n_samples"]),
+                           int(batch.get("skipped", opened)) - opened], dtype=torch.int64, device=device)
+    if dp_group is not None:
+        dist.all_reduce(counts, group=dp_group)
+    tokens, samples, skipped = (int(c) for c in counts.tolist())
+    return tokens, samples, opened + skipped
 
 
 def _run_schedule(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]) -> None:

@@ -25,12 +25,13 @@ IMAGE_SIZES: tuple[tuple[int, int], ...] = ((16, 16), (16, 24), (24, 16))
 def save_tiny_checkpoint(family: str, folder: str | Path, *, seed: int = 0, dtype: Any = None,
                          max_shard_size: str = "50GB") -> Path:
     """The tiny ``family``'s model (seed ``seed``, cast to ``dtype`` if given) and its processor, saved
-    into ``folder``; returns it."""
-    from . import tiny_models
-    from .processors import save_tiny_processor
+    into ``folder``; returns it. The model is the one the processor's output fits
+    (:func:`~ppmedia.testing.processors.build_tiny_processor_model`: Gemma 4's has a larger vision
+    position table, since its processor's patch coordinates reach past the plain tiny model's 16)."""
+    from .processors import build_tiny_processor_model, save_tiny_processor
 
     path = Path(folder)
-    model = tiny_models.load(family).build_model(seed)
+    model = build_tiny_processor_model(family, seed)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(path, max_shard_size=max_shard_size)
