@@ -2,7 +2,7 @@
 
 On a generated length-skewed dataset (``ppmedia.testing.datasets.write_length_skewed_dataset``: question
 lengths log-normal, 40% text-only records, the others one or two images of 4 to 16 tokens) and the
-tiny Qwen2.5-VL saved with its real processor, the same loader (``ppmedia.data.ReplicaLoader``,
+tiny Qwen2.5-VL with a wider language model (hidden 256, 4 layers) saved with its real processor, the same loader (``ppmedia.data.ReplicaLoader``,
 ``--max-length`` rows, no shuffle) one epoch padded and one epoch packed (``data.Packing``):
 
 * **padding fraction**: pad positions / all token positions of the epoch's rows, each arm;
@@ -25,17 +25,42 @@ from typing import Any
 
 import torch
 
-N_RECORDS, BATCH, MAX_LENGTH, MICROBATCHES = 128, 32, 128, 2
+N_RECORDS, BATCH, MAX_LENGTH, MICROBATCHES = 128, 32, 256, 2
 GOAL_P, GOAL_R = 0.15, 1.5
+TEXT_HIDDEN = 256
+
+
+def _checkpoint(folder: str) -> str:
+    """The tiny Qwen2.5-VL (its vision tower and processor) with a wider language model, so that the
+    step's time follows its token positions rather than per-operation overheads: text hidden 256,
+    4 layers, 4 heads, MLP 1024."""
+    import transformers
+
+    from ppmedia.testing.processors import save_tiny_processor
+    from ppmedia.testing.tiny_models import qwen2_5_vl
+
+    config = qwen2_5_vl.build_config()
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = TEXT_HIDDEN, 4 * TEXT_HIDDEN, 4
+    text.layer_types = ["full_attention"] * 4
+    text.max_position_embeddings = 2 * MAX_LENGTH
+    text.rope_parameters = dict(text.rope_parameters, mrope_section=[8, 12, 12])  # head_dim 64 / 2
+    config.vision_config.out_hidden_size = TEXT_HIDDEN
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    path = os.path.join(folder, "ckpt")
+    model.save_pretrained(path)
+    save_tiny_processor("qwen2_5_vl", path)
+    return path
 
 
 def _dataset(folder: str) -> tuple[str, str]:
     import transformers
 
-    from ppmedia.testing.datasets import save_tiny_checkpoint, write_length_skewed_dataset
+    from ppmedia.testing.datasets import write_length_skewed_dataset
     from ppmedia.testing.word_tokenizer import text_words
 
-    checkpoint = save_tiny_checkpoint("qwen2_5_vl", os.path.join(folder, "ckpt"))
+    checkpoint = _checkpoint(folder)
     words = text_words(transformers.AutoProcessor.from_pretrained(checkpoint).tokenizer)
     path = write_length_skewed_dataset(os.path.join(folder, "data"), N_RECORDS, words=words, max_words=MAX_LENGTH // 2)
     return str(checkpoint), str(path)
@@ -126,6 +151,6 @@ def report(result: dict[str, Any]) -> str:
         f"{packed['rows']} rows, {padded['padding_fraction']:.3f} padded in {padded['rows']} rows; goal P <= {GOAL_P})",
         f"pack: label tokens per second packed / padded = {result['R']:.2f} ({packed['label_tokens_per_s']:.0f} "
         f"against {padded['label_tokens_per_s']:.0f}; {padded['label_tokens']} label tokens in {padded['steps']} steps "
-        f"of {result['batch']} samples, rows of at most {result['max_length']} tokens, tiny Qwen2.5-VL, pp=1, "
+        f"of {result['batch']} samples, rows of at most {result['max_length']} tokens, tiny Qwen2.5-VL vision, text hidden {TEXT_HIDDEN} x 4 layers, pp=1, "
         f"{MICROBATCHES} microbatches, one thread; goal R >= {GOAL_R})",
     ])
