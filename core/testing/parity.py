@@ -95,7 +95,7 @@ __all__ = [
 #: ``packed_positions`` (with ``/packed`` only): the stages get positions over the whole packed row
 #: (1-D ``0 .. S-1``; mrope: the family's rope index of the row), not per sample.
 #: ``packed_leak`` (with ``/packed`` only): in row 0 the mask lets sample 2 attend sample 1 (one boundary).
-FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies", "packed_positions", "packed_leak")
+FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies", "unreduced_tower", "packed_positions", "packed_leak")
 #: the packing faults (planted bugs of :mod:`ppmedia.packing`)
 PACKED_FAULTS: tuple[str, ...] = ("packed_positions", "packed_leak")
 #: samples per packed row of a ``/packed`` scenario (consecutive samples: the media keep their order)
@@ -168,6 +168,10 @@ class Scenario:
             in bfloat16 (gradients reduced in float32).
         microbatches: microbatches per step for this scenario (default: the run's ``n_microbatches``),
             e.g. ``mb4`` for DualPipeV, which needs at least as many microbatches as stages.
+        tp: tensor-parallel ranks per stage (token ``tpN``): the pipeline has ``world_size // (dp * tp)``
+            ranks, each stage's language model is split with :func:`~ppmedia.pipeline.apply_tensor_parallel`
+            and the tower's gradients summed with ``reduce_tensor_parallel_gradients`` (skipped by the
+            fault ``unreduced_tower``).
         presplit: feed the schedule pre-split microbatches (token ``/presplit``:
             ``schedule.step(**ppmedia.microbatch_inputs(staged, ...).step_kwargs())``, each
             microbatch's media its own ``media`` keyword input) instead of staging the media on the
@@ -192,6 +196,7 @@ class Scenario:
     pretrained: bool = False
     fsdp: bool = False
     microbatches: int | None = None
+    tp: int = 1
     presplit: bool = False
     packed: bool = False
 
@@ -206,8 +211,8 @@ class Scenario:
             raise ValueError(f"scenario shapes: got {self.shapes!r}; expected one of {', '.join(_SHAPES)}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"scenario fault: got {self.fault!r}; expected None or one of {', '.join(FAULTS)}")
-        if self.dp < 1:
-            raise ValueError(f"scenario dp: got {self.dp}; expected >= 1")
+        if self.dp < 1 or self.tp < 1:
+            raise ValueError(f"scenario dp/tp: got {self.dp}/{self.tp}; expected >= 1")
         if self.dtype not in _DTYPES:
             raise ValueError(f"scenario dtype: got {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
         if self.layers is not None:
@@ -228,9 +233,10 @@ class Scenario:
 
 
 def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
-    """``schedule/shapes[/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]...[/presplit]``."""
+    """``schedule/shapes[/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]...[/presplit]``."""
     parts = [sc.schedule, sc.shapes] + ([sc.fault] if sc.fault else [])
     parts += [f"dp{sc.dp}"] if sc.dp != 1 else []
+    parts += [f"tp{sc.tp}"] if getattr(sc, "tp", 1) != 1 else []
     parts += ["fsdp"] * sc.fsdp
     parts += [f"mb{sc.microbatches}"] if sc.microbatches is not None else []
     parts += ["ckpt"] * sc.checkpointing + ["bf16"] * (sc.dtype == "bfloat16") + ["clip"] * sc.clip
@@ -252,7 +258,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit][/packed]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit][/packed]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -269,6 +275,8 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["fault"] = token
             elif token.startswith("dp") and token[2:].isdigit():
                 kwargs["dp"] = int(token[2:])
+            elif token.startswith("tp") and token[2:].isdigit():
+                kwargs["tp"] = int(token[2:])
             elif token in ("ckpt", "clip"):
                 kwargs["checkpointing" if token == "ckpt" else "clip"] = True
             elif token == "bf16":
@@ -299,7 +307,7 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit][/packed]"
+                    f"schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit][/packed]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -439,6 +447,7 @@ class ScenarioResult:
     pretrained: bool = False
     fsdp: bool = False
     microbatches: int | None = None
+    tp: int = 1
     presplit: bool = False
     packed: bool = False
 
@@ -721,7 +730,7 @@ def _microbatch_of(ids: torch.Tensor, input_ids: torch.Tensor, samples: Sequence
 
 @dataclass
 class _Groups:
-    """This rank's place in the ``dp x pp`` layout (rank = dp_rank * pp + pp_rank)."""
+    """This rank's place in the ``dp x pp x tp`` layout (rank = (dp_rank * pp + pp_rank) * tp + tp_rank)."""
 
     pp: int
     dp: int
@@ -729,26 +738,29 @@ class _Groups:
     dp_rank: int
     pp_group: Any
     dp_group: Any
-    mesh: Any = None  # the (dp, pp) DeviceMesh, when dp > 1
+    mesh: Any = None  # the (dp, pp, tp) DeviceMesh, when dp > 1 or tp > 1
+    tp_rank: int = 0
 
 
-_GROUP_CACHE: dict[tuple[int, int], _Groups] = {}
+_GROUP_CACHE: dict[tuple[int, ...], _Groups] = {}
 
 
-def _groups(world: int, rank: int, dp: int) -> _Groups:
-    """The pipeline and data-parallel groups of a ``dp x (world // dp)`` layout (created once per layout;
-    ``new_group`` is collective, so every rank creates every group in the same order)."""
-    if (world, dp) in _GROUP_CACHE:
-        return _GROUP_CACHE[(world, dp)]
-    pp = world // dp
-    if dp == 1:
+def _groups(world: int, rank: int, dp: int, tp: int = 1) -> _Groups:
+    """The pipeline and data-parallel groups of a ``dp x (world // (dp * tp)) x tp`` layout, from
+    :func:`~ppmedia.pipeline.pipeline_mesh` (created once per layout: ``new_group`` is collective, so
+    every rank creates every group in the same order); ``dp = tp = 1``: the world is the pipeline."""
+    if (world, dp, tp) in _GROUP_CACHE:
+        return _GROUP_CACHE[(world, dp, tp)]
+    pp = world // (dp * tp)
+    if dp == 1 and tp == 1:
         groups = _Groups(pp, 1, rank, 0, None, None)
     else:
-        from torch.distributed.device_mesh import init_device_mesh
+        from ..pipeline import pipeline_mesh
 
-        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))  # row-major: rank = d * pp + p
-        groups = _Groups(pp, dp, rank % pp, rank // pp, mesh["pp"].get_group(), mesh["dp"].get_group(), mesh)
-    _GROUP_CACHE[(world, dp)] = groups
+        mesh = pipeline_mesh(pp, dp, tp)  # rank = (d * pp + p) * tp + t
+        groups = _Groups(pp, dp, (rank // tp) % pp, rank // (tp * pp), mesh["pp"].get_group(), mesh["dp"].get_group(),
+                         mesh, rank % tp)
+    _GROUP_CACHE[(world, dp, tp)] = groups
     return groups
 
 
@@ -937,6 +949,10 @@ def _build(
     n = scenario.microbatches or job.n_microbatches
     static = (B // g.dp // n, S) if scenario.shapes == "static" else None
     stages, tied = _stages(scenario, pristine, n_stages, indices, g, layers_per_stage, static, checkpoint)
+    if scenario.tp > 1:
+        from ..pipeline import apply_tensor_parallel
+
+        apply_tensor_parallel(stages, g.mesh["tp"])
     if scenario.fsdp:
         from ..pipeline import apply_fsdp
 
@@ -1107,6 +1123,10 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
             built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs=loss_kwargs)
     if accumulate:
         return losses, time.perf_counter() - t0, staged
+    if scenario.tp > 1 and scenario.fault != "unreduced_tower":
+        from ..pipeline import reduce_tensor_parallel_gradients
+
+        reduce_tensor_parallel_gradients(built.modules)
     sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
     if g.dp > 1 and not scenario.fsdp:  # FSDP2 has reduce-scattered them over the dp mesh
         all_reduce_gradients(built.modules, group=g.dp_group)
@@ -1258,6 +1278,20 @@ def _splits_backward(schedule: Any) -> bool:
     )
 
 
+def _shares(scenario: Scenario, tiny_module: Any, batch: dict[str, Any], media_seed: int, g: _Groups, adapter: Any,
+            config: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(media_batch, local, media_local)``: what the pipeline runs (``batch``, packed with ``/packed``; the
+    reference runs ``batch``), the batch its media come from, and this replica's shares of both."""
+    from ..pipeline import shard_batch
+
+    rows = _pipeline_batch(scenario, batch, config)
+    media_batch = _build_batch(tiny_module, scenario, media_seed) if scenario.fault == "wrong_batch" else rows
+    media_counts = adapter.media_counts(rows, config)
+    if g.dp > 1:
+        return media_batch, shard_batch(rows, g.dp_rank, g.dp, **media_counts), shard_batch(media_batch, g.dp_rank, g.dp, **media_counts)
+    return media_batch, dict(rows), dict(media_batch)
+
+
 def _run_scenario(
     family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any,
     checkpoint: str | None = None,
@@ -1267,7 +1301,7 @@ def _run_scenario(
 
     n = scenario.microbatches or job.n_microbatches
     adapter, config = get_adapter(pristine), pristine.config
-    g = _groups(world, rank, scenario.dp)
+    g = _groups(world, rank, scenario.dp, scenario.tp)
     built = _build(scenario, job, g, pristine, tiny_module, checkpoint)
     probe = _Probe(built)
     step_results = []
@@ -1277,13 +1311,7 @@ def _run_scenario(
             batch = _build_batch(tiny_module, scenario, job.seed + step)
             ids, mask = batch["input_ids"], batch["attention_mask"]
             num_valid = count_valid_tokens(make_labels(ids, config, adapter, attention_mask=mask))
-            rows = _pipeline_batch(scenario, batch, config)  # the reference runs `batch`, the pipeline `rows`
-            media_batch = _build_batch(tiny_module, scenario, job.seed + 1000 + step) if scenario.fault == "wrong_batch" else rows
-            media_counts = adapter.media_counts(rows, config)
-            local, media_local = (
-                (shard_batch(b, g.dp_rank, g.dp, **media_counts) for b in (rows, media_batch))
-                if g.dp > 1 else (dict(rows), dict(media_batch))
-            )
+            media_batch, local, media_local = _shares(scenario, tiny_module, batch, job.seed + 1000 + step, g, adapter, config)
             if scenario.variant == "varlen":
                 _accumulate_padded(built, scenario, g, job.seed + 500 + step, probe, tiny_module, n)
             loss_eval = _eval_loss(built, scenario, local, media_local, num_valid, probe, adapter, config, n)
@@ -1297,7 +1325,8 @@ def _run_scenario(
             step_results.append(
                 {
                     "step": step,
-                    "loss_pipeline": float(sum(l.detach().float() for l in losses)) if losses else None,
+                    # one last stage per replica: its tp peers' losses are the same loss
+                    "loss_pipeline": float(sum(l.detach().float() for l in losses)) if losses and not g.tp_rank else None,
                     "loss_reference": float(out.loss.detach()),
                     "grad_diff_vision": diffs[False],
                     "grad_diff_lm": diffs[True],
@@ -1337,6 +1366,7 @@ def _run_scenario(
         "layers_per_stage": built.layers_per_stage,
         "stage_indices": built.indices,
         "dp_rank": g.dp_rank,
+        "tp_rank": g.tp_rank,
         "owned": sorted(built.owned),
         "all_params": sorted(dict(built.reference.named_parameters(remove_duplicate=False))),
         "steps": step_results,
@@ -1470,9 +1500,10 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         pretrained=sc.get("pretrained", False),
         fsdp=sc.get("fsdp", False),
         microbatches=sc.get("microbatches"),
+        tp=sc.get("tp", 1),
         presplit=sc.get("presplit", False),
         packed=sc.get("packed", False),
-        stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0],
+        stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0 and not v.get("tp_rank")],
     )
 
 
@@ -1612,8 +1643,8 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             f"schedules need equal microbatches: use 1, 2, 4 or 8"
         )
     for sc in scenarios:
-        if world_size % sc.dp:
-            raise ValueError(f"{sc.name}: dp {sc.dp} does not divide the {world_size} processes")
+        if world_size % (sc.dp * sc.tp):
+            raise ValueError(f"{sc.name}: dp {sc.dp} x tp {sc.tp} does not divide the {world_size} processes")
         total = batch_size // PACKED_PER_ROW if sc.packed else batch_size
         rows = total // sc.dp if total % sc.dp == 0 else 0
         n = sc.microbatches or n_microbatches
@@ -1622,11 +1653,11 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
                 f"{sc.name}: {sc.dp} replicas of the {batch_size}-sample batch cannot each run {n} "
                 f"equal microbatches"
             )
-        n_stages = schedule_layout(sc.schedule).n_stages(world_size // sc.dp)
+        n_stages = schedule_layout(sc.schedule).n_stages(world_size // (sc.dp * sc.tp))
         if sc.layers is not None and len(sc.layers) != n_stages:
             raise ValueError(f"{sc.name}: {len(sc.layers)} layer counts for {n_stages} stages")
         for family in families:
-            _refuse_idle_ranks(family, sc, world_size // sc.dp)
+            _refuse_idle_ranks(family, sc, world_size // (sc.dp * sc.tp))
         if sc.variant == "text_only_first":
             for family in families:
                 if "text_only_first" not in inspect.signature(tiny.load(family).build_batch).parameters:
@@ -1650,6 +1681,10 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             raise ValueError(f"{sc.name}: the {sc.fault} fault breaks packed rows: add /packed")
         if sc.packed and (sc.variant is not None or sc.balance or sc.encoder != "stage0" or sc.pretrained):
             raise ValueError(f"{sc.name}: /packed runs with stage0 encoding, no variant, balancing or checkpoint")
+        if sc.fault == "unreduced_tower" and sc.tp < 2:
+            raise ValueError(f"{sc.name}: the unreduced_tower fault breaks tensor parallelism: add /tp2")
+        if sc.tp > 1 and sc.encoder == "spread":
+            raise ValueError(f"{sc.name}: the encoder spread does not go with tensor parallelism")
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")
 
@@ -1797,7 +1832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
     parser.add_argument(
         "--scenario", action="append",
-        help="schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        help="schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
         "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
     )
     parser.add_argument("--steps", type=int, default=2)
