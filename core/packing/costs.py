@@ -33,7 +33,7 @@ def sample_costs(samples: Sequence[Mapping[str, Any]], config: Any, adapter: Any
         adapter = get_adapter(config)
     if not samples:
         return np.zeros(0, dtype=np.float64)
-    batch: dict[str, Any] = dict(collate_samples(list(samples), pad_id))
+    batch: dict[str, Any] = dict(collate_samples([dict(s) for s in samples], pad_id))
     staged = split_media(batch, len(samples), **adapter.media_counts(batch, config))
     patch = getattr(getattr(config, "vision_config", None) or config, "patch_size", None)
     if isinstance(patch, (list, tuple)):

@@ -36,7 +36,9 @@ def packing_problem(config: Any, adapter: Any = None) -> str | None:
     kept exactly (the window is a distance, the same inside a row as in the sample alone).
     """
     text = _text_config(config)
-    family = getattr(adapter, "name", None) or getattr(config, "model_type", "?")
+    model_type = getattr(config, "model_type", "?")
+    name = getattr(adapter, "name", None)
+    family = model_type if name in (None, model_type) else f"{model_type} ({name} adapter)"
     refusal = getattr(adapter, "packing_refusal", None)
     if refusal:
         return f"{family}: {refusal}"
