@@ -321,6 +321,34 @@ def config_value(config: Any, *names: str) -> Any:
     raise AttributeError(f"{type(config).__name__} has none of {', '.join(names)}")
 
 
+def _per_sample_rope(
+    adapter: "VlmAdapter", model: torch.nn.Module, input_ids: Tensor, chunk: VlmMediaChunk | None, segments: Tensor
+) -> Tensor:
+    """The family's own positions (:meth:`VlmAdapter.position_ids`) for every sample of packed rows alone.
+
+    The samples become the rows of a right-padded batch (the same order: the chunk's media are in
+    sample order either way), ``position_ids`` runs on it once, and each sample's positions go back
+    to its place in the packed rows ``[3, b, S]`` (padding 0). One host read of ``segments``.
+    """
+    from ..packing.isolation import rows_as_samples
+
+    runs = rows_as_samples(segments)
+    b, S = input_ids.shape
+    longest = max([stop - start for _, start, stop in runs] + [1])
+    ids = input_ids.new_zeros((max(len(runs), 1), longest))
+    mask = torch.zeros_like(ids)
+    for j, (r, start, stop) in enumerate(runs):
+        ids[j, : stop - start] = input_ids[r, start:stop]
+        mask[j, : stop - start] = 1
+    alone = adapter.position_ids(model, ids, chunk, mask)
+    if alone is None:
+        raise ValueError(f"{type(adapter).__name__}.position_ids returned None for a packed microbatch")
+    out = alone.new_zeros((alone.shape[0], b, S))
+    for j, (r, start, stop) in enumerate(runs):
+        out[:, r, start:stop] = alone[:, j, : stop - start]
+    return out
+
+
 class VlmAdapter(abc.ABC):
     """Base class of every family adapter. Subclasses are stateless; one instance serves any model.
 
@@ -344,6 +372,8 @@ class VlmAdapter(abc.ABC):
             (``check_adapter``, goldens, stage check), the stage cutter (the module and everything under
             it on the first stage only, its parameters on the vision side) and the encoder spread's
             :func:`~ppmedia.pipeline.vision_replica`.
+        packing_refusal: why the family's samples cannot share a packed row, in words (refused by
+            :func:`ppmedia.packing.enable_packing`); ``None`` (default): its layer types decide.
 
     A subclass implements :meth:`media_per_sample`, :meth:`placeholder_masks`,
     :meth:`feature_counts` and :meth:`encode`; it may override :meth:`host_inputs` (integer metadata
@@ -357,6 +387,7 @@ class VlmAdapter(abc.ABC):
     sample_inputs: ClassVar[tuple[SampleInput, ...]] = ()
     language_model_path: ClassVar[str | None] = None
     merge_path: ClassVar[str | None] = None
+    packing_refusal: ClassVar[str | None] = None
 
     # -- token side -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -619,6 +650,39 @@ class VlmAdapter(abc.ABC):
         and compute them from the chunk's grids (metadata only).
         """
         return None
+
+    def packed_position_ids(
+        self,
+        model: torch.nn.Module,
+        segments: Tensor,
+        input_ids: Tensor | None = None,
+        chunk: VlmMediaChunk | None = None,
+    ) -> Tensor | None:
+        """Per-sample positions of a packed microbatch (several samples per row; see :mod:`ppmedia.packing`).
+
+        The pipeline's stages call it on packed rows: the first stage with ``input_ids`` ``[b, S]`` and
+        the microbatch's chunk, later stages without them.
+
+        Args:
+            model: the stage module (``model.config``).
+            segments: ``[b, S]`` the packed ``attention_mask``: each token's sample number in its row
+                (1, 2, ...), 0 on padding.
+            input_ids, chunk: the first stage's tokens and media (``None`` on later stages).
+
+        Returns:
+            Default: for a family whose positions travel on the wire (it overrides :meth:`position_ids`:
+            the mrope families), its own rope index computed per sample and laid back into the rows,
+            ``[3, b, S]`` (first stage; later stages ``None``: they receive them); otherwise 1-D
+            positions ``[b, S]`` restarting at 0 at every sample (:func:`ppmedia.packing.sample_positions`).
+            Override it for a family whose 1-D positions start elsewhere (PaliGemma: at 1).
+        """
+        from ..packing.assemble import sample_positions
+
+        if not any(spec.name == "position_ids" for spec in self.wire_tensors(model.config, 0)):
+            return sample_positions(segments)
+        if input_ids is None:
+            return None
+        return _per_sample_rope(self, model, input_ids, chunk, segments)
 
     # -- pipeline wire format ---------------------------------------------------------------
     # ppmedia.pipeline's stages call these; an adapter overrides them when its language model needs

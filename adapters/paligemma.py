@@ -130,6 +130,18 @@ class PaliGemmaAdapter(VlmAdapter):
             "position_ids": positions,
         }
 
+    def packed_position_ids(
+        self,
+        model: torch.nn.Module,
+        segments: Tensor,
+        input_ids: Tensor | None = None,
+        chunk: VlmMediaChunk | None = None,
+    ) -> Tensor | None:
+        """Packed rows: the model's 1-indexed positions, restarting at 1 at every sample."""
+        from ..packing.assemble import sample_positions
+
+        return sample_positions(segments) + 1
+
     def attention_masks(
         self, text_config: Any, inputs_embeds: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor, position_ids: Tensor
     ) -> Any:

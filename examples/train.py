@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="the shuffle's seed (and the tiny model's)")
     add("--workers", type=int, default=0, help="DataLoader worker processes per rank that reads media")
     add("--skip-bad-samples", action="store_true", help="skip (and count) bad records instead of stopping")
+    add("--pack", action="store_true",
+        help="pack each global batch's samples into rows of at most --max-length tokens (the same samples per step)")
+    add("--pack-across-batches", type=int, default=0, metavar="N",
+        help="with --pack: pool N consecutive global batches per replica before packing (fuller rows; changes "
+             "which samples share a step)")
     add("--lr", type=float, default=1e-3, help="the peak learning rate")
     add("--weight-decay", type=float, default=0.01, help="AdamW's, not on norms, biases and embeddings")
     add("--warmup-steps", type=int, default=0, help="linear warm-up from 0 over this many steps")
@@ -148,7 +153,7 @@ def bad_option(args: argparse.Namespace) -> str | None:
         positive=("--pp", "--dp", "--tp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
                   "--max-grad-norm"),
         non_negative=("--lr", "--weight-decay", "--warmup-steps", "--workers", "--save-every", "--eval-every",
-                      "--skip-nonfinite"),
+                      "--skip-nonfinite", "--pack-across-batches"),
         together=(("--save-every", "--save-dir"), ("--overwrite", "--save-dir")),
     )
     if problem is None and args.save_dir and not args.save_every and args.resume != "auto":
@@ -190,6 +195,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.encoder == "spread" and args.model:
         parser.error("--encoder spread cuts each rank's copy of the vision tower from the full model; "
                      "--model loads only each rank's stages: drop one of them")
+    if args.pack and not args.data:
+        parser.error("--pack packs the samples of --data: give --model and --data")
+    if args.pack_across_batches and not args.pack:
+        parser.error("--pack-across-batches N pools batches for --pack: give --pack too")
     if args.resume == "auto" and not args.save_dir:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
     if args.bf16 and not args.fsdp:
@@ -261,6 +270,10 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     if args.activation_checkpointing:
         pipeline.enable_activation_checkpointing(modules)
     pipeline.train_mode(modules)
+    if args.pack:  # every stage isolates the samples of a packed row (a family that cannot is refused here)
+        from ppmedia import packing
+
+        packing.enable_packing(modules)
     if args.fsdp:
         pipeline.apply_fsdp(stages, mesh["dp"], mixed_precision=torch.bfloat16 if args.bf16 else None)
     spread = pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None
@@ -380,7 +393,16 @@ class DataSource:
             dataset, self.processor, global_batch_size=args.batch_size, dp_rank=ctx["dp_rank"], dp_size=args.dp,
             seed=args.seed, shuffle=shuffle, workers=args.workers, pp_group=ctx["parts"].pp_group,
             reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples,
-            dp_group=ctx["parts"].dp_group)  # the counts (and the saved skip count) over all replicas
+            dp_group=ctx["parts"].dp_group,  # the counts (and the saved skip count) over all replicas
+            packing=self._packing() if args.pack else None)
+
+    def _packing(self) -> Any:
+        """``--pack``: rows of ``--max-length``, a multiple of ``--microbatches``, ordered by vision cost."""
+        from ppmedia import data
+
+        args = self.args
+        return data.Packing(args.max_length, args.microbatches, max(1, args.pack_across_batches),
+                            config=self.ctx["config"])
 
     def _shares(self, loader: Any, epochs: int | None) -> Iterator[pipeline.ReplicaShare]:
         ctx, parts = self.ctx, self.ctx["parts"]

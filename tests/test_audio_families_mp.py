@@ -30,7 +30,11 @@ PRETRAINED = Scenario("1f1b", "static", pretrained=True)
 SPREAD = Scenario("1f1b", "static", encoder="spread")
 #: decoder layers per stage of each family's tiny model under the 2-stage and the 4-stage schedules
 LAYERS = {"gemma4": ([2, 2], [1, 1, 1, 1])}
-_run = parity_once(FAMILIES, [*SCENARIOS, WRONG_BATCH, PRETRAINED, SPREAD], tolerance=TOL)
+#: two samples a row (ppmedia.packing): Gemma 4's audio and sliding windows, Qwen2.5-Omni's 3-D positions per sample
+PACKED = Scenario("1f1b", "static", packed=True)
+PACKED_FAMILIES = ("gemma4", "qwen2_5_omni")
+_run = parity_once(FAMILIES, [*SCENARIOS, WRONG_BATCH, PRETRAINED, SPREAD], tolerance=TOL,
+                   family_scenarios={f: (PACKED,) for f in PACKED_FAMILIES})
 
 
 def _layers(family: str, scenario: str) -> list[int]:
@@ -85,3 +89,11 @@ def test_microbatch_2_is_text_only_and_the_clips_are_counted(family):
     assert [m.text_only for m in micro] == [False, False, True, False]
     assert all(m.placeholder_tokens > 0 for k, m in enumerate(micro) if k != 2)
     assert micro[2].audios == 0 and sum(m.audios for m in micro) > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", PACKED_FAMILIES)
+def test_packed_rows_match_the_unpacked_model(family):
+    result = _run().family(family).scenario(PACKED.name)
+    assert result.packed
+    assert_pipeline_matches(result, family, PACKED.name, TOL, _layers(family, PACKED.name))

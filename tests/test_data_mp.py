@@ -1,6 +1,7 @@
 """ppmedia.data across real processes (gloo on 127.0.0.1): in a pipeline group only the rank that
 encodes reads media; the other receives the same token rows and opens no media file. The loss's
-token count is summed over the data-parallel replicas."""
+token count is summed over the data-parallel replicas. Packed rows (``packing=``) reach the other rank
+the same way, with their per-sample masks and row plan."""
 
 from __future__ import annotations
 
@@ -45,11 +46,15 @@ def _worker(rank: int, port: int, root: str) -> None:
         finally:
             builtins.open = real_open
         media_opened = list(media.OPENED)
+        # packed rows (issue 26): the other rank gets the segment-numbered masks and the row plan too
+        packer = data.SampleProcessor(processor.processor, max_length=96)
+        packed = list(data.ReplicaLoader(ds, packer, global_batch_size=4, seed=2, pp_group=dist.group.WORLD,
+                                         reads_media=rank == 0, packing=data.Packing(96, 2)))
         # then as two replicas (dp = 2): the loss's token count is the global one
         replica = data.ReplicaLoader(ds, processor, global_batch_size=4, seed=2, dp_rank=rank, dp_size=2)
         first = next(iter(replica))
         counts = [first["n_label_tokens"], data.global_label_tokens(first, dist.group.WORLD)]
-        torch.save({"batches": batches, "media_opened": media_opened,
+        torch.save({"batches": batches, "packed": packed, "media_opened": media_opened,
                     "pngs_opened": [f for f in opened if f.endswith(".png")], "counts": counts,
                     "skips": _skips_resumed(rank, root, processor)},
                    os.path.join(root, f"rank{rank}.pt"))
@@ -118,6 +123,14 @@ def test_only_the_encoding_rank_reads_media(tmp_path):
         for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids"):
             assert torch.equal(mine[key], theirs[key]), key
         for key in ("n_samples", "n_label_tokens", "skipped", "sample_names"):
+            assert mine[key] == theirs[key], key
+    assert len(reader["packed"]) == len(other["packed"]) == 2
+    for mine, theirs in zip(reader["packed"], other["packed"]):
+        assert "pixel_values" in mine and "pixel_values" not in theirs
+        assert mine["attention_mask"].max() > 1 and mine["input_ids"].shape[0] == 2  # 2 samples share a row
+        for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids"):
+            assert torch.equal(mine[key], theirs[key]), key
+        for key in ("n_samples", "n_label_tokens", "skipped", "sample_names", "packed_rows"):
             assert mine[key] == theirs[key], key
     assert reader["counts"][1] == other["counts"][1] == reader["counts"][0] + other["counts"][0]
     # skipped: global (every replica's), saved so, and continued so after a resume at dp = 2

@@ -588,6 +588,12 @@ NOT_RUN: dict[str, NotRun] = {
     "make demo": dataclasses.replace(_DEMO, check=lambda line: (_DEMO.check(line), _recipe_is("demo", "$(BIN)/ppmedia demo")(line))),
     "ppmedia demo": _DEMO,
     "python tests/bench/run.py": _BENCH,
+    "python tests/bench/run.py --pack": _BENCH,
+    command_key("torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
+                "--pp 2 --batch-size 32 --max-length 256 --epochs 1 --pack --loss-log loss.jsonl"): NotRun(
+        "it shows the flags on placeholder folders (demo-ckpt, demo-data)",
+        "tests/test_pack_data.py runs examples/train.py with --data and --pack (one rank) and compares its losses "
+        "with the run without --pack", _test_source_has("tests/test_pack_data.py", '"--pack"')),
     "make fixtures": NotRun(
         "it rewrites the committed goldens",
         "tests/test_goldens.py::test_goldens_regenerate runs fixtures/generate.py (the target's program) into a "

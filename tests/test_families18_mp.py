@@ -21,7 +21,8 @@ TOL = 1e-5
 FAMILIES = ("llava_onevision", "idefics3", "smolvlm", "paligemma", "aya_vision")
 SCENARIOS = ("gpipe/inferred", "1f1b/static")
 PRESPLIT = "ZBVZeroBubble/static/presplit"
-_run = parity_once(FAMILIES, SCENARIOS, tolerance=TOL, family_scenarios={"paligemma": (PRESPLIT,)})
+PACKED = "1f1b/static/packed"  # two samples a row (ppmedia.packing): each prefix bidirectional within its sample
+_run = parity_once(FAMILIES, SCENARIOS, tolerance=TOL, family_scenarios={"paligemma": (PRESPLIT, PACKED)})
 
 
 @pytest.mark.multiprocess
@@ -51,3 +52,10 @@ def test_paligemma_presplit_carries_its_token_type_ids_per_microbatch():
     for st, staged in zip(result.steps, report.scenario("1f1b/static").steps):
         assert st.chunk_trace == [0, 1, 2, 3] and st.media_rows
         assert abs(st.loss_pipeline - staged.loss_pipeline) <= TOL
+
+
+@pytest.mark.multiprocess
+def test_paligemma_packed_rows_match_the_unpacked_model():
+    result = _run().family("paligemma").scenario(PACKED)
+    assert result.packed
+    assert_pipeline_matches(result, "paligemma", PACKED, TOL, [1, 1])

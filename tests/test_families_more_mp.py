@@ -20,7 +20,8 @@ from conftest import assert_pipeline_matches, parity_once
 TOL = 1e-5
 FAMILIES = ("llama4", "internvl", "glm4v", "glm4v_moe", "glm46v", "ernie4_5_vl_moe")
 SCENARIOS = ("gpipe/inferred", "1f1b/static")
-_run = parity_once(FAMILIES, SCENARIOS, tolerance=TOL)
+PACKED = "1f1b/static/packed"  # two samples a row (ppmedia.packing): GLM-4V's rope index per sample
+_run = parity_once(FAMILIES, SCENARIOS, tolerance=TOL, family_scenarios={"glm4v": (PACKED,)})
 
 
 @pytest.mark.multiprocess
@@ -36,3 +37,10 @@ def test_microbatch_2_is_text_only(family):
     micro = _run().family(family).microbatches
     assert [m.text_only for m in micro] == [False, False, True, False]
     assert all(m.placeholder_tokens > 0 for k, m in enumerate(micro) if k != 2)
+
+
+@pytest.mark.multiprocess
+def test_glm4v_packed_rows_match_the_unpacked_model():
+    result = _run().family("glm4v").scenario(PACKED)
+    assert result.packed
+    assert_pipeline_matches(result, "glm4v", PACKED, TOL, [1, 1])

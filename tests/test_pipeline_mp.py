@@ -18,7 +18,7 @@ import torch
 
 import ppmedia
 import ppmedia.testing.tiny_models as tiny
-from conftest import parity_once
+from conftest import assert_pipeline_matches, parity_once
 from ppmedia.testing.parity import ALL_SCENARIOS, ParityError, Scenario, microbatch_table, run_parity
 from ppmedia.pipeline import (
     IGNORE_INDEX,
@@ -50,6 +50,14 @@ EXTRA_SCENARIOS: dict[str, tuple[Scenario, ...]] = {
        Scenario("ZBVZeroBubble", "inferred", variant="text_only_first", encoder="spread"),
        Scenario("gpipe", "static", variant="frozen_vision", encoder="spread")),
 }
+
+#: sequence packing (ppmedia.packing): two consecutive samples a row, the reference unpacked; and its
+#: two planted bugs, which must fail: positions over the whole row, attention across one boundary
+PACKED = Scenario("1f1b", "static", packed=True)
+PACKED_FAULTS = (Scenario("1f1b", "static", "packed_positions", packed=True), Scenario("1f1b", "static", "packed_leak", packed=True))
+PACKED_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "llava_next")
+for _family in PACKED_FAMILIES:
+    EXTRA_SCENARIOS[_family] = EXTRA_SCENARIOS.get(_family, ()) + (PACKED,) + PACKED_FAULTS * (_family == "qwen2_5_vl")
 
 #: the families of this module's one spawn (2-layer tiny models split 1 + 1); the later families
 #: (Mistral Large 4, Mistral Small 4, LLaVA, MiniMax-M3-VL, Inkling 2, Kimi-K2.5 video) run their
@@ -304,3 +312,25 @@ def test_labels_and_loss_normalisation(one_thread):
     with pytest.raises(ValueError, match="not marked"):
         pipeline_loss(logits, targets, n)
     torch.testing.assert_close(pipeline_loss(logits, shift_labels(targets), n), mean)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", PACKED_FAMILIES)
+def test_packed_rows_match_the_unpacked_model(family):
+    """Two samples a row under 1F1B: loss and every gradient within 1e-5 of the model's own run on the
+    unpacked batch, positions restarting at every sample on every stage."""
+    result = _report().family(family).scenario(PACKED.name)
+    assert result.packed and result.name == "1f1b/static/packed"
+    assert_pipeline_matches(result, family, result.name, TOL, [1, 1])
+    assert all(st.position_problems == [] for st in result.steps)
+
+
+@pytest.mark.multiprocess
+def test_planted_packing_bugs_fail():
+    """Positions over the whole row (the loss cannot show it under rotary positions: the check of the
+    stages' positions does) and one boundary crossed by attention (loss and gradients off)."""
+    report = _report().family("qwen2_5_vl")
+    positions, leak = (report.scenario(sc.name) for sc in PACKED_FAULTS)
+    assert not positions.passed(TOL) and not leak.passed(TOL)
+    assert all("sample starting at token" in st.position_problems[0] for st in positions.steps)
+    assert all(st.loss_diff > 1e-3 and st.grad_diff > 1e-3 and st.position_problems == [] for st in leak.steps)

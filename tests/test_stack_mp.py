@@ -63,10 +63,12 @@ PRESPLIT_PP = ("GPipe/static/presplit", "1F1B/static/presplit", "Interleaved1F1B
                "DualPipeV/inferred/presplit", "gpipe/inferred/spread/presplit", "Interleaved1F1B/inferred/eval/presplit")
 #: ... and 4 processes: FSDP2 at pp=2 x dp=2, and two sequence lengths accumulated into one step
 PRESPLIT_DP = ("1f1b/static/dp2/fsdp/clip/presplit", "gpipe/inferred/dp2/fsdp/varlen/presplit")
+#: packed rows (ppmedia.packing, two samples a row) at pp=2 x dp=2 with FSDP2
+PACKED_DP = "1f1b/static/dp2/fsdp/packed"
 #: single families' scenarios in the same 4-process spawn
 DP_FAMILY_SCENARIOS = {
     "qwen2_5_vl": (*FSDP_SCHEDULES, *VARLEN, "1f1b/static/dp2/fsdp/bf16", *PRESPLIT_DP, TP, TP_FSDP, TP_DP,
-                   TP_UNREDUCED, TP_PRETRAINED),
+                   TP_UNREDUCED, TP_PRETRAINED, PACKED_DP),
     "llava_next": ("1f1b/static/dp2/fsdp/bf16", TP),
     "qwen3_vl": ("1f1b/static/dp2/fsdp/text_only_replica", TP),  # default split: deepstack level 1 crosses
     "kimi_vl": ("1f1b/static/dp2/fsdp/clip", "ZBVZeroBubble/static/dp2/fsdp"),  # tied embedding
@@ -612,3 +614,12 @@ def test_tensor_parallel_stages_read_only_their_shards_and_export_whole():
     for rank, view in enumerate(result.loaded):  # rank = pp_rank * 2 + tp_rank
         assert view["elements_read"] == view["elements_held"] < whole[rank // 2], (rank, view, whole)
         assert view["export_diff"] == 0.0
+
+
+@pytest.mark.multiprocess
+def test_packed_rows_at_pp2_x_dp2_with_fsdp2():
+    """Each replica gets two packed rows (four samples) and their media; gathered gradients within 1e-5."""
+    result = _report(4).family("qwen2_5_vl").scenario(PACKED_DP)
+    assert result.packed and result.fsdp and result.dp == 2
+    _assert_parity(result)
+    assert all(st.position_problems == [] for st in result.steps)

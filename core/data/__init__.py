@@ -8,6 +8,7 @@
 ``processor``   :class:`SampleProcessor`: the model's processor on one record, lengths
 ``batching``    :func:`collate_samples`: padded token rows, media in sample order
 ``loader``      :class:`ReplicaLoader`: a replica's share of each global batch, resumable
+``packed``      :class:`Packing`: a replica's samples of a batch (or window) packed into rows
 ``counts``      :func:`global_label_tokens`: the loss's token count over the replicas
 ``errors``      :class:`DataError`: one error naming the file and line (or index)
 ==============  ==========================================================================
@@ -21,12 +22,14 @@ from .batching import collate_samples
 from .counts import global_label_tokens
 from .errors import DataError
 from .loader import ReplicaLoader, epoch_order
+from .packed import Packing, pack_steps
 from .processor import SampleProcessor, TooLong
 from .records import Record, parse_record
 from .sources import RecordDataset, open_dataset
 
 __all__ = [
     "DataError",
+    "Packing",
     "Record",
     "RecordDataset",
     "ReplicaLoader",
@@ -36,5 +39,6 @@ __all__ = [
     "epoch_order",
     "global_label_tokens",
     "open_dataset",
+    "pack_steps",
     "parse_record",
 ]

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
 from .batching import collate_samples
 from .errors import DataError
+from .packed import Packing, pack_steps
 from .processor import TOKEN_KEYS, SampleProcessor, TooLong
 from .sources import RecordDataset
 
@@ -59,18 +60,29 @@ class _Samples(torch.utils.data.Dataset[Any]):
 
 
 class _Collate:
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
+    """One read's items -> its steps' batches: one padded batch, or (packing) the packed batches of the
+    read's ``steps`` shares, each with ``members`` (its samples' positions in the read)."""
 
-    def __call__(self, items: list[Any]) -> dict[str, Any]:
+    def __init__(self, pad_id: int, packing: Packing | None, share: int) -> None:
+        self.pad_id, self.packing, self.share = pad_id, packing, share
+
+    def __call__(self, items: list[Any]) -> list[dict[str, Any]]:
         samples = [None if isinstance(s, _Skip) else s for s in items]
-        batch: dict[str, Any] = collate_samples(samples, self.pad_id)
-        batch["skipped_samples"] = [(s.where, s.problem, s.too_long) for s in items if isinstance(s, _Skip)]
-        return batch
+        if self.packing is None:
+            batches: list[dict[str, Any]] = [collate_samples(samples, self.pad_id)]
+            batches[0]["members"] = list(range(len(items)))
+        else:
+            batches = []
+            for batch, members in pack_steps(samples, len(items) // self.share, self.packing, self.pad_id):
+                batch["members"] = members
+                batches.append(batch)
+        batches[0]["skipped_samples"] = [(i, s.where, s.problem, s.too_long) for i, s in enumerate(items)
+                                         if isinstance(s, _Skip)]
+        return batches
 
 
 #: the per-batch values the reading rank of a pipeline group broadcasts with the token keys.
-_SHARED_STATS = ("n_samples", "sample_names", "n_skipped")
+_SHARED_STATS = ("n_samples", "packed_rows", "sample_names", "n_skipped")
 
 
 def _worker_init(_: int) -> None:
@@ -93,6 +105,18 @@ class ReplicaLoader:
     with ``dp_group``, else this replica's own), ``sample_names`` (``FILE:LINE`` per row, ``None`` for
     fillers); with ``dp_group`` also ``global_label_tokens`` and ``global_samples`` (the global batch's).
 
+    With ``packing`` (:class:`~ppmedia.data.Packing`) each batch's kept samples are packed into rows of
+    at most ``packing.max_length`` tokens instead (:func:`ppmedia.packing.pack_samples`: ``[R, S]``
+    token keys, ``attention_mask`` holding each token's sample number within its row, 0 on padding;
+    ``R`` a multiple of ``packing.microbatches``); a step holds the same samples as unpacked.
+    ``sample_names`` then names the step's samples (skipped ones left out) and ``packed_rows`` lists
+    per row the indices into ``sample_names`` of its samples. With ``packing.across_batches = W > 1``
+    the replica's shares of ``W`` consecutive global batches are packed together (batches ``[kW,
+    (k+1)W)`` of the epoch) and their rows dealt to those ``W`` steps: which samples share a step then
+    changes, within the window and within the replica. The state keeps its meaning (``next_sample``
+    counts ``B`` per step); a resumed position inside a window reads the window again and continues
+    at the same step.
+
     Args:
         dataset: from :func:`~ppmedia.data.open_dataset`.
         processor: a :class:`~ppmedia.data.SampleProcessor`.
@@ -111,19 +135,25 @@ class ReplicaLoader:
             one ``all_reduce`` per batch sums the label tokens, samples and new skips over the
             replicas, so ``skipped`` and :meth:`state_dict` hold the global count (needed to resume
             it at ``dp_size > 1``); without it at ``dp_size > 1`` they hold this replica's own.
+        packing: pack each step's samples into rows (see above); ``packing.max_length`` must be at
+            least the processor's ``max_length`` (which must be set: every sample then fits a row).
     """
 
     def __init__(self, dataset: RecordDataset, processor: SampleProcessor, *, global_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True, workers: int = 0,
                  pp_group: Any = None, reads_media: bool = True, adapter: Any = None,
-                 skip_bad_samples: bool = False, dp_group: Any = None) -> None:
+                 skip_bad_samples: bool = False, dp_group: Any = None, packing: Packing | None = None) -> None:
         if global_batch_size < dp_size or global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not a positive multiple of dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside 0..{dp_size - 1}")
         if not reads_media and pp_group is None:
             raise ValueError("reads_media=False needs pp_group: the rank that reads media broadcasts the tokens")
-        self.dataset, self.processor, self.adapter = dataset, processor, adapter
+        if packing is not None and (processor.max_length is None or processor.max_length > packing.max_length):
+            raise ValueError(f"packing.max_length={packing.max_length}, but the processor's max_length is "
+                             f"{processor.max_length}: set SampleProcessor(max_length=) to at most the row length, "
+                             f"so that every sample fits a packed row")
+        self.dataset, self.processor, self.adapter, self.packing = dataset, processor, adapter, packing
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.seed, self.shuffle, self.workers, self.skip_bad_samples = seed, shuffle, workers, skip_bad_samples
         self.pp_group, self.reads_media, self.dp_group = pp_group, reads_media, dp_group
@@ -151,25 +181,54 @@ class ReplicaLoader:
             shares.append(order[first : first + b])
         return shares
 
-    def _read(self, shares: list[list[int]]) -> Iterator[dict[str, Any]]:
-        loader = DataLoader(_Samples(self.dataset, self.processor, self.skip_bad_samples), batch_sampler=shares,
-                            num_workers=self.workers, collate_fn=_Collate(self.processor.pad_id),
+    def _reads(self) -> list[tuple[list[int], int]]:
+        """The rest of the epoch as reads: ``(samples, steps to drop)``. Unpooled: one share a read.
+        Pooled (``packing.across_batches = W``): the shares of batches ``[kW, (k+1)W)`` of the epoch
+        (counted from its start, or from ``next_sample`` when that is no multiple of the batch size), the
+        first read dropping the steps before ``next_sample`` (a resumed position inside a window)."""
+        window = 1 if self.packing is None else self.packing.across_batches
+        if window == 1:
+            return [(share, 0) for share in self._shares()]
+        B, order = self.global_batch_size, epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+        base = 0 if self.next_sample % B == 0 else self.next_sample
+        b, reads = B // self.dp_size, []
+        starts = list(range(base, len(order) - B + 1, B))
+        for k in range(0, len(starts), window):
+            group = starts[k : k + window]
+            if group[-1] < self.next_sample:
+                continue
+            samples = [i for start in group for i in order[start + self.dp_rank * b : start + (self.dp_rank + 1) * b]]
+            reads.append((samples, sum(start < self.next_sample for start in group)))
+        return reads
+
+    def _log_skips(self, skips: list[tuple[int, str, str, bool]]) -> None:
+        for _, where, problem, too_long in skips:
+            if where not in self._named:  # each named once in the log
+                self._named.add(where)
+                log.warning("skipped %s: %s%s", where, problem, " (longer than max_length)" if too_long else "")
+
+    def _read(self) -> Iterator[dict[str, Any]]:
+        reads, b = self._reads(), self.global_batch_size // self.dp_size
+        loader = DataLoader(_Samples(self.dataset, self.processor, self.skip_bad_samples),
+                            batch_sampler=[samples for samples, _ in reads], num_workers=self.workers,
+                            collate_fn=_Collate(self.processor.pad_id, self.packing, b),
                             worker_init_fn=_worker_init if self.workers else None)
-        for share, batch in zip(shares, loader):
-            skips = batch.pop("skipped_samples")
-            for where, problem, too_long in skips:
-                if where not in self._named:  # each named once in the log
-                    self._named.add(where)
-                    log.warning("skipped %s: %s%s", where, problem, " (longer than max_length)" if too_long else "")
-            batch["n_skipped"] = len(skips)
-            names = {where for where, _, _ in skips}
-            batch["sample_names"] = [None if self.dataset.where(i) in names else self.dataset.where(i) for i in share]
-            batch["n_samples"] = len(share) - len(skips)
-            yield batch
+        for (samples, drop), batches in zip(reads, loader):
+            skips = batches[0].pop("skipped_samples")
+            self._log_skips(skips)
+            skipped = {position for position, _, _, _ in skips}
+            for step, batch in enumerate(batches):
+                if step < drop:  # read again after a resume: counted and yielded before it
+                    continue
+                batch["n_skipped"] = sum(position // b == step for position in skipped)
+                members = batch.pop("members")
+                batch["sample_names"] = [None if m in skipped else self.dataset.where(samples[m]) for m in members]
+                batch["n_samples"] = sum(m not in skipped for m in members)
+                yield batch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         shares = self._shares()
-        source = self._read(shares) if self.reads_media else iter(())
+        source = self._read() if self.reads_media else iter(())
         for _ in shares:
             batch = next(source) if self.reads_media else {}
             if self.pp_group is not None:

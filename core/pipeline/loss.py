@@ -47,7 +47,9 @@ def make_labels(
         config: the model's config.
         adapter: the family adapter (default: looked up from ``config``).
         pad_id: the padding id; ``None`` reads ``pad_token_id`` from the config (text config too).
-        attention_mask: ``[B, S]``, 0 marks padding.
+        attention_mask: ``[B, S]``, 0 marks padding; a packed batch's sample numbers
+            (:func:`ppmedia.packing.pack_samples`) also ignore each sample's last position (its next
+            token belongs to another sample).
         shift: ``False`` returns the UNshifted targets ``[B, S]`` (the ids with ignored tokens set to
             :data:`IGNORE_INDEX`), the form transformers' own ``labels=`` argument takes.
     """
@@ -70,7 +72,12 @@ def make_labels(
     targets = input_ids.masked_fill(ignore, IGNORE_INDEX).to(torch.int64)
     if not shift:
         return targets
-    return shift_labels(targets)
+    labels = shift_labels(targets)
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] > 1:
+        # packed rows (ppmedia.packing: sample numbers in the mask): a sample's last token predicts nothing
+        a, b = attention_mask[:, :-1], attention_mask[:, 1:]
+        labels[:, :-1] = labels[:, :-1].masked_fill((a != b) & (a != 0) & (b != 0), IGNORE_INDEX)
+    return labels
 
 
 def shift_labels(targets: Tensor) -> Tensor:

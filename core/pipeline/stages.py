@@ -60,6 +60,9 @@ class StageModule(nn.Module):
         head_name: dotted path of the output head (``lm_head``; Llama 4: ``language_model.lm_head``).
         merge_path: the adapter's ``merge_path`` (``None``: the merge is the decoder's input); its
             parameters are the vision side's even inside the language model.
+        packed: whether its microbatches are packed rows (:func:`ppmedia.packing.enable_packing`): the
+            ``attention_mask`` holds sample numbers, the stage gives its language model per-sample
+            positions and a mask that keeps every sample to itself.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class StageModule(nn.Module):
         self.head_name = head_name
         self.merge_path = merge_path
         self.tied: tuple[TiedParameters, ...] = ()
+        self.packed = False
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -216,7 +220,15 @@ class StageModule(nn.Module):
         features = self.__dict__.get(FEATURES_ATTRIBUTE)  # set for one step by an encoder spread
         k, chunk = self._microbatch_media(media)
         adapter = self.adapter if features is None else features.adapter_for(k, chunk)
+        segments = attention_mask
+        if self.packed:
+            attention_mask = segments.ne(0).to(segments.dtype)
         hidden, wire = adapter.first_stage(self, input_ids, attention_mask, embeds, chunk)
+        if self.packed and "position_ids" in wire:
+            positions = self.adapter.packed_position_ids(self, segments, input_ids, chunk)
+            if positions is None:
+                raise ValueError(f"{type(self.adapter).__name__}.packed_position_ids returned None on the first stage")
+            wire["position_ids"] = positions.transpose(0, 1)
         if self.adapter.sample_inputs:
             self.adapter.add_sample_inputs(wire, chunk, f" for microbatch {k}" if isinstance(k, int) else "")
         b, S = input_ids.shape
@@ -241,11 +253,16 @@ class StageModule(nn.Module):
             # Nothing to run; a fresh tensor keeps the stage's output distinct from its input.
             return (hidden if self.is_first else hidden.clone()), state
         layers = range(*self.layer_range)
+        segments = attention_mask
+        if self.packed:
+            attention_mask = segments.ne(0).to(segments.dtype)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask}
         for spec in self.adapter.sample_inputs:  # per-sample inputs the language model takes as keywords
             if spec.kwarg is not None:
                 kwargs[spec.kwarg] = wire[spec.key]
         kwargs.update(self.adapter.decoder_kwargs(self, layers, hidden, attention_mask, wire))
+        if self.packed:
+            self._isolate_samples(kwargs, hidden, segments)
         handles = []
         try:
             for hook in self.adapter.stage_hooks(self, layers, state):
@@ -258,6 +275,16 @@ class StageModule(nn.Module):
             for handle in handles:
                 handle.remove()
         return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]), state
+
+
+    def _isolate_samples(self, kwargs: dict[str, Any], hidden: Tensor, segments: Tensor) -> None:
+        """Packed rows: per-sample positions (the adapter's hook) and masks that keep each sample to itself."""
+        from ..packing.isolation import isolate
+
+        positions = self.adapter.packed_position_ids(self, segments)
+        if positions is not None:
+            kwargs["position_ids"] = positions
+        kwargs["attention_mask"] = isolate(self.config, hidden, kwargs["attention_mask"], segments)
 
 
 def _router_loss_configs(config: Any, where: str = "config") -> list[tuple[str, Any]]:

@@ -5,6 +5,8 @@ asked for) and its real processor (:func:`ppmedia.testing.processors.save_tiny_p
 folder: what ``examples/train.py --model`` takes. :func:`write_image_chat_dataset` writes PNG images
 and a LLaVA-style JSON Lines file (one ``<image>`` question and one answer per record) whose answer
 words follow the image's colour, so a model can learn it: a loss that falls in a few steps.
+:func:`write_length_skewed_dataset` writes records of long-tailed lengths, some with images and some
+text-only: the data that sequence packing pays on (``tests/bench/run.py --pack``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["IMAGE_SIZES", "main", "save_tiny_checkpoint", "write_image_chat_dataset"]
+__all__ = ["IMAGE_SIZES", "SKEWED_IMAGE_SIZES", "main", "save_tiny_checkpoint", "write_image_chat_dataset",
+           "write_length_skewed_dataset"]
 
 #: (height, width) of the generated images, in turn (multiples of 8: whole merged patches of the tiny
 #: Qwen2.5-VL processor, 4 to 6 image tokens each).
 IMAGE_SIZES: tuple[tuple[int, int], ...] = ((16, 16), (16, 24), (24, 16))
+#: (height, width) of :func:`write_length_skewed_dataset`'s images (4 to 16 image tokens each with the
+#: tiny Qwen2.5-VL processor, whose largest image is 32 x 32 pixels).
+SKEWED_IMAGE_SIZES: tuple[tuple[int, int], ...] = ((16, 16), (16, 32), (32, 16), (24, 24), (32, 32))
 
 
 def save_tiny_checkpoint(family: str, folder: str | Path, *, seed: int = 0, dtype: Any = None,
@@ -67,6 +73,48 @@ def write_image_chat_dataset(folder: str | Path, n_samples: int, *, words: list[
         answer = f"{words[2 * colour]} {words[2 * colour + 1]}"
         lines.append({"image": f"img{i}.png", "conversations": [
             {"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": answer}]})
+    path = root / name
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def write_length_skewed_dataset(folder: str | Path, n_samples: int, *, words: list[str], seed: int = 0,
+                                max_words: int = 96, text_only: float = 0.4, median_words: float = 10.0,
+                                name: str = "skewed.jsonl") -> Path:
+    """``n_samples`` LLaVA-style records of long-tailed lengths in ``folder/name`` (images beside it).
+
+    Each record's question has ``round(median_words * exp(N(0, 1)))`` words (a log-normal: most
+    records short, a few long), clipped to ``[1, max_words]``; its answer 1 to 4 words. A record is
+    text-only with probability ``text_only``, else it holds one image (two with probability 1/4) of a
+    size from :data:`SKEWED_IMAGE_SIZES`. The same ``seed`` writes the same records.
+
+    Args:
+        words: the tokenizer's plain words (``ppmedia.testing.word_tokenizer.text_words``), at least 12.
+    """
+    from PIL import Image
+
+    if len(words) < 12:
+        raise ValueError(f"write_length_skewed_dataset: {len(words)} words; expected at least 12")
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(n_samples):
+        n_words = int(np.clip(round(median_words * float(np.exp(rng.normal()))), 1, max_words))
+        question = " ".join(words[int(k)] for k in rng.integers(0, len(words), n_words))
+        answer = " ".join(words[int(k)] for k in rng.integers(0, len(words), int(rng.integers(1, 5))))
+        n_images = 0 if rng.random() < text_only else (2 if rng.random() < 0.25 else 1)
+        images = []
+        for j in range(n_images):
+            height, width = SKEWED_IMAGE_SIZES[int(rng.integers(0, len(SKEWED_IMAGE_SIZES)))]
+            pixels = rng.integers(0, 256, (height, width, 3)).astype(np.uint8)
+            Image.fromarray(pixels).save(root / f"skewed{i}_{j}.png")
+            images.append(f"skewed{i}_{j}.png")
+        record: dict[str, Any] = {"conversations": [{"from": "human", "value": "<image>\n" * n_images + question},
+                                                    {"from": "gpt", "value": answer}]}
+        if images:
+            record["images"] = images
+        lines.append(record)
     path = root / name
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import inspect
 import json
@@ -91,7 +92,14 @@ __all__ = [
 #: ``stale_copies`` (with ``/spread`` only): the encoder spread never refreshes its copies of the
 #: vision tower, so after the first update the other ranks encode with old weights: nothing raises,
 #: the second step's loss and gradients differ.
-FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies", "unreduced_tower")
+#: ``packed_positions`` (with ``/packed`` only): the stages get positions over the whole packed row
+#: (1-D ``0 .. S-1``; mrope: the family's rope index of the row), not per sample.
+#: ``packed_leak`` (with ``/packed`` only): in row 0 the mask lets sample 2 attend sample 1 (one boundary).
+FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies", "unreduced_tower", "packed_positions", "packed_leak")
+#: the packing faults (planted bugs of :mod:`ppmedia.packing`)
+PACKED_FAULTS: tuple[str, ...] = ("packed_positions", "packed_leak")
+#: samples per packed row of a ``/packed`` scenario (consecutive samples: the media keep their order)
+PACKED_PER_ROW = 2
 #: run variants that must still match (see :class:`Scenario`).
 VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica", "varlen", "eval")
 _SHAPES = ("inferred", "static")
@@ -168,6 +176,9 @@ class Scenario:
             ``schedule.step(**ppmedia.microbatch_inputs(staged, ...).step_kwargs())``, each
             microbatch's media its own ``media`` keyword input) instead of staging the media on the
             first stage (``stage_media``).
+        packed: the pipeline runs the batch packed, :data:`PACKED_PER_ROW` consecutive samples a row
+            (token ``/packed``: :func:`ppmedia.testing.packed.pack_batch`, stages marked with
+            :func:`ppmedia.packing.enable_packing`); the reference still runs the unpacked batch.
     """
 
     schedule: str
@@ -187,6 +198,7 @@ class Scenario:
     microbatches: int | None = None
     tp: int = 1
     presplit: bool = False
+    packed: bool = False
 
     def __post_init__(self) -> None:
         from ..pipeline import schedule_layout
@@ -234,7 +246,7 @@ def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
         parts.append(sc.variant)
     return "/".join(parts + ["balanced"] * sc.balance + ["pretrained"] * sc.pretrained
                     + ["spread"] * (getattr(sc, "encoder", "stage0") == "spread") + ["nolane"] * (not getattr(sc, "lane", True))
-                    + ["presplit"] * getattr(sc, "presplit", False))
+                    + ["presplit"] * getattr(sc, "presplit", False) + ["packed"] * getattr(sc, "packed", False))
 
 
 #: GPipe and 1F1B, each with inferred and with static shapes.
@@ -246,7 +258,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit][/packed]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -290,10 +302,12 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["lane"] = False
             elif token == "presplit":
                 kwargs["presplit"] = True
+            elif token == "packed":
+                kwargs["packed"] = True
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit]"
+                    f"schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit][/packed]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -362,6 +376,10 @@ class StepResult:
             in the worker against the replica's own samples).
         loss_eval: with the ``eval`` variant: the global loss of ``eval_step`` on the step's batch,
             before its training step (the same weights as ``loss_reference``); else ``None``.
+        position_problems: with ``/packed``: every stage call whose language model got positions that
+            do not restart at a sample's first token (its position differs from the row's first
+            token's), in words. The loss cannot show it: rotary positions shifted by a constant
+            within a sample leave its attention unchanged once samples are isolated.
     """
 
     step: int
@@ -388,6 +406,7 @@ class StepResult:
     loss_eval: float | None = None
     worst_param_vision: str | None = None
     worst_param_lm: str | None = None
+    position_problems: list[str] = field(default_factory=list)
 
     @property
     def lm_params_compared(self) -> int:
@@ -433,6 +452,7 @@ class ScenarioResult:
     #: ``pretrained`` scenarios: per rank (in rank order), checkpoint elements read and stage
     #: elements held (local shards), and with ``tp > 1`` the export round trip's largest difference.
     loaded: list[dict[str, Any]] = field(default_factory=list)
+    packed: bool = False
 
     @property
     def name(self) -> str:
@@ -486,6 +506,7 @@ class ScenarioResult:
             abs(s.grad_norm_pipeline - s.grad_norm_reference) <= norm_rtol * s.grad_norm_reference
         ):
             problems.append(f"grad norm {s.grad_norm_pipeline:.7g} vs {s.grad_norm_reference:.7g} (rtol {norm_rtol:g})")
+        problems += [f"positions: {p}" for p in s.position_problems[:1]]
         if s.loss_eval is not None and not abs(s.loss_eval - s.loss_reference) <= loss_tol:
             problems.append(f"eval loss {s.loss_eval:.7g} vs {s.loss_reference:.7g}")
         return problems
@@ -762,6 +783,7 @@ class _Built:
     n_stages: int
     layers_per_stage: list[int]
     indices: list[int]
+    positions: _PositionCheck | None = None
 
 
 def _build_batch(tiny_module: Any, scenario: Scenario, seed: int) -> dict[str, Any]:
@@ -771,6 +793,86 @@ def _build_batch(tiny_module: Any, scenario: Scenario, seed: int) -> dict[str, A
     if scenario.variant == "text_only_replica":
         return _text_only_first_half(tiny_module, dict(tiny_module.build_batch(seed)))
     return dict(tiny_module.build_batch(seed))
+
+
+def _pipeline_batch(scenario: Scenario, batch: dict[str, Any], config: Any) -> dict[str, Any]:
+    """What the pipeline runs: ``batch``, or with ``/packed`` its :data:`PACKED_PER_ROW` samples a row."""
+    if not scenario.packed:
+        return batch
+    from .packed import in_order_rows, pack_batch
+
+    pad = getattr(config.get_text_config(), "pad_token_id", None)
+    return pack_batch(batch, in_order_rows(int(batch["input_ids"].shape[0]), PACKED_PER_ROW), int(pad or 0))
+
+
+class _PositionCheck:
+    """Packed stages: records where a stage's language model got positions that do not restart per
+    sample (a sample's first position must equal its row's first: 0, PaliGemma 1, mrope (0, 0, 0))."""
+
+    def __init__(self, modules: Sequence[Any]) -> None:
+        self.problems: list[str] = []
+        self.handles = []
+        for module in modules:
+            self.handles.append(module.register_forward_pre_hook(self._segments))
+            self.handles.append(module.stage_language_model.register_forward_pre_hook(
+                functools.partial(self._positions, module.stage_index), with_kwargs=True))
+        self.segments: torch.Tensor | None = None
+
+    def _segments(self, module: Any, args: tuple[Any, ...]) -> None:
+        self.segments = args[1] if len(args) > 1 else None
+
+    def _positions(self, stage: int, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        positions, segments = kwargs.get("position_ids"), self.segments
+        if positions is None or segments is None:
+            self.problems.append(f"stage {stage}: no positions for packed rows")
+            return
+        p = positions if positions.dim() == 3 else positions[None]  # [axes, b, S]
+        p = p.expand(p.shape[0], *segments.shape)
+        starts = torch.zeros_like(segments, dtype=torch.bool)
+        starts[:, 1:] = (segments[:, 1:] != segments[:, :-1]) & (segments[:, 1:] != 0)
+        wrong = (p != p[:, :, :1]).any(dim=0) & starts
+        if bool(wrong.any()):
+            r, t = (int(v) for v in wrong.nonzero()[0])
+            self.problems.append(f"stage {stage}: row {r}'s sample starting at token {t} has position "
+                                 f"{p[:, r, t].tolist()}, its row's first token {p[:, r, 0].tolist()}")
+
+    def take(self) -> list[str]:
+        out, self.problems = self.problems, []
+        return out
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _plant_packing_fault(fault: str | None, modules: Sequence[Any]) -> None:
+    """:data:`PACKED_FAULTS`: break the packed stages on purpose (see :data:`FAULTS`)."""
+    from ..packing import isolate, sample_positions
+
+    for module in modules:
+        if fault == "packed_positions":
+            adapter = copy.copy(module.adapter)
+            carried = any(w.name == "position_ids" for w in adapter.wire_tensors(module.config, 0))
+
+            def whole_row(model: Any, segments: torch.Tensor, input_ids: Any = None, chunk: Any = None,
+                          _a: Any = adapter, _carried: bool = carried) -> Any:
+                valid = segments.ne(0).to(segments.dtype)
+                if not _carried:
+                    return sample_positions(valid)
+                return None if input_ids is None else _a.position_ids(model, input_ids, chunk, valid)
+
+            adapter.packed_position_ids = whole_row
+            module.adapter = adapter
+        elif fault == "packed_leak":
+            def leak(kwargs: dict[str, Any], hidden: torch.Tensor, segments: torch.Tensor,
+                     _orig: Any = module._isolate_samples, _m: Any = module) -> None:
+                before = kwargs["attention_mask"]
+                _orig(kwargs, hidden, segments)
+                merged = segments.clone()
+                merged[0][merged[0] == 2] = 1
+                kwargs["attention_mask"] = isolate(_m.config, hidden, before, merged)
+
+            module._isolate_samples = leak
 
 
 def _text_only_first_half(tiny_module: Any, batch: dict[str, Any]) -> dict[str, Any]:
@@ -935,7 +1037,7 @@ def _build(
     else:
         layers_per_stage = default_layer_split(len(lm.layers), n_stages)
     indices = layout.stage_indices(g.pp_rank, g.pp)
-    B, S = _build_batch(tiny_module, scenario, job.seed)["input_ids"].shape
+    B, S = _pipeline_batch(scenario, _build_batch(tiny_module, scenario, job.seed), pristine.config)["input_ids"].shape
     n = scenario.microbatches or job.n_microbatches
     static = (B // g.dp // n, S) if scenario.shapes == "static" else None
     stages, tied = _stages(scenario, pristine, n_stages, indices, g, layers_per_stage, static, checkpoint)
@@ -949,6 +1051,11 @@ def _build(
         mixed = torch.bfloat16 if scenario.dtype == "bfloat16" else None
         apply_fsdp(stages, g.mesh["dp"], mixed_precision=mixed)
     modules = [st.submod for st in stages]
+    if scenario.packed:
+        from ..packing import enable_packing
+
+        enable_packing(modules)
+        _plant_packing_fault(scenario.fault, modules)
     schedule = build_schedule(scenario.schedule, stages, n)
     owned: dict[str, tuple[torch.nn.Parameter, bool]] = {}
     for module in modules:
@@ -965,7 +1072,7 @@ def _build(
         stages, modules, schedule, next((st for st in stages if st.is_first), None), tied, owned,
         torch.optim.SGD(unique, lr=_lr(job, tiny_module)), reference,
         torch.optim.SGD(reference.parameters(), lr=_lr(job, tiny_module)),
-        n_stages, layers_per_stage, indices,
+        n_stages, layers_per_stage, indices, _PositionCheck(modules) if scenario.packed else None,
     )
 
 
@@ -1263,6 +1370,20 @@ def _splits_backward(schedule: Any) -> bool:
     )
 
 
+def _shares(scenario: Scenario, tiny_module: Any, batch: dict[str, Any], media_seed: int, g: _Groups, adapter: Any,
+            config: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(media_batch, local, media_local)``: what the pipeline runs (``batch``, packed with ``/packed``; the
+    reference runs ``batch``), the batch its media come from, and this replica's shares of both."""
+    from ..pipeline import shard_batch
+
+    rows = _pipeline_batch(scenario, batch, config)
+    media_batch = _build_batch(tiny_module, scenario, media_seed) if scenario.fault == "wrong_batch" else rows
+    media_counts = adapter.media_counts(rows, config)
+    if g.dp > 1:
+        return media_batch, shard_batch(rows, g.dp_rank, g.dp, **media_counts), shard_batch(media_batch, g.dp_rank, g.dp, **media_counts)
+    return media_batch, dict(rows), dict(media_batch)
+
+
 def _run_scenario(
     family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any,
     checkpoint: str | None = None,
@@ -1283,12 +1404,7 @@ def _run_scenario(
             batch = _build_batch(tiny_module, scenario, job.seed + step)
             ids, mask = batch["input_ids"], batch["attention_mask"]
             num_valid = count_valid_tokens(make_labels(ids, config, adapter, attention_mask=mask))
-            media_batch = _build_batch(tiny_module, scenario, job.seed + 1000 + step) if scenario.fault == "wrong_batch" else batch
-            media_counts = adapter.media_counts(batch, config)
-            local, media_local = (
-                (shard_batch(b, g.dp_rank, g.dp, **media_counts) for b in (batch, media_batch))
-                if g.dp > 1 else (dict(batch), dict(media_batch))
-            )
+            media_batch, local, media_local = _shares(scenario, tiny_module, batch, job.seed + 1000 + step, g, adapter, config)
             if scenario.variant == "varlen":
                 _accumulate_padded(built, scenario, g, job.seed + 500 + step, probe, tiny_module, n)
             loss_eval = _eval_loss(built, scenario, local, media_local, num_valid, probe, adapter, config, n)
@@ -1327,12 +1443,15 @@ def _run_scenario(
                     "media_rows": [] if scenario.balance else _media_rows(probe, media_batch, global_split, g, n, where),
                     "encoded": _encoded_rows(built, scenario, staged, g, where),
                     "loss_eval": loss_eval,
+                    "position_problems": built.positions.take() if built.positions is not None else [],
                 }
             )
             built.optimizer.step()
             built.ref_optimizer.step()
     finally:
         probe.remove()
+        if built.positions is not None:
+            built.positions.remove()
     return {
         "family": family,
         "scenario": asdict(scenario),
@@ -1439,6 +1558,7 @@ def _merge_step(k: int, rows: list[dict[str, Any]]) -> StepResult:
         media_rows=[row for r in rows for row in r["media_rows"]],
         encoded=[row for r in rows for row in r.get("encoded", [])],
         loss_eval=rows[0].get("loss_eval"),
+        position_problems=[p for r in rows for p in r.get("position_problems", [])],
     )
 
 
@@ -1476,6 +1596,7 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         microbatches=sc.get("microbatches"),
         tp=sc.get("tp", 1),
         presplit=sc.get("presplit", False),
+        packed=sc.get("packed", False),
         stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0 and not v.get("tp_rank")],
         loaded=[dict(v.get("loaded") or {}) for v in views],
     )
@@ -1619,7 +1740,8 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
     for sc in scenarios:
         if world_size % (sc.dp * sc.tp):
             raise ValueError(f"{sc.name}: dp {sc.dp} x tp {sc.tp} does not divide the {world_size} processes")
-        rows = batch_size // sc.dp if batch_size % sc.dp == 0 else 0
+        total = batch_size // PACKED_PER_ROW if sc.packed else batch_size
+        rows = total // sc.dp if total % sc.dp == 0 else 0
         n = sc.microbatches or n_microbatches
         if rows == 0 or n < 1 or rows % n:
             raise ValueError(
@@ -1650,6 +1772,10 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             raise ValueError(f"{sc.name}: fsdp shards over the data-parallel replicas: use dp2 or more")
         if sc.variant == "text_only_replica" and sc.dp != 2:
             raise ValueError(f"{sc.name}: text_only_replica gives replica 0 of two the text-only half: use dp2")
+        if sc.fault in PACKED_FAULTS and not sc.packed:
+            raise ValueError(f"{sc.name}: the {sc.fault} fault breaks packed rows: add /packed")
+        if sc.packed and (sc.variant is not None or sc.balance or sc.encoder != "stage0" or sc.pretrained):
+            raise ValueError(f"{sc.name}: /packed runs with stage0 encoding, no variant, balancing or checkpoint")
         if sc.fault == "unreduced_tower" and sc.tp < 2:
             raise ValueError(f"{sc.name}: the unreduced_tower fault breaks tensor parallelism: add /tp2")
         if sc.tp > 1 and sc.encoder == "spread":

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -30,6 +30,8 @@ Measures, in one process with ``torch.set_num_threads(1)``:
 11. tensor-parallel memory: pp=2 x tp=2 (4 processes) on section 8's model, the largest rank's
    parameters + gradients + optimizer state over one process's (see ``tp_memory_bench.py``; alone:
    ``--tp-memory``, with section 8 beside it).
+12. packing (``--pack`` alone; see ``pack_bench.py``): a length-skewed dataset one epoch padded and one
+   packed, the padding fractions and the label tokens per second side by side.
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -65,6 +67,7 @@ import load_memory_bench  # noqa: E402
 import fsdp_memory_bench  # noqa: E402
 import tp_memory_bench  # noqa: E402
 import model_bench  # noqa: E402
+import pack_bench  # noqa: E402
 import stage0_bench  # noqa: E402
 import staging_bench  # noqa: E402
 from reference import load_reference  # noqa: E402
@@ -131,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the tensor-parallel memory benchmark (section 11), section 8 beside it")
     parser.add_argument("--stage0", action="store_true", help="run only the encoder-spread benchmark (section 9)")
     parser.add_argument("--data", action="store_true", help="run only the data benchmark (section 10)")
+    parser.add_argument("--pack", action="store_true", help="run only the packing benchmark (section 12)")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="section 9: draw its predicted and measured timelines here (SVG)")
     args = parser.parse_args(argv)
@@ -146,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_stage0(args, None)
     if args.data:
         return _run_data(args, None)
+    if args.pack:
+        return _run_pack(args, None)
 
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -259,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     tp_memory = _run_tp_memory(args, targets)
     print()
 
+    # -- 12: packing -------------------------------------------------------------------------------
+    pack_result = _run_pack(args, targets)
+    print()
+
     # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
@@ -298,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         "fsdp_memory": fsdp_memory,
         "data": data_result,
         "tp_memory": tp_memory,
+
+        "pack": pack_result,
         "environment": env,
         "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
         "elapsed_s": round(elapsed, 1),
@@ -428,6 +440,22 @@ def _run_data(args: argparse.Namespace, targets: list[dict[str, Any]] | None) ->
     reads = result["reads"]
     targets.append({"target": "data: media files read per replica at pp=2 / at pp=1 = 1.00",
                     "measured": round(reads["R"], 2), "met": reads["R"] == reads["goal"]})
+    return result
+
+
+
+def _run_pack(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 12; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    result = pack_bench.run(repeats=2 if args.quick else 5)
+    print(pack_bench.report(result))
+    if targets is None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"pack": result}, indent=1) + "\n")
+        return 0
+    targets.append({"target": f"pack: padding fraction packed / padded <= {pack_bench.GOAL_P}",
+                    "measured": round(result["P"], 3), "met": result["P"] <= pack_bench.GOAL_P})
+    targets.append({"target": f"pack: label tokens per second packed / padded >= {pack_bench.GOAL_R}",
+                    "measured": round(result["R"], 2), "met": result["R"] >= pack_bench.GOAL_R})
     return result
 
 
