@@ -76,20 +76,23 @@ AUDIO_ONLY: tuple[tuple[Any, ...], ...] = ((2, ("audio", 12), 1), (5,), (("audio
 TALL: tuple[tuple[Any, ...], ...] = ((("image", (3, 1, 0, 0)), 2), (4,), (1, ("image", (2, 1, 3, 0)), ("image", (1, 1, 0, 2))), (3, ("image", (1, 1, 1, 0))))
 
 
-def _vision(image_size: int, patch_size: int) -> dict[str, Any]:
-    return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=image_size,
-                patch_size=patch_size, crop_size=image_size, feature_layer=-2, image_token_id=IMAGE_TOKEN_ID)
+def _vision(image_size: int, patch_size: int, layers: int) -> dict[str, Any]:
+    return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2 if layers > 1 else 1,
+                image_size=image_size, patch_size=patch_size, crop_size=image_size, feature_layer=-2 if layers > 1 else -1,
+                image_token_id=IMAGE_TOKEN_ID)
 
 
-def build_config(image_size: int = CROP, patch_size: int = PATCH) -> Any:
-    """The tiny ``Phi4MultimodalConfig``; its vision tower set to eager attention."""
+def build_config(image_size: int = CROP, patch_size: int = PATCH, vision_layers: int = 2) -> Any:
+    """The tiny ``Phi4MultimodalConfig`` (``vision_layers`` 1: one single-head layer whose output is the
+    features, else features from the next-to-last layer, as Phi-4's); its vision tower set to eager
+    attention."""
     from transformers import Phi4MultimodalConfig
 
     config = Phi4MultimodalConfig(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, pad_token_id=PAD_TOKEN_ID, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
         max_position_embeddings=1024, original_max_position_embeddings=1024, embd_pdrop=0.0, tie_word_embeddings=False,
-        vision_config=_vision(image_size, patch_size),
+        vision_config=_vision(image_size, patch_size, vision_layers),
         audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
                           audio_token_id=AUDIO_TOKEN_ID, input_size=MEL, nemo_conv_channels=16, time_reduction=8,
                           ext_pw_out_channel=32, depthwise_separable_out_channel=32),
@@ -108,10 +111,11 @@ def build_model(seed: int = 0) -> torch.nn.Module:
 
 def build_processor_model(seed: int = 0) -> torch.nn.Module:
     """The model the real processor's batches fit: crops of 32 x 32 one-pixel patches (the processor
-    counts 16 x 16 features a crop, as for 448-pixel crops of 14-pixel patches)."""
+    counts 16 x 16 features a crop, as for 448-pixel crops of 14-pixel patches); its tower one
+    single-head layer, to keep 1024 patches a crop cheap."""
     from transformers import Phi4MultimodalForCausalLM
 
-    return seeded_distinct(Phi4MultimodalForCausalLM, build_config(32, 1), seed)
+    return seeded_distinct(Phi4MultimodalForCausalLM, build_config(32, 1, vision_layers=1), seed)
 
 
 def tokens_of(image: Image) -> int:
@@ -203,7 +207,7 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
 
 def build_processor(image_backend: str = "torchvision") -> Any:
     """A real ``Phi4MultimodalProcessor``: ``Phi4MultimodalImageProcessor`` (torchvision only: no
-    ``...Pil`` class) at 32-pixel crops of 1-pixel mask patches, at most 4 sub-crops an image;
+    ``...Pil`` class) at 32-pixel crops of 1-pixel mask patches, at most 2 sub-crops an image;
     ``Phi4MultimodalFeatureExtractor`` with 16 mel bins; a word-level tokenizer with the tiny ids
     (``<|image|>``, ``<|audio|>``), and a plain chat template. Its batches fit
     :func:`build_processor_model`."""
@@ -213,7 +217,7 @@ def build_processor(image_backend: str = "torchvision") -> Any:
     from ._processors import image_processor_class
 
     images = image_processor_class("Phi4MultimodalImageProcessor", image_backend)(
-        size={"height": 32, "width": 32}, patch_size=1, dynamic_hd=4)
+        size={"height": 32, "width": 32}, patch_size=1, dynamic_hd=2)
     audio = transformers.Phi4MultimodalFeatureExtractor(feature_size=MEL)
     ids = {"<pad>": PAD_TOKEN_ID, "<s>": BOS_TOKEN_ID, "<|endoftext|>": EOS_TOKEN_ID, "<|image|>": IMAGE_TOKEN_ID,
            "<|audio|>": AUDIO_TOKEN_ID, "<|user|>": USER_TOKEN_ID, "<|end|>": END_TOKEN_ID}
