@@ -765,6 +765,16 @@ class VlmAdapter(abc.ABC):
         replace or remove entries. Default: nothing.
         """
 
+    def tp_plan(self, config: Any) -> Mapping[str, str] | None:
+        """The language model's tensor-parallel plan when its text config has no
+        ``base_model_tp_plan`` (:func:`~ppmedia.pipeline.apply_tensor_parallel`).
+
+        Keys are module paths inside the language model, ``*`` matching a decoder layer's index
+        (``"layers.*.self_attn.q_proj"``); values are transformers' style names: ``colwise``,
+        ``rowwise`` or ``replicated_with_grad_allreduce``. Default: ``None`` (no plan of its own).
+        """
+        return None
+
     def logits(self, stage: torch.nn.Module, hidden: Tensor) -> Tensor:
         """The last stage's output: logits ``[b, S, vocab]`` from the final hidden states ``[b, S, H]``.
 

@@ -204,6 +204,14 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
             outputs.update({f"{modality}.deepstack_{i}": tensor for i, tensor in enumerate(sets)})
         return outputs
 
+    def tp_plan(self, config: Any) -> dict[str, str]:
+        """Qwen3-VL's text config has no ``base_model_tp_plan`` in transformers 5.23: attention and MLP
+        projections split like Qwen3's, the per-head ``q_norm`` / ``k_norm`` whole with summed gradients."""
+        attention = {f"layers.*.self_attn.{n}_proj": "colwise" for n in ("q", "k", "v")}
+        norms = {f"layers.*.self_attn.{n}_norm": "replicated_with_grad_allreduce" for n in ("q", "k")}
+        mlp = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+        return {**attention, **norms, "layers.*.self_attn.o_proj": "rowwise", **mlp}
+
     def encoder_output_names(self, config: Any, modality: str) -> tuple[str, ...]:
         """``modality``, then (images and videos) ``modality.deepstack_{i}`` for each deepstack level."""
         if modality not in ("image", "video"):

@@ -1,6 +1,6 @@
-"""Train a vision-language model with pipeline x data parallelism and ppmedia's staged media.
+"""Train a vision-language model with pipeline x data (x tensor) parallelism and ppmedia's staged media.
 
-Run it with torchrun; the world is ``pp x dp`` processes (gloo on CPU here, nccl on GPUs)::
+Run it with torchrun; the world is ``pp x dp x tp`` processes (gloo on CPU here, nccl on GPUs)::
 
     torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 \\
         --fsdp --schedule 1f1b --steps 20 --save-dir ckpt --save-every 10
@@ -10,6 +10,7 @@ Run it with torchrun; the world is ``pp x dp`` processes (gloo on CPU here, nccl
         --pp 2 --batch-size 4 --epochs 2 --lr 1e-3 --export trained   # fine-tune a checkpoint on data
     torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen3_vl --pp 2 \\
         --encoder spread --trace step.svg                        # vision spread over both ranks, timeline
+    torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2   # tensor parallel
 
 With ``--model DIR --data PATH`` it fine-tunes a Hugging Face checkpoint on a data file or a
 ``datasets`` folder (``ppmedia.data``: the checkpoint's own processor and chat template, assistant-only
@@ -20,6 +21,8 @@ microbatches for its pipeline. With ``--fsdp`` every stage is
 sharded with FSDP2 over the replicas (gradients reduce-scattered as sums); without it every replica
 holds whole stages and gradients are summed with one all-reduce. Then: tied embeddings summed across
 the pipeline, gradients clipped to a global L2 norm, AdamW (one optimizer per stage module).
+``--tp N`` splits every stage's language model over N ranks (``pipeline.apply_tensor_parallel``,
+before FSDP2; the ranks laid out by ``pipeline.pipeline_mesh``; docs/tensor-parallel.md).
 
 Checkpoints are torch.distributed.checkpoint folders ``--save-dir/step{N}/`` under full-model names,
 published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, with or without
@@ -57,7 +60,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from ppmedia import pipeline
 from ppmedia.testing import tiny_models
@@ -112,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--freeze", type=_parts, default=[], metavar="PARTS", help="comma-separated: vision,projector,language")
     add("--layers-per-stage", type=_int_list, metavar="N,N,...", help="decoder layers per stage (default: even)")
     add("--pp", type=int, default=2, help="pipeline ranks")
-    add("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp)")
+    add("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp x tp)")
+    add("--tp", type=int, default=1, help="tensor-parallel ranks per stage (pipeline.apply_tensor_parallel)")
     add("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
     add("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
     add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
@@ -142,7 +145,7 @@ def bad_option(args: argparse.Namespace) -> str | None:
     """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
     problem = pipeline.option_problem(
         {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
-        positive=("--pp", "--dp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
+        positive=("--pp", "--dp", "--tp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
                   "--max-grad-norm"),
         non_negative=("--lr", "--weight-decay", "--warmup-steps", "--workers", "--save-every", "--eval-every",
                       "--skip-nonfinite"),
@@ -194,6 +197,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
     if args.bf16 and not args.fsdp:
         parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
+    untested = [flag for flag, on in (("--encoder spread", args.encoder == "spread"), ("--data", args.data),
+                                      ("--presplit", args.presplit), ("--export", args.export)) if on]
+    if args.tp > 1 and untested:
+        parser.error(f"--tp {args.tp} with {', '.join(untested)}: not supported (docs/tensor-parallel.md); "
+                     f"drop one of them")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                      f"use --device cpu")
@@ -244,10 +252,12 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     schedule and the optimizers (:class:`pipeline.PipelineParts` under ``ctx["parts"]``), and where
     the steps' batches come from (``ctx["source"]``)."""
     device, _ = pipeline.resolve_device(args.device)
-    mesh = init_device_mesh(device.type, (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
+    mesh = pipeline.pipeline_mesh(args.pp, args.dp, args.tp, device_type=device.type)  # rank = (d*pp + p)*tp + t
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     stages = build_stages(args, pp_rank, pp_group, device)
+    if args.tp > 1:  # before FSDP2 and the optimizers: DTensor shards over tp
+        pipeline.apply_tensor_parallel(stages, mesh["tp"])
     modules = [stage.submod for stage in stages]
     if args.freeze:
         pipeline.freeze(modules, args.freeze)
@@ -264,6 +274,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         pp_group=pp_group, dp_group=dp_group, sharded=args.fsdp, max_grad_norm=args.max_grad_norm, spread=spread,
         tracer=pipeline.StepTracer(stages, spread) if args.trace else None,
         guard=pipeline.NonFiniteGuard(args.skip_nonfinite), presplit=args.presplit,
+        tp_group=mesh["tp"].get_group() if args.tp > 1 else None,
     )
     ctx = {"parts": parts, "config": modules[0].config, "adapter": modules[0].adapter, "device": device,
            "dtype": model_dtype(args), "pp_rank": pp_rank, "dp_rank": dp_rank, "modules": modules,
@@ -332,7 +343,7 @@ def resume(ctx: dict[str, Any], args: argparse.Namespace) -> int:
     ctx["run_id"] = info.get("run_id")
     extra = info["extra"]
     ctx["source"].load_state_dict(extra.get("data") or {}, int(info["step"]))
-    _say(f"resumed from {path} (saved at pp={extra.get('pp')} x dp={extra.get('dp')}, "
+    _say(f"resumed from {path} (saved at pp={extra.get('pp')} x dp={extra.get('dp')} x tp={extra.get('tp', 1)}, "
          f"fsdp={extra.get('fsdp')}): continuing at step {info['step']}")
     if info["hyperparameters_changed"]:
         _say(f"optimizer settings of this run apply from step {info['step']}: {'; '.join(info['hyperparameters_changed'])}")
@@ -459,7 +470,8 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
             progress.update(record)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
             pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
-                "family": args.family, "pp": args.pp, "dp": args.dp, "fsdp": args.fsdp, "data": source.state_dict()},
+                "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "fsdp": args.fsdp,
+                "data": source.state_dict()},
                 run_id=ctx["run_id"])
     if progress is not None:
         progress.close()
@@ -489,8 +501,9 @@ def main(argv: list[str] | None = None) -> None:
     pipeline.init_distributed(backend, timeout=timedelta(seconds=60))  # torchrun's ranks, or one process
     where: dict[str, Any] = {"step": None}
     try:
-        if dist.get_world_size() != args.pp * args.dp:
-            raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp = {args.pp * args.dp}")
+        if dist.get_world_size() != args.pp * args.dp * args.tp:
+            raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp x --tp = "
+                             f"{args.pp * args.dp * args.tp}")
         run(args, where)
     except BaseException as exc:  # a failed rank says so and exits non-zero, without waiting for its peers
         traceback.print_exc()

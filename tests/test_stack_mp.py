@@ -47,6 +47,13 @@ DP_SCENARIOS = ("1f1b/static/dp2/clip", "gpipe/inferred/dp2", "ZBVZeroBubble/sta
 FSDP_SCHEDULES = ("Interleaved1F1B/static/dp2/fsdp", "LoopedBFS/static/dp2/fsdp", "InterleavedZeroBubble/static/dp2/fsdp",
                   "ZBVZeroBubble/static/dp2/fsdp", "DualPipeV/static/dp2/fsdp/mb4")
 VARLEN = ("gpipe/inferred/dp2/fsdp/varlen", "1f1b/static/dp2/fsdp/varlen", "1f1b/static/dp2/varlen")
+#: tensor parallelism: pp=2 x tp=2, and pp=1 x dp=2 x tp=2 with FSDP2 on top; its planted bug (the
+#: tower's tp reduction skipped)
+TP = "1f1b/static/tp2"
+TP_FSDP = "1f1b/static/dp2/tp2/fsdp"
+TP_DP = "1f1b/static/dp2/tp2"  # replicated over dp: all_reduce_gradients sums the tp shards
+TP_UNREDUCED = "1f1b/static/unreduced_tower/tp2"
+TP_FAMILIES = ("qwen2_5_vl", "gemma3", "llava_next", "qwen3_vl")
 #: pre-split microbatches (Qwen2.5-VL: its mrope positions made on stage 0 from each chunk's grids),
 #: 2 processes: every torch schedule (V-shaped and interleaved ones give every stage of a rank the
 #: ``media`` keyword), inferred and static shapes, the spread, evaluation before every training step
@@ -57,12 +64,14 @@ PRESPLIT_PP = ("GPipe/static/presplit", "1F1B/static/presplit", "Interleaved1F1B
 PRESPLIT_DP = ("1f1b/static/dp2/fsdp/clip/presplit", "gpipe/inferred/dp2/fsdp/varlen/presplit")
 #: single families' scenarios in the same 4-process spawn
 DP_FAMILY_SCENARIOS = {
-    "qwen2_5_vl": (*FSDP_SCHEDULES, *VARLEN, "1f1b/static/dp2/fsdp/bf16", *PRESPLIT_DP),
-    "llava_next": ("1f1b/static/dp2/fsdp/bf16",),
-    "qwen3_vl": ("1f1b/static/dp2/fsdp/text_only_replica",),  # default split: deepstack level 1 crosses
+    "qwen2_5_vl": (*FSDP_SCHEDULES, *VARLEN, "1f1b/static/dp2/fsdp/bf16", *PRESPLIT_DP, TP, TP_FSDP, TP_DP,
+                   TP_UNREDUCED),
+    "llava_next": ("1f1b/static/dp2/fsdp/bf16", TP),
+    "qwen3_vl": ("1f1b/static/dp2/fsdp/text_only_replica", TP),  # default split: deepstack level 1 crosses
     "kimi_vl": ("1f1b/static/dp2/fsdp/clip", "ZBVZeroBubble/static/dp2/fsdp"),  # tied embedding
     # per-sample inputs (token_type_ids [B, S], on every stage) through shard_batch, FSDP2 and the spread
     "paligemma": ("1f1b/static/dp2/clip", "1f1b/static/dp2/fsdp/clip/spread"),
+    "gemma3": (TP,),  # per-head q_norm/k_norm whole with summed gradients; its head tied (kept whole)
 }
 PP_SCENARIOS = (
     *(f"{name}/static" for name in TORCH_SCHEDULES),
@@ -542,3 +551,41 @@ def test_presplit_microbatches_match_the_staging_path_and_the_model(scenario):
             assert st.media_rows == base.media_rows  # the same views of the batch, microbatch by microbatch
     if result.encoder == "spread":
         _assert_spread_encoded_each_chunk_once("qwen2_5_vl", result)
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor parallelism inside the stages (4 processes, the same spawn)
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family, scenario", [*((f, TP) for f in TP_FAMILIES), ("qwen2_5_vl", TP_FSDP),
+                                                   ("qwen2_5_vl", TP_DP)])
+def test_tensor_parallel_stages_match_the_full_batch_model(family, scenario):
+    """pp=2 x tp=2 (and pp=1 x dp=2 x tp=2, with FSDP2 and replicated): loss and every gradient, gathered over tp (and
+    dp) with ``full_tensor()``, within 1e-5 of one process."""
+    result = _report(4).family(family).scenario(scenario)
+    assert result.tp == 2 and len(result.stage_indices) == (1 if result.dp == 2 else 2)
+    _assert_parity(result)
+    for st in result.steps:
+        assert st.layer_calls == st.expected_layer_calls > 0
+
+
+@pytest.mark.multiprocess
+def test_each_microbatch_is_encoded_by_one_tp_rank():
+    """The tower is replicated over tp, its work is not: the vision blocks of both tp peers together
+    run exactly as often as one replica's without tp, on the same microbatches (pp=1 x dp=2 x tp=2
+    against pp=2 x dp=2)."""
+    family = _report(4).family("qwen2_5_vl")
+    with_tp, without = family.scenario(TP_FSDP), family.scenario("1f1b/static/dp2/clip")
+    for a, b in zip(with_tp.steps, without.steps):
+        assert a.vision_layer_calls == b.vision_layer_calls > 0
+        assert sorted({tuple(r[:2]) for r in a.media_rows}) == sorted({tuple(r[:2]) for r in b.media_rows})
+
+
+@pytest.mark.multiprocess
+def test_a_skipped_tower_reduction_fails_the_comparison():
+    """The planted bug: without ``reduce_tensor_parallel_gradients`` each tp rank keeps the tower's
+    gradient of only the microbatches it encoded; the comparison catches it at the first step."""
+    result = _report(4).family("qwen2_5_vl").scenario(TP_UNREDUCED)
+    first = result.steps[0]
+    assert first.loss_diff <= TOL and first.grad_diff_lm <= TOL
+    assert first.grad_diff_vision > 1e-3 and not result.passed(TOL)

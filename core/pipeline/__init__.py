@@ -74,6 +74,7 @@ The package, one module per concern (every public name is importable from ``ppme
 ``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
 ``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
+``tensor_parallel``  tensor parallelism inside every stage over the ``tp`` mesh (:func:`apply_tensor_parallel`)
 ``checkpoint``      DCP checkpoints under full-model names, any layout (:func:`save_checkpoint`, ...),
                     a run's identity in them (:func:`claim_save_dir`)
 ``guards``          a run's preconditions: options, ranks agreeing on a refusal, the same batch on
@@ -84,7 +85,8 @@ The package, one module per concern (every public name is importable from ``ppme
 ``step``            one training step as pieces of a loop (:class:`ReplicaShare`, :func:`train_step`)
 ``progress``        the per-step record, the loss log and the progress display (:func:`step_record`)
 ``step_inputs``     a batch as one step's pre-split microbatches, labels and loss kwargs (:func:`presplit_batch`)
-``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``
+``distributed``     :func:`init_distributed`: the default process group under torchrun or plain ``python``;
+                    :func:`pipeline_mesh`: the ``(dp, pp, tp)`` mesh of its ranks
 ==================  ===========================================================================
 """
 
@@ -102,7 +104,7 @@ from .checkpoint import (
 )
 from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, interleave_encoders,
                       vision_replica)
-from .distributed import TORCHRUN_VARIABLES, init_distributed
+from .distributed import TORCHRUN_VARIABLES, init_distributed, pipeline_mesh
 from .evaluate import eval_step
 from .export import PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
 from .finetune import (MODEL_PARTS, PROJECTOR_NAMES, enable_activation_checkpointing, freeze, model_part,
@@ -131,6 +133,8 @@ from .schedules import (
 from .stages import StageModule, build_stage_modules, make_pipeline_stages, refuse_router_loss, static_stage_args
 from .step_inputs import presplit_batch
 from .surgery import default_layer_split, find_language_model, find_merge_module
+from .tensor_parallel import (TP_STYLES, apply_tensor_parallel, check_tensor_parallel, reduce_tensor_parallel_gradients,
+                              tensor_parallel_plan)
 from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
 
@@ -161,10 +165,12 @@ __all__ = [
     "StepResult",
     "StepTracer",
     "TORCHRUN_VARIABLES",
+    "TP_STYLES",
     "TiedParameters",
     "agree",
     "all_reduce_gradients",
     "apply_fsdp",
+    "apply_tensor_parallel",
     "assign_encoders",
     "batch_fingerprint",
     "batch_to",
@@ -173,6 +179,7 @@ __all__ = [
     "check_batch_agreement",
     "check_checkpoint",
     "check_fsdp_schedule",
+    "check_tensor_parallel",
     "checkpoint_dtype",
     "checkpoint_path",
     "claim_save_dir",
@@ -204,7 +211,9 @@ __all__ = [
     "no_decay",
     "option_problem",
     "pipeline_loss",
+    "pipeline_mesh",
     "presplit_batch",
+    "reduce_tensor_parallel_gradients",
     "refuse_router_loss",
     "reshards_after_forward",
     "resolve_device",
@@ -225,6 +234,7 @@ __all__ = [
     "static_stage_args",
     "step_record",
     "sync_tied_gradients",
+    "tensor_parallel_plan",
     "tied_parameters",
     "train_mode",
     "train_step",

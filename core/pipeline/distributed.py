@@ -1,12 +1,14 @@
-"""Starting the default process group the way a script was launched (torchrun or plain ``python``)."""
+"""Starting the default process group the way a script was launched (torchrun or plain ``python``),
+and laying its ranks out as the ``(dp, pp, tp)`` mesh every training path uses (:func:`pipeline_mesh`)."""
 
 from __future__ import annotations
 
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
-__all__ = ["TORCHRUN_VARIABLES", "init_distributed"]
+__all__ = ["TORCHRUN_VARIABLES", "init_distributed", "pipeline_mesh"]
 
 #: the environment variables torchrun sets that ``init_process_group``'s ``env://`` reads.
 TORCHRUN_VARIABLES: tuple[str, ...] = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -52,3 +54,35 @@ def init_distributed(backend: str = "gloo", *, timeout: timedelta = timedelta(se
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
                                 timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def pipeline_mesh(pp: int, dp: int = 1, tp: int = 1, *, device_type: str = "cpu") -> Any:
+    """The ``(dp, pp, tp)`` ``DeviceMesh`` of ``world = pp x dp x tp`` ranks (dim names ``"dp"``,
+    ``"pp"``, ``"tp"``; ``rank = (dp_rank * pp + pp_rank) * tp + tp_rank``). Collective: every rank
+    calls it, after ``init_process_group``. The one layout of ppmedia's training paths
+    (``examples/train.py``, the parity harness, the benchmarks): the ``tp`` peers of a stage are
+    neighbours; with ``tp = 1`` it is the ``(dp, pp)`` layout ``rank = dp_rank * pp + pp_rank`` that
+    :func:`~ppmedia.pipeline.shard_batch` and the data loaders assume.
+
+    Args:
+        pp, dp, tp: pipeline ranks, data-parallel replicas, tensor-parallel ranks per stage.
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+
+    ``mesh["pp"].get_group()`` is the pipeline group of :func:`~ppmedia.pipeline.make_pipeline_stages`,
+    ``mesh["dp"]`` the data-parallel mesh of :func:`~ppmedia.pipeline.apply_fsdp` (its group that of
+    :func:`~ppmedia.pipeline.all_reduce_gradients`), ``mesh["tp"]`` that of :func:`~ppmedia.pipeline.apply_tensor_parallel`.
+
+    Raises:
+        ValueError: a size below 1, or ``pp * dp * tp`` is not the world size.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = {"pp": pp, "dp": dp, "tp": tp}
+    bad = {k: v for k, v in sizes.items() if int(v) < 1}
+    if bad:
+        raise ValueError(f"pipeline_mesh: sizes {bad}; expected each >= 1")
+    world = dist.get_world_size()
+    if pp * dp * tp != world:
+        raise ValueError(f"pipeline_mesh: pp {pp} x dp {dp} x tp {tp} = {pp * dp * tp}; the world has {world} ranks")
+    return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))

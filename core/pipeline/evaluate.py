@@ -23,6 +23,7 @@ def eval_step(
     *,
     group: Any = None,
     presplit: bool = False,
+    tp_group: Any = None,
 ) -> Tensor:
     """One forward-only step of ``schedule`` (torch's ``schedule.eval``): the GLOBAL mean token loss.
 
@@ -47,6 +48,8 @@ def eval_step(
         presplit: feed the schedule pre-split microbatches (:func:`ppmedia.microbatch_inputs`: each
             microbatch's media as its own ``media`` keyword input) instead of staging the media on
             the first stage; ``staged`` is then required on every rank.
+        tp_group: with tensor-parallel stages (:func:`~ppmedia.pipeline.apply_tensor_parallel`), their
+            ``tp`` group: only its rank 0 adds its last stages' losses (every peer holds the same).
 
     Returns:
         A float32 scalar, equal on every rank: the global batch's mean token loss.
@@ -72,7 +75,8 @@ def eval_step(
             staging = stage_media(first_stage, staged)
         with torch.no_grad(), staging:
             schedule.eval(input_ids, attention_mask, target=labels, losses=losses, loss_kwargs=loss_kwargs)
-    total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros(())
+    counted = losses if tp_group is None or dist.get_rank(tp_group) == 0 else []
+    total = torch.stack([loss.detach().float() for loss in counted]).sum() if counted else torch.zeros(())
     dist.all_reduce(total, group=group)
     _reshard(schedule)
     return total

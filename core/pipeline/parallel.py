@@ -107,31 +107,51 @@ def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> Non
     With :func:`pipeline_loss` normalised by the valid tokens of the GLOBAL batch, the sum is the
     global batch's gradient (no division by the number of replicas).
 
+    Tensor-parallel stages (:func:`~ppmedia.pipeline.apply_tensor_parallel`, without FSDP2): a
+    ``DTensor`` parameter's local shard is summed (every replica holds the same shard).
+
     Raises:
-        TypeError: a parameter is an FSDP2 shard (``DTensor``): :func:`~ppmedia.pipeline.apply_fsdp`
-            stages have their gradients reduce-scattered by FSDP already.
+        TypeError: a stage is sharded with FSDP2: :func:`~ppmedia.pipeline.apply_fsdp` stages have
+            their gradients reduce-scattered by FSDP already.
     """
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
+    if any(isinstance(m, FSDPModule) for module in modules for m in module.modules()):
+        raise TypeError(
+            "all_reduce_gradients: the stages are sharded with FSDP2 (DTensor parameters), whose "
+            "gradients are already summed over the data-parallel mesh; call it only on replicated stages"
+        )
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for param in _unique_trainable(modules):
-        if _is_dtensor(param):
-            raise TypeError(
-                "all_reduce_gradients: the stages are sharded with FSDP2 (DTensor parameters), whose "
-                "gradients are already summed over the data-parallel mesh; call it only on replicated stages"
-            )
         by_dtype.setdefault(param.dtype, []).append(param)
     for dtype in sorted(by_dtype, key=str):
-        params = by_dtype[dtype]
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p)
-            offset += n
+        _sum_flat(by_dtype[dtype], group, dist)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A tensor-parallel ``DTensor``'s local shard (a plain tensor as it is)."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def _sum_flat(params: Sequence[nn.Parameter], group: Any, dist: Any) -> None:
+    """All-reduce the (local) gradients of ``params`` as one flat buffer; a missing one as zeros."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p, g in zip(params, grads):
+        part = flat[offset : offset + g.numel()].view_as(g)
+        offset += g.numel()
+        # laid out like the gradient it replaces (a vocabulary-split embedding's may be a partial sum)
+        like = p.grad if p.grad is not None else p
+        if isinstance(like, DTensor):
+            p.grad = DTensor.from_local(part, like.device_mesh, like.placements, run_check=False,
+                                        shape=like.shape, stride=like.stride())
+        else:
+            p.grad = part
 
 
 def _squared_norm(grads: Sequence[Tensor], device: Any) -> Tensor:

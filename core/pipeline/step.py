@@ -82,6 +82,12 @@ class PipelineParts:
             rank's share then needs its ``staged`` media.
         guard: a :class:`~ppmedia.pipeline.NonFiniteGuard` consulted before each optimizer step (a
             non-finite loss or norm stops the run, or skips the step within its limit); ``None``: none.
+        tp_group: the tensor-parallel group of stages made with
+            :func:`~ppmedia.pipeline.apply_tensor_parallel` (``pipeline_mesh(...)["tp"].get_group()``);
+            :func:`train_step` then sums the replicated tower's gradients over it
+            (:func:`~ppmedia.pipeline.reduce_tensor_parallel_gradients`), and the losses and counts
+            are taken from its rank 0 only (every ``tp`` peer of a last stage holds the same loss).
+            ``None``: no tensor parallelism.
     """
 
     schedule: Any
@@ -97,6 +103,7 @@ class PipelineParts:
     tracer: Any = None
     guard: Any = None
     presplit: bool = False
+    tp_group: Any = None
 
 
 def batch_to(batch: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -218,11 +225,12 @@ def _run_schedule(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor
 def train_step(parts: PipelineParts, share: ReplicaShare, step: int | None = None) -> StepResult:
     """One optimizer step (call it on every rank): zero the gradients, run the schedule with the
     share's media staged, sum tied gradients across the pipeline and (replicated) gradients across
-    the replicas, clip to the global norm; one ``all_reduce`` over the world then gives every rank the
+    the replicas (with ``parts.tp_group``, first the tower's over ``tp``), clip to the global norm; one ``all_reduce`` over the world then gives every rank the
     global loss (the last stages' shares) and the padding counts (each replica's pipeline rank 0); with
     ``parts.guard``, a non-finite loss or norm raises or skips the optimizer step (``step`` names it);
     else every optimizer steps."""
     from .parallel import all_reduce_gradients, clip_grad_norm
+    from .tensor_parallel import reduce_tensor_parallel_gradients
     from .tied import sync_tied_gradients
 
     for optimizer in parts.optimizers:
@@ -231,6 +239,8 @@ def train_step(parts: PipelineParts, share: ReplicaShare, step: int | None = Non
     if parts.tracer is not None:
         parts.tracer.start(group=parts.pp_group)
     _run_schedule(parts, share, losses)
+    if parts.tp_group is not None:  # the tower's (and per-head norms') gradients: each tp rank holds a share
+        reduce_tensor_parallel_gradients(parts.modules)
     sync_tied_gradients(parts.modules, parts.tied, group=parts.pp_group)
     if not parts.sharded:  # FSDP2 reduce-scattered the sums over the replicas already
         all_reduce_gradients(parts.modules, group=parts.dp_group)
@@ -248,14 +258,16 @@ def train_step(parts: PipelineParts, share: ReplicaShare, step: int | None = Non
 
 def _global_sums(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]) -> tuple[float, float]:
     """(global loss, padding fraction): one float64 ``all_reduce`` over the world of [this rank's loss
-    share, pads, positions] (the counts from each replica's pipeline rank 0 only)."""
+    share, pads, positions] (the counts from each replica's pipeline rank 0 only; with tensor
+    parallelism, from ``tp`` rank 0 only)."""
     import torch.distributed as dist
 
     device = share.input_ids.device
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    if losses:
+    counts = parts.tp_group is None or dist.get_rank(parts.tp_group) == 0
+    if losses and counts:
         sums[0] = torch.stack([loss.detach().double() for loss in losses]).sum().to(device)
-    if dist.get_rank(parts.pp_group) == 0:
+    if counts and dist.get_rank(parts.pp_group) == 0:
         sums[1], sums[2] = share.pad_positions, share.positions
     dist.all_reduce(sums)
     loss, pads, positions = sums.tolist()
@@ -274,7 +286,7 @@ def eval_loss(parts: PipelineParts, shares: Sequence[ReplicaShare]) -> float:
         for share in shares:
             staged = share.staged if parts.first is not None or parts.presplit else None
             loss = eval_step(parts.schedule, parts.first, staged, share.input_ids, share.attention_mask, share.labels,
-                             share.num_valid_tokens, presplit=parts.presplit)
+                             share.num_valid_tokens, presplit=parts.presplit, tp_group=parts.tp_group)
             total += float(loss) * share.num_valid_tokens
             tokens += share.num_valid_tokens
     finally:

@@ -91,7 +91,7 @@ __all__ = [
 #: ``stale_copies`` (with ``/spread`` only): the encoder spread never refreshes its copies of the
 #: vision tower, so after the first update the other ranks encode with old weights: nothing raises,
 #: the second step's loss and gradients differ.
-FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies")
+FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies", "unreduced_tower")
 #: run variants that must still match (see :class:`Scenario`).
 VARIANTS: tuple[str, ...] = ("text_only_first", "frozen_vision", "text_only_replica", "varlen", "eval")
 _SHAPES = ("inferred", "static")
@@ -160,6 +160,10 @@ class Scenario:
             in bfloat16 (gradients reduced in float32).
         microbatches: microbatches per step for this scenario (default: the run's ``n_microbatches``),
             e.g. ``mb4`` for DualPipeV, which needs at least as many microbatches as stages.
+        tp: tensor-parallel ranks per stage (token ``tpN``): the pipeline has ``world_size // (dp * tp)``
+            ranks, each stage's language model is split with :func:`~ppmedia.pipeline.apply_tensor_parallel`
+            and the tower's gradients summed with ``reduce_tensor_parallel_gradients`` (skipped by the
+            fault ``unreduced_tower``).
         presplit: feed the schedule pre-split microbatches (token ``/presplit``:
             ``schedule.step(**ppmedia.microbatch_inputs(staged, ...).step_kwargs())``, each
             microbatch's media its own ``media`` keyword input) instead of staging the media on the
@@ -181,6 +185,7 @@ class Scenario:
     pretrained: bool = False
     fsdp: bool = False
     microbatches: int | None = None
+    tp: int = 1
     presplit: bool = False
 
     def __post_init__(self) -> None:
@@ -194,8 +199,8 @@ class Scenario:
             raise ValueError(f"scenario shapes: got {self.shapes!r}; expected one of {', '.join(_SHAPES)}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"scenario fault: got {self.fault!r}; expected None or one of {', '.join(FAULTS)}")
-        if self.dp < 1:
-            raise ValueError(f"scenario dp: got {self.dp}; expected >= 1")
+        if self.dp < 1 or self.tp < 1:
+            raise ValueError(f"scenario dp/tp: got {self.dp}/{self.tp}; expected >= 1")
         if self.dtype not in _DTYPES:
             raise ValueError(f"scenario dtype: got {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
         if self.layers is not None:
@@ -216,9 +221,10 @@ class Scenario:
 
 
 def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
-    """``schedule/shapes[/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]...[/presplit]``."""
+    """``schedule/shapes[/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant]...[/presplit]``."""
     parts = [sc.schedule, sc.shapes] + ([sc.fault] if sc.fault else [])
     parts += [f"dp{sc.dp}"] if sc.dp != 1 else []
+    parts += [f"tp{sc.tp}"] if getattr(sc, "tp", 1) != 1 else []
     parts += ["fsdp"] * sc.fsdp
     parts += [f"mb{sc.microbatches}"] if sc.microbatches is not None else []
     parts += ["ckpt"] * sc.checkpointing + ["bf16"] * (sc.dtype == "bfloat16") + ["clip"] * sc.clip
@@ -240,7 +246,7 @@ ALL_SCENARIOS: tuple[Scenario, ...] = DEFAULT_SCENARIOS + tuple(Scenario("interl
 
 
 def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
-    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit]``
+    """Scenarios from strings ``schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit]``
     (``"1f1b/static"``, ``"ZBVZeroBubble/static/dp2"``, ``"gpipe/static/layers=2+0"``) or :class:`Scenario`
     objects."""
     out = []
@@ -257,6 +263,8 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["fault"] = token
             elif token.startswith("dp") and token[2:].isdigit():
                 kwargs["dp"] = int(token[2:])
+            elif token.startswith("tp") and token[2:].isdigit():
+                kwargs["tp"] = int(token[2:])
             elif token in ("ckpt", "clip"):
                 kwargs["checkpointing" if token == "ckpt" else "clip"] = True
             elif token == "bf16":
@@ -285,7 +293,7 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
             else:
                 raise ValueError(
                     f"scenario {spec!r}: unknown part {token!r}; expected "
-                    f"schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit]"
+                    f"schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane][/presplit]"
                 )
         out.append(Scenario(schedule, **kwargs))
     return out
@@ -420,6 +428,7 @@ class ScenarioResult:
     pretrained: bool = False
     fsdp: bool = False
     microbatches: int | None = None
+    tp: int = 1
     presplit: bool = False
 
     @property
@@ -700,7 +709,7 @@ def _microbatch_of(ids: torch.Tensor, input_ids: torch.Tensor, samples: Sequence
 
 @dataclass
 class _Groups:
-    """This rank's place in the ``dp x pp`` layout (rank = dp_rank * pp + pp_rank)."""
+    """This rank's place in the ``dp x pp x tp`` layout (rank = (dp_rank * pp + pp_rank) * tp + tp_rank)."""
 
     pp: int
     dp: int
@@ -708,26 +717,29 @@ class _Groups:
     dp_rank: int
     pp_group: Any
     dp_group: Any
-    mesh: Any = None  # the (dp, pp) DeviceMesh, when dp > 1
+    mesh: Any = None  # the (dp, pp, tp) DeviceMesh, when dp > 1 or tp > 1
+    tp_rank: int = 0
 
 
-_GROUP_CACHE: dict[tuple[int, int], _Groups] = {}
+_GROUP_CACHE: dict[tuple[int, ...], _Groups] = {}
 
 
-def _groups(world: int, rank: int, dp: int) -> _Groups:
-    """The pipeline and data-parallel groups of a ``dp x (world // dp)`` layout (created once per layout;
-    ``new_group`` is collective, so every rank creates every group in the same order)."""
-    if (world, dp) in _GROUP_CACHE:
-        return _GROUP_CACHE[(world, dp)]
-    pp = world // dp
-    if dp == 1:
+def _groups(world: int, rank: int, dp: int, tp: int = 1) -> _Groups:
+    """The pipeline and data-parallel groups of a ``dp x (world // (dp * tp)) x tp`` layout, from
+    :func:`~ppmedia.pipeline.pipeline_mesh` (created once per layout: ``new_group`` is collective, so
+    every rank creates every group in the same order); ``dp = tp = 1``: the world is the pipeline."""
+    if (world, dp, tp) in _GROUP_CACHE:
+        return _GROUP_CACHE[(world, dp, tp)]
+    pp = world // (dp * tp)
+    if dp == 1 and tp == 1:
         groups = _Groups(pp, 1, rank, 0, None, None)
     else:
-        from torch.distributed.device_mesh import init_device_mesh
+        from ..pipeline import pipeline_mesh
 
-        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))  # row-major: rank = d * pp + p
-        groups = _Groups(pp, dp, rank % pp, rank // pp, mesh["pp"].get_group(), mesh["dp"].get_group(), mesh)
-    _GROUP_CACHE[(world, dp)] = groups
+        mesh = pipeline_mesh(pp, dp, tp)  # rank = (d * pp + p) * tp + t
+        groups = _Groups(pp, dp, (rank // tp) % pp, rank // (tp * pp), mesh["pp"].get_group(), mesh["dp"].get_group(),
+                         mesh, rank % tp)
+    _GROUP_CACHE[(world, dp, tp)] = groups
     return groups
 
 
@@ -835,6 +847,10 @@ def _build(
     n = scenario.microbatches or job.n_microbatches
     static = (B // g.dp // n, S) if scenario.shapes == "static" else None
     stages, tied = _stages(scenario, pristine, n_stages, indices, g, layers_per_stage, static, checkpoint)
+    if scenario.tp > 1:
+        from ..pipeline import apply_tensor_parallel
+
+        apply_tensor_parallel(stages, g.mesh["tp"])
     if scenario.fsdp:
         from ..pipeline import apply_fsdp
 
@@ -1000,6 +1016,10 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
             built.schedule.step(ids, mask, target=labels, losses=losses, loss_kwargs=loss_kwargs)
     if accumulate:
         return losses, time.perf_counter() - t0, staged
+    if scenario.tp > 1 and scenario.fault != "unreduced_tower":
+        from ..pipeline import reduce_tensor_parallel_gradients
+
+        reduce_tensor_parallel_gradients(built.modules)
     sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
     if g.dp > 1 and not scenario.fsdp:  # FSDP2 has reduce-scattered them over the dp mesh
         all_reduce_gradients(built.modules, group=g.dp_group)
@@ -1160,7 +1180,7 @@ def _run_scenario(
 
     n = scenario.microbatches or job.n_microbatches
     adapter, config = get_adapter(pristine), pristine.config
-    g = _groups(world, rank, scenario.dp)
+    g = _groups(world, rank, scenario.dp, scenario.tp)
     built = _build(scenario, job, g, pristine, tiny_module, checkpoint)
     probe = _Probe(built)
     step_results = []
@@ -1189,7 +1209,8 @@ def _run_scenario(
             step_results.append(
                 {
                     "step": step,
-                    "loss_pipeline": float(sum(l.detach().float() for l in losses)) if losses else None,
+                    # one last stage per replica: its tp peers' losses are the same loss
+                    "loss_pipeline": float(sum(l.detach().float() for l in losses)) if losses and not g.tp_rank else None,
                     "loss_reference": float(out.loss.detach()),
                     "grad_diff_vision": diffs[False],
                     "grad_diff_lm": diffs[True],
@@ -1226,6 +1247,7 @@ def _run_scenario(
         "layers_per_stage": built.layers_per_stage,
         "stage_indices": built.indices,
         "dp_rank": g.dp_rank,
+        "tp_rank": g.tp_rank,
         "owned": sorted(built.owned),
         "all_params": sorted(dict(built.reference.named_parameters(remove_duplicate=False))),
         "steps": step_results,
@@ -1358,8 +1380,9 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         pretrained=sc.get("pretrained", False),
         fsdp=sc.get("fsdp", False),
         microbatches=sc.get("microbatches"),
+        tp=sc.get("tp", 1),
         presplit=sc.get("presplit", False),
-        stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0],
+        stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0 and not v.get("tp_rank")],
     )
 
 
@@ -1499,8 +1522,8 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             f"schedules need equal microbatches: use 1, 2, 4 or 8"
         )
     for sc in scenarios:
-        if world_size % sc.dp:
-            raise ValueError(f"{sc.name}: dp {sc.dp} does not divide the {world_size} processes")
+        if world_size % (sc.dp * sc.tp):
+            raise ValueError(f"{sc.name}: dp {sc.dp} x tp {sc.tp} does not divide the {world_size} processes")
         rows = batch_size // sc.dp if batch_size % sc.dp == 0 else 0
         n = sc.microbatches or n_microbatches
         if rows == 0 or n < 1 or rows % n:
@@ -1508,11 +1531,11 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
                 f"{sc.name}: {sc.dp} replicas of the {batch_size}-sample batch cannot each run {n} "
                 f"equal microbatches"
             )
-        n_stages = schedule_layout(sc.schedule).n_stages(world_size // sc.dp)
+        n_stages = schedule_layout(sc.schedule).n_stages(world_size // (sc.dp * sc.tp))
         if sc.layers is not None and len(sc.layers) != n_stages:
             raise ValueError(f"{sc.name}: {len(sc.layers)} layer counts for {n_stages} stages")
         for family in families:
-            _refuse_idle_ranks(family, sc, world_size // sc.dp)
+            _refuse_idle_ranks(family, sc, world_size // (sc.dp * sc.tp))
         if sc.variant == "text_only_first":
             for family in families:
                 if "text_only_first" not in inspect.signature(tiny.load(family).build_batch).parameters:
@@ -1532,6 +1555,10 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
             raise ValueError(f"{sc.name}: fsdp shards over the data-parallel replicas: use dp2 or more")
         if sc.variant == "text_only_replica" and sc.dp != 2:
             raise ValueError(f"{sc.name}: text_only_replica gives replica 0 of two the text-only half: use dp2")
+        if sc.fault == "unreduced_tower" and sc.tp < 2:
+            raise ValueError(f"{sc.name}: the unreduced_tower fault breaks tensor parallelism: add /tp2")
+        if sc.tp > 1 and sc.encoder == "spread":
+            raise ValueError(f"{sc.name}: the encoder spread does not go with tensor parallelism")
         if sc.fault == "bare_module" and sc.shapes != "inferred":
             raise ValueError(f"{sc.name}: the bare_module fault only breaks a run with inferred shapes")
 
@@ -1679,7 +1706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
     parser.add_argument(
         "--scenario", action="append",
-        help="schedule[/shapes][/fault][/dpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
+        help="schedule[/shapes][/fault][/dpN][/tpN][/fsdp][/mbN][/ckpt][/bf16][/clip][/layers=A+B][/variant][/balanced][/pretrained][/spread][/nolane], e.g. ZBVZeroBubble/static/dp2 (repeatable; "
         "default: gpipe and 1f1b, both shapes); dpN needs N x pp processes (--world-size or torchrun)",
     )
     parser.add_argument("--steps", type=int, default=2)

@@ -166,12 +166,13 @@ def _one_process() -> dict[str, int]:
 
 def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+
+    from ppmedia import pipeline
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        mesh = init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "pp"))
+        mesh = pipeline.pipeline_mesh(PP, DP)
         layers = balanced_split(build_model()) if rank == 0 else None
         box = [layers]
         dist.broadcast_object_list(box, src=0)

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -27,6 +27,9 @@ Measures, in one process with ``torch.set_num_threads(1)``:
    and the timeline picture (see ``stage0_bench.py``; alone: ``--stage0``).
 10. data (``--data`` alone; see ``data_bench.py``): media files read per replica at pp=2 / pp=1, the
    loader's samples/s with 0 and 2 workers next to the training step's.
+11. tensor-parallel memory: pp=2 x tp=2 (4 processes) on section 8's model, the largest rank's
+   parameters + gradients + optimizer state over one process's (see ``tp_memory_bench.py``; alone:
+   ``--tp-memory``, with section 8 beside it).
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -60,6 +63,7 @@ import balance_bench  # noqa: E402
 import data_bench  # noqa: E402
 import load_memory_bench  # noqa: E402
 import fsdp_memory_bench  # noqa: E402
+import tp_memory_bench  # noqa: E402
 import model_bench  # noqa: E402
 import stage0_bench  # noqa: E402
 import staging_bench  # noqa: E402
@@ -123,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="balancing: print the ratio even on an unquiet machine")
     parser.add_argument("--load-memory", action="store_true", help="run only the load-memory benchmark (section 7)")
     parser.add_argument("--fsdp-memory", action="store_true", help="run only the FSDP2 memory benchmark (section 8)")
+    parser.add_argument("--tp-memory", action="store_true",
+                        help="run only the tensor-parallel memory benchmark (section 11), section 8 beside it")
     parser.add_argument("--stage0", action="store_true", help="run only the encoder-spread benchmark (section 9)")
     parser.add_argument("--data", action="store_true", help="run only the data benchmark (section 10)")
     parser.add_argument("--timeline", type=Path, default=None,
@@ -134,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_load_memory(args, None)
     if args.fsdp_memory:
         return _run_fsdp_memory(args, None)
+    if args.tp_memory:
+        return _run_tp_memory(args, None)
     if args.stage0:
         return _run_stage0(args, None)
     if args.data:
@@ -247,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     data_result = _run_data(args, targets)
     print()
 
+    # -- 11: tensor-parallel memory ------------------------------------------------------------------
+    tp_memory = _run_tp_memory(args, targets)
+    print()
+
     # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
@@ -285,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_memory": load_memory,
         "fsdp_memory": fsdp_memory,
         "data": data_result,
+        "tp_memory": tp_memory,
         "environment": env,
         "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
         "elapsed_s": round(elapsed, 1),
@@ -385,6 +398,21 @@ def _run_fsdp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | N
         args.out.write_text(json.dumps({"fsdp_memory": result}, indent=1) + "\n")
         return 0
     targets.append({"target": f"fsdp-memory: pp=2 x dp=2 FSDP2, largest rank / one process <= {result['target']}",
+                    "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
+    return result
+
+
+def _run_tp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 11; alone (``targets`` None) it also runs section 8, writes ``--out`` and returns 0."""
+    result = tp_memory_bench.run()
+    print(tp_memory_bench.report(result))
+    if targets is None:
+        fsdp = fsdp_memory_bench.run()
+        print(fsdp_memory_bench.report(fsdp).splitlines()[-1])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"tp_memory": result, "fsdp_memory": fsdp}, indent=1) + "\n")
+        return 0
+    targets.append({"target": f"tp-memory: pp=2 x tp=2, largest rank / one process <= {result['target']}",
                     "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
     return result
 
