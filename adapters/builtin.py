@@ -48,6 +48,7 @@ ADAPTERS: dict[str, str] = {
     "glm4v_moe": "ppmedia.adapters.glm4v:Glm4vAdapter",
     "glm46v": "ppmedia.adapters.glm4v:Glm4vAdapter",
     "ernie4_5_vl_moe": "ppmedia.adapters.ernie4_5_vl:Ernie4_5_VLAdapter",
+    "phi4_multimodal": "ppmedia.adapters.phi4_multimodal:Phi4MultimodalAdapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.

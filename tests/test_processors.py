@@ -312,6 +312,22 @@ def inkling_samples(rng):
     ]
 
 
+def phi4_samples(rng):
+    """Images of 16x16 to 70x30 pixels (1 or 2 sub-crops of 32 pixels, padded at the bottom or right) and
+    audio clips of 0.05 to 0.3 s at 16 kHz; samples with audio alone in a batch with images (the model
+    projects their audio as the batch's: "vision")."""
+    return [
+        [2, image(rng, 32, 32), 1, audio(rng, 0.16), 2],
+        [audio(rng, 0.12), 2, image(rng, 20, 50), 1],
+        [3, audio(rng, 0.3), 2],
+        [1, image(rng, 70, 30), 1],
+        [9],
+        [12],
+        [2, audio(rng, 0.05), image(rng, 16, 16), audio(rng, 0.2)],
+        [image(rng, 40, 64), 1],
+    ]
+
+
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
@@ -369,6 +385,8 @@ CASES: dict[str, Case] = {
     "inkling": Case(inkling_samples, ("InklingProcessor", "InklingImageProcessor", "InklingFeatureExtractor"),
                     call={"sampling_rate": 16000}, forward={"use_cache": False}),
     "inkling2": Case(inkling2_samples, ("Inkling2Processor", "Inkling2ImageProcessor"), forward={"use_cache": False}),
+    "phi4_multimodal": Case(phi4_samples, ("Phi4MultimodalProcessor", "Phi4MultimodalImageProcessor",
+                                           "Phi4MultimodalFeatureExtractor"), call={"sampling_rate": 16000}),
 }
 
 BACKEND_CASES = [(family, "torchvision") for family in CASES] + [(f, "pil") for f, case in CASES.items() if case.pil]
@@ -409,7 +427,8 @@ def test_family_on_its_processor(family, backend):
     processor, batch = processor_batch(family, backend)
     names = [type(processor).__name__, type(processor.image_processor).__name__]
     names += [type(part).__name__ for part in (getattr(processor, "video_processor", None),
-                                                getattr(processor, "feature_extractor", None)) if part is not None]
+                                                getattr(processor, "feature_extractor", None) or getattr(processor, "audio_processor", None))
+              if part is not None]  # Phi-4's processor names its feature extractor audio_processor
     expected = list(case.classes)
     if backend == "pil":
         expected[1] = case.pil

@@ -31,6 +31,9 @@ MODEL_PARTS = ("vision", "projector", "language")
 PROJECTOR_NAMES = frozenset({
     "multi_modal_projector", "mm_projector", "merger", "merger_list", "deepstack_merger_list", "connector",
     "embed_vision", "embed_audio", "resampler_model", "image_newline", "vision_adapter",
+    # Phi-4-multimodal's projections inside embed_tokens_extend
+    "img_projection_up", "img_projection_down", "up_proj_for_speech", "down_proj_for_speech",
+    "up_proj_for_vision_speech", "down_proj_for_vision_speech",
 })
 
 
@@ -40,7 +43,9 @@ def model_part(name: str, module: nn.Module) -> str:
     ``head_name`` say where the language side is)."""
     lm_path = getattr(module, "language_model_path", None) or "model.language_model"
     head = getattr(module, "head_name", None) or "lm_head"
-    if name.startswith(lm_path + ".") or name == head or name.startswith(head + "."):
+    merge = getattr(module, "merge_path", None)  # encoders inside the decoder stack (Phi-4): not language
+    inside_merge = isinstance(merge, str) and name.startswith(merge + ".")
+    if not inside_merge and (name.startswith(lm_path + ".") or name == head or name.startswith(head + ".")):
         return "language"
     if PROJECTOR_NAMES.intersection(name.split(".")):
         return "projector"

@@ -84,6 +84,7 @@ FAMILIES: tuple[str, ...] = (
     "glm4v_moe",
     "glm46v",
     "ernie4_5_vl_moe",
+    "phi4_multimodal",
 )
 
 

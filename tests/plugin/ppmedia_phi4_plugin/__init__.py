@@ -8,6 +8,10 @@ stage cutter keeps that module (encoders included) on the first stage only, and 
 vision replica keeps it. Images only here (padded crops, global view first, plus ``image_sizes``:
 the core ``images`` layout with LLaVA-NeXT's padded crops); the tiny batch's crops are never partly
 padded, so the patch mask is all ones and ``encode`` passes one.
+
+Phi-4-multimodal is built in (``ppmedia.adapters.phi4_multimodal``, images and audio, the processor's
+keys, the same ``merge_path``); this example replaces it (``override = True``) to show the kit path a
+plugin author takes with the one declaration.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Phi4ImagesAdapter(VlmAdapter):
     layout = "padded crops [images, max_crops, C, crop, crop], global view first; image_sizes [images, 2]"
     language_model_path = "model"
     merge_path = MERGE_PATH
+    override = True  # replaces the built-in phi4_multimodal adapter where this plugin is registered
 
     def media_per_sample(
         self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
