@@ -28,7 +28,9 @@ Checkpoints are torch.distributed.checkpoint folders ``--save-dir/step{N}/`` und
 published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, with or without
 ``--fsdp`` (``auto``: the newest complete one under ``--save-dir``, or a fresh start if there is none).
 ``--encoder spread`` lets every pipeline rank encode a share of each step's media
-(``pipeline.EncoderSpread``; see docs/encoder-spread.md), ``--trace FILE.svg`` draws the last step's
+(``pipeline.EncoderSpread``; see docs/encoder-spread.md; with ``--model`` a rank without stage 0 loads
+the checkpoint's vision side alone, and with ``--data`` stage 0's rank, which reads the media, sends
+each rank the pixels of its shares), ``--trace FILE.svg`` draws the last step's
 measured per-rank timeline. ``--eval-every N`` adds the loss of a held-out batch (forward only) to every N-th step's log line.
 
 Guards (``pipeline.guards``; docs/training.md "Guards"): every option is checked before anything starts

@@ -32,8 +32,13 @@ all the vision work. :class:`EncoderSpread` (``make_pipeline_stages(..., encoder
 
 Loss and gradients equal the stage-0 placement's (and the model's own full-batch run) within float
 rounding: the tower runs on exactly the same chunks, only on another rank. Every rank must hold the
-same batch (each splits it, ``split_media``, the same way). Deepstack outputs (Qwen3-VL) travel as
+same batch (each splits it, ``split_media``, the same way; the media only on stage 0's rank with
+``media_from_first_stage``, below). Deepstack outputs (Qwen3-VL) travel as
 further ``[tokens, H]`` tensors (``adapter.encoder_output_names``).
+
+With ``media_from_first_stage`` only the rank holding stage 0 has the media (a
+:class:`ppmedia.data.ReplicaLoader` reads them there): it makes the plan alone, broadcasts it, and
+sends each rank the tensors of the chunks that rank encodes, so nothing is read or decoded twice.
 
 With FSDP2 stages (:func:`~ppmedia.pipeline.apply_fsdp` after ``make_pipeline_stages``) the first
 stage's vision side stays whole, outside its FSDP2 group (:meth:`EncoderSpread.shard_over`), and the
