@@ -62,7 +62,15 @@ def item_tokens(grid: list[int], merges: list[int], what: str) -> list[int]:
 
 
 def _assign(per_sample: list[int], per_item: list[int], what: str) -> list[int]:
-    """Items per sample: consecutive items whose tokens add up to each sample's placeholder tokens."""
+    """Items per sample: consecutive items whose tokens add up to each sample's placeholder tokens.
+
+    Raises:
+        ValueError: an item of no tokens (a video whose mask keeps nothing: no sample can be told its
+            owner), a sample's tokens ending inside an item, or items left over.
+    """
+    if 0 in per_item:
+        raise ValueError(f"video_llama_3: {what} {per_item.index(0)} gives no placeholder tokens ({what} token counts "
+                         f"{per_item}); expected at least one a {what} (the processor keeps one feature a frame)")
     counts, i = [], 0
     for s, tokens in enumerate(per_sample):
         n = 0
@@ -173,8 +181,9 @@ class VideoLlama3Adapter(VlmAdapter):
             inputs[f"{modality}_grid"], inputs[merge_key] = grid, merges
         mask = extras.get("video_compression_mask")
         if mask is not None and "video_grid" in inputs:
-            if mask.dim() != 1:
-                raise ValueError(f"video_llama_3 video_compression_mask: shape {shape(mask)}; expected [video features] (1-D)")
+            if mask.dim() != 1 or mask.dtype != torch.bool:
+                raise ValueError(f"video_llama_3 video_compression_mask: shape {shape(mask)}, dtype {mask.dtype}; expected "
+                                 f"[video features] bool (the model indexes its features with it)")
             inputs["video_kept"] = mask.sum(dtype=torch.int64).reshape(1)
         return inputs
 

@@ -14,7 +14,7 @@ import ppmedia
 from ppmedia.adapters.media_layouts import _VIDEO_ROWS, VIDEOLLAMA3_VIDEOS, _with_compression_mask
 from ppmedia.adapters.video_llama_3 import VideoLlama3Adapter
 from ppmedia.layouts import GridRows, LayoutSet, item_layout
-from ppmedia.testing import check_adapter
+from ppmedia.testing import AdapterMismatch, check_adapter
 from ppmedia.testing.goldens import check_goldens
 from ppmedia.testing.tiny_models import video_llama_3 as tiny
 
@@ -101,6 +101,13 @@ def test_items_are_mapped_to_samples_by_their_tokens():
     odd = dict(batch, image_merge_sizes=torch.tensor([2, 1, 1, 2, 4]))  # image 4: h = 4, w = 6
     with pytest.raises(ValueError, match=r"image 4: grid \(t, h, w\) = \(1, 4, 6\) with merge size 4"):
         adapter.media_per_sample(batch["input_ids"], config, media=odd)
+    empty = batch["video_compression_mask"].clone()
+    empty[8:20] = False  # video 1 (sample 1) keeps nothing
+    with pytest.raises(ValueError, match=r"video 1 gives no placeholder tokens"):
+        adapter.media_per_sample(batch["input_ids"], config, media=dict(batch, video_compression_mask=empty))
     counts = adapter.media_counts(batch, config)
+    as_int = dict(batch, video_compression_mask=batch["video_compression_mask"].to(torch.int64))
+    with pytest.raises(AdapterMismatch, match=r"dtype torch.int64; expected \[video features\] bool"):
+        check_adapter("video_llama_3", batch=as_int, reference=torch.zeros(8, 25, 64), microbatches=(1,))
     with pytest.raises(ValueError, match=r"image_grid_thw products: sum to 60; expected 59, the rows of pixel_values"):
         ppmedia.split_media(dict(batch, pixel_values=batch["pixel_values"][:-1]), 2, **counts)
