@@ -54,9 +54,15 @@ def _worker(rank: int, port: int, root: str) -> None:
         replica = data.ReplicaLoader(ds, processor, global_batch_size=4, seed=2, dp_rank=rank, dp_size=2)
         first = next(iter(replica))
         counts = [first["n_label_tokens"], data.global_label_tokens(first, dist.group.WORLD)]
+        # with dp_group, every replica's rows are padded to the longest replica's (FSDP2 needs one shape)
+        synced = next(iter(data.ReplicaLoader(ds, processor, global_batch_size=4, seed=2, dp_rank=rank, dp_size=2,
+                                              dp_group=dist.group.WORLD)))
+        lengths: list = [None, None]
+        dist.all_gather_object(lengths, first["input_ids"].shape[1])
+        padded = {"lengths": lengths, "first": first, "synced": synced}
         torch.save({"batches": batches, "packed": packed, "media_opened": media_opened,
                     "pngs_opened": [f for f in opened if f.endswith(".png")], "counts": counts,
-                    "skips": _skips_resumed(rank, root, processor)},
+                    "skips": _skips_resumed(rank, root, processor), "padded": padded},
                    os.path.join(root, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -133,6 +139,18 @@ def test_only_the_encoding_rank_reads_media(tmp_path):
         for key in ("n_samples", "n_label_tokens", "skipped", "sample_names", "packed_rows"):
             assert mine[key] == theirs[key], key
     assert reader["counts"][1] == other["counts"][1] == reader["counts"][0] + other["counts"][0]
+    # the replicas' rows differ in length alone; with dp_group both are the longest's, the extra columns
+    # padding (no attention, no label), the rest unchanged
+    lengths = reader["padded"]["lengths"]
+    assert lengths[0] != lengths[1], lengths
+    for rank in (reader, other):
+        own, synced = rank["padded"]["first"], rank["padded"]["synced"]
+        S = own["input_ids"].shape[1]
+        assert synced["input_ids"].shape[1] == max(lengths), (synced["input_ids"].shape, lengths)
+        assert torch.equal(synced["input_ids"][:, :S], own["input_ids"])
+        assert torch.equal(synced["attention_mask"][:, :S], own["attention_mask"])
+        assert not synced["attention_mask"][:, S:].any()
+        assert synced["n_label_tokens"] == own["n_label_tokens"] and synced["global_label_tokens"] == reader["counts"][1]
     # skipped: global (every replica's), saved so, and continued so after a resume at dp = 2
     for rank in (reader, other):
         assert rank["skips"]["batch0"] == 2 and rank["skips"]["states"] == [2, 2], rank["skips"]

@@ -10,7 +10,7 @@ from torch import Tensor
 from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
 from .processor import TOKEN_KEYS
 
-__all__ = ["collate_samples"]
+__all__ = ["collate_samples", "pad_to_length"]
 
 
 def _pad_value(key: str, pad_id: int) -> int:
@@ -64,3 +64,24 @@ def collate_samples(samples: Sequence[dict[str, Any] | None], pad_id: int) -> di
         parts = [s[key] for s in real if key in s]
         batch[key] = _concat_media(parts)
     return batch
+
+
+def pad_to_length(batch: dict[str, Any], length: int, pad_id: int) -> None:
+    """Pad ``batch``'s token rows ``[B, S]`` on the right to ``[B, length]`` in place (``length >= S``),
+    as :func:`collate_samples` pads: ``pad_id`` / 0 / :data:`IGNORE_INDEX`, ``labels``' last column
+    :data:`SHIFTED_MARK` (the old last column becomes an ignored position)."""
+    seq = int(batch["input_ids"].shape[1])
+    if length < seq:
+        raise ValueError(f"pad_to_length: the rows are {seq} tokens; cannot pad them to {length}")
+    if length == seq:
+        return
+    for key in TOKEN_KEYS:
+        value = batch.get(key)
+        if not isinstance(value, Tensor) or value.dim() != 2:
+            continue
+        extra = torch.full((value.shape[0], length - seq), _pad_value(key, pad_id), dtype=value.dtype,
+                           device=value.device)
+        if key == "labels":
+            value = value.masked_fill(value == SHIFTED_MARK, IGNORE_INDEX)
+            extra[:, -1] = SHIFTED_MARK
+        batch[key] = torch.cat([value, extra], dim=1)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
-from .batching import collate_samples
+from .batching import collate_samples, pad_to_length
 from .errors import DataError
 from .packed import Packing, pack_steps
 from .processor import TOKEN_KEYS, SampleProcessor, TooLong
@@ -252,14 +252,22 @@ class ReplicaLoader:
         return batch if self.reads_media else dict(shared[0])
 
     def _sum_over_replicas(self, batch: dict[str, Any], new_skips: int) -> int:
-        """One ``all_reduce`` over ``dp_group`` of [label tokens, samples, new skips]: the global
-        counts go into ``batch``; returns the replicas' new skips together."""
+        """One ``all_reduce`` over ``dp_group`` of [label tokens, samples, new skips, each replica's row
+        length]: the global counts go into ``batch`` and its token rows are padded to the longest
+        replica's (every replica's stages then see the same shapes: FSDP2's collectives inside torch's
+        stage re-initialisation, which follows the shapes, run on every replica or on none); returns
+        the replicas' new skips together."""
         device = torch.device("cpu")
         if dist.get_backend(self.dp_group) == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-        sums = torch.tensor([batch["n_label_tokens"], batch["n_samples"], new_skips], dtype=torch.int64, device=device)
+        # slot 3 + dp_rank carries this replica's row length, so the one reduction also gives the longest
+        lengths = [0] * self.dp_size
+        lengths[self.dp_rank] = int(batch["input_ids"].shape[1])
+        sums = torch.tensor([batch["n_label_tokens"], batch["n_samples"], new_skips, *lengths], dtype=torch.int64,
+                            device=device)
         dist.all_reduce(sums, group=self.dp_group)
-        tokens, samples, skips = (int(v) for v in sums.tolist())
+        tokens, samples, skips, *seen = (int(v) for v in sums.tolist())
+        pad_to_length(batch, max(seen), self.processor.pad_id)
         batch["global_label_tokens"], batch["global_samples"] = tokens, samples
         return skips
 
