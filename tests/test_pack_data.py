@@ -33,10 +33,15 @@ from ppmedia import data, pipeline
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-5
 #: the families with tiny processors whose packed losses are checked against their unpacked ones
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "llava_next", "gemma3", "gemma4", "qwen2_5_omni", "internvl")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "llava_next", "gemma3", "gemma4", "qwen2_5_omni", "internvl", "paligemma", "glm4v",
+            "glm4v_moe", "glm46v", "llava", "llava_pixtral", "mistral3", "mistral_small4", "aya_vision", "qwen3_omni",
+            "ernie4_5_vl_moe")
 N_RECORDS, BATCH, MAX_LENGTH = 16, 8, 128
 #: the train.py runs' rows (a LLaVA-NeXT or Gemma 4 record over it is skipped, in both runs alike)
 TRAIN_MAX_LENGTH = 128
+#: per family, what its records must be: PaliGemma's processor refuses a record without an image, and
+#: one with two (the data pipeline hands it a sample's images as one flat list)
+DATASET_KWARGS: dict[str, dict[str, float]] = {"paligemma": {"text_only": 0.0, "two_images": 0.0}}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -145,7 +150,7 @@ def _one_rank():
 
 
 def _losses(checkpoint, path, log: pathlib.Path, *extra: str) -> dict[int, dict]:
-    extra = tuple(flag for flag in extra if flag != "--planted-bug")
+    extra = tuple(flag for flag in extra if not flag.startswith("--planted-"))
     script = _train_script()
     argv = ["--pp", "1", "--dp", "1", "--model", str(checkpoint), "--data", str(path), "--batch-size", str(BATCH),
             "--max-length", str(TRAIN_MAX_LENGTH), "--epochs", "1", "--lr", "0", "--no-shuffle", "--loss-log", str(log), *extra]
@@ -169,7 +174,8 @@ def runs(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"pack-{family}")
             checkpoint = save_tiny_checkpoint(family, root / "ckpt")
             made[family] = (checkpoint, write_length_skewed_dataset(root / "data", N_RECORDS, words=_words(checkpoint),
-                                                                    max_words=24, seed=3))
+                                                                    max_words=24, seed=3,
+                                                                    **DATASET_KWARGS.get(family, {})))
         key = (family, *flags)
         if key not in done:
             checkpoint, path = made[family]
@@ -191,13 +197,26 @@ def test_pack_logs_the_unpacked_losses_step_for_step(family, runs):
         assert b["padding_fraction"] < a["padding_fraction"], (step, b["padding_fraction"], a["padding_fraction"])
 
 
-def test_without_isolation_the_packed_losses_differ(runs, monkeypatch):
-    """The planted bug: stages that take packed rows as plain ones (no per-sample positions or masks)."""
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "paligemma"])
+def test_without_isolation_the_packed_losses_differ(family, runs, monkeypatch):
+    """The planted bug: stages that take packed rows as plain ones (no per-sample positions or masks).
+    PaliGemma: its prefix-LM block (every prefix token of the row, type 0) then spans the samples."""
     from ppmedia import packing
 
-    plain = runs("qwen2_5_vl")
+    plain = runs(family)
     monkeypatch.setattr(packing, "enable_packing", lambda modules, enabled=True: None)
-    packed = runs("qwen2_5_vl", "--pack", "--planted-bug")  # the key of this run only; train.py never sees it
+    packed = runs(family, "--pack", "--planted-bug")  # the key of this run only; train.py never sees it
+    assert max(abs(plain[s]["loss"] - packed[s]["loss"]) for s in plain) > 1e-3
+
+
+def test_paligemma_prefix_leaking_across_a_boundary_changes_the_losses(runs, monkeypatch):
+    """The planted bug: positions restart per sample, but the masks are the family's own over the whole
+    row (``isolate`` a no-op): the row's prefix-LM block and the causal mask reach into other samples."""
+    from ppmedia.packing import isolation
+
+    plain = runs("paligemma")
+    monkeypatch.setattr(isolation, "isolate", lambda config, hidden, mask, segments: mask)
+    packed = runs("paligemma", "--pack", "--planted-leak")
     assert max(abs(plain[s]["loss"] - packed[s]["loss"]) for s in plain) > 1e-3
 
 

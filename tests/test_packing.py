@@ -25,6 +25,16 @@ def test_plan_rows_orders_by_cost_and_makes_a_multiple():
     assert sorted(loads) == [3, 5]  # {5, 0} and {1, 2}: the best split of these rows
 
 
+def test_plan_rows_repacks_into_the_rows_the_multiple_adds():
+    """First-fit decreasing into 128 gives 3 rows (113, 88, 51 tokens); 2 microbatches need 4: the
+    samples are packed again into 4 rows of at most 71 tokens (the old split left 113: S 113 -> 71)."""
+    lengths = [46, 29, 26, 25, 33, 34, 27, 32]
+    rows = plan_rows(lengths, 128, multiple_of=2)
+    assert len(rows) == 4 and sorted(i for r in rows for i in r) == list(range(8))
+    assert max(sum(lengths[i] for i in r) for r in rows) == 71
+    assert plan_rows([5, 3, 7, 2, 4], 8) == [[2], [0, 1], [3, 4]]  # no row added: first-fit decreasing as it was
+
+
 def test_plan_rows_names_a_sample_too_long():
     with pytest.raises(ValueError, match=r"sample 1 has 9 tokens, over max_length=8"):
         plan_rows([3, 9], 8)
