@@ -8,8 +8,12 @@
 * examples/train.py in this process (one rank, pp = dp = 1, the tiny checkpoints with their real
   processors, a length-skewed dataset): with ``--lr 0 --no-shuffle``, ``--pack`` logs the losses of
   the run without it, step for step within 1e-5, and a smaller ``padding_fraction``, for every family
-  of :data:`FAMILIES`; with isolation switched off (a planted bug) the losses differ;
-  ``--pack-across-batches 2`` trains every label token of the epoch once.
+  of :data:`FAMILIES`; with isolation switched off (a planted bug) the losses differ, and so do
+  PaliGemma's with only its masks left unisolated (its prefix block across the row's samples);
+  ``--pack-across-batches 2`` trains every label token of the epoch once;
+* the table is complete: every built-in family with a tiny processor is in :data:`FAMILIES`, in
+  :data:`STAGES_ONLY` (train.py cannot train it at all) or in :data:`REFUSED` (``--pack`` refuses it,
+  with the reason); PaliGemma's samples from ``ppmedia.data`` are prefix up to the answer only.
 
 The 2-process broadcast of packed rows to the rank that reads no media is a scenario of
 tests/test_data_mp.py's spawn.
@@ -36,6 +40,26 @@ TOL = 1e-5
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "llava_next", "gemma3", "gemma4", "qwen2_5_omni", "internvl", "paligemma", "glm4v",
             "glm4v_moe", "glm46v", "llava", "llava_pixtral", "mistral3", "mistral_small4", "aya_vision", "qwen3_omni",
             "ernie4_5_vl_moe")
+#: the families with tiny processors that examples/train.py cannot train even unpacked (no loss to
+#: compare): their packed rows are checked on the stages in one process instead
+#: (tests/test_packing.py's ``test_packed_forward_equals_the_unpacked_one``), with why
+STAGES_ONLY = {
+    "kimi_vl": "transformers' from_pretrained cannot load its tiny checkpoint (PermuteForRope on q_proj)",
+    "kimi_k25_video": "transformers' from_pretrained cannot load its tiny checkpoint (PermuteForRope on q_proj)",
+    "phi4_multimodal": "its saved tiny processor loads back without its chat template (ppmedia.data renders with it)",
+}
+#: the families with tiny processors that --pack refuses (ppmedia.packing.packing_problem): a piece
+#: of the reason it gives
+REFUSED = {
+    "idefics3": "its media hold one entry per sample on axis 0",
+    "llava_onevision": "the model tiles an image only when its sample holds exactly one image",
+    "step3": "its crops are counted per sample (num_patches [samples])",
+    "llama4": "chunked attention (attention_chunk_size=",
+    "mistral_large4": "decoder layers of type indexed_attention are not plain attention",
+    "minimax_m3_vl": "decoder layers of type minimax_m3_sparse are not plain attention",
+    "inkling": "decoder layers of type hybrid, hybrid_sliding are not plain attention",
+    "inkling2": "decoder layers of type hybrid, hybrid_sliding are not plain attention",
+}
 N_RECORDS, BATCH, MAX_LENGTH = 16, 8, 128
 #: the train.py runs' rows (a LLaVA-NeXT or Gemma 4 record over it is skipped, in both runs alike)
 TRAIN_MAX_LENGTH = 128
@@ -195,6 +219,54 @@ def test_pack_logs_the_unpacked_losses_step_for_step(family, runs):
         assert (a["tokens"], a["samples"], a["skipped"]) == (b["tokens"], b["samples"], b["skipped"])
         assert a["samples"] + a["skipped"] >= BATCH - 1 and a["tokens"] > 0
         assert b["padding_fraction"] < a["padding_fraction"], (step, b["padding_fraction"], a["padding_fraction"])
+
+
+def test_paligemma_samples_are_prefix_up_to_the_answer(tmp_path):
+    """PaliGemma's processor, called without a suffix, marks the whole sample prefix (token type 0:
+    bidirectional, the answer would see itself); with the config the answer and what follows are 1."""
+    from ppmedia.testing.datasets import write_length_skewed_dataset
+    from ppmedia.testing.processors import build_tiny_processor
+    from ppmedia.testing.tiny_models import paligemma
+    from ppmedia.testing.word_tokenizer import text_words
+
+    processor = build_tiny_processor("paligemma")
+    path = write_length_skewed_dataset(tmp_path, 1, words=text_words(processor.tokenizer), text_only=0.0, two_images=0.0)
+    record = data.open_dataset(str(path))[0]
+    alone = data.SampleProcessor(processor)(record)
+    sample = data.SampleProcessor(processor, config=paligemma.build_config())(record)
+    assert alone["token_type_ids"].eq(0).all()
+    answer = int((sample["labels"][0] >= 0).nonzero()[0, 0]) + 1  # labels are shifted by one
+    types = sample["token_type_ids"][0].tolist()
+    assert 0 < answer < len(types) and types == [0] * answer + [1] * (len(types) - answer)
+    assert torch.equal(sample["input_ids"], alone["input_ids"]) and torch.equal(sample["labels"], alone["labels"])
+
+
+def test_every_family_with_a_tiny_processor_is_checked_or_refused():
+    """The table is complete: each built-in family with a tiny processor is in exactly one of FAMILIES
+    (train.py's losses), STAGES_ONLY (train.py cannot run it; the stages' check) and REFUSED; a refused
+    family's config is refused with its reason, the others' are not."""
+    from ppmedia.packing import packing_problem
+    from ppmedia.registry import get_adapter
+    from ppmedia.testing import tiny_models
+    from ppmedia.testing.processors import has_tiny_processor
+
+    groups = [set(FAMILIES), set(STAGES_ONLY), set(REFUSED)]
+    assert sum(map(len, groups)) == len(set.union(*groups)), "a family in two groups"
+    assert set.union(*groups) == {f for f in tiny_models.FAMILIES if has_tiny_processor(f)}
+    for family in tiny_models.FAMILIES:
+        config = tiny_models.load(family).build_config()
+        problem = packing_problem(config, get_adapter(config))
+        if family in REFUSED:
+            assert problem is not None and REFUSED[family] in problem, (family, problem)
+        elif family in FAMILIES or family in STAGES_ONLY:
+            assert problem is None, (family, problem)
+
+
+def test_pack_refuses_a_family_before_training(runs):
+    """train.py --pack on Idefics3: one ValueError naming the family and why, before any step."""
+    with pytest.raises(ValueError, match=r"sequence packing refused for idefics3: its media hold one entry per sample "
+                                         r"on axis 0 \(pixel_values \[samples, max_crops, C, H, W\]"):
+        runs("idefics3", "--pack")
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "paligemma"])

@@ -95,11 +95,13 @@ def _step(stages, batch, config):
     return float(loss.detach()), grads, inputs.loss_kwargs["num_valid_tokens"]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_vl", "kimi_k25_video", "phi4_multimodal"])
 def test_packed_forward_equals_the_unpacked_one(family):
-    """Two samples a row (Qwen2.5-VL: mrope per sample; Gemma 3: image blocks and sliding windows):
-    loss and every gradient within 1e-5 of the unpacked batch through the same two stages; with the
-    stages not told (no isolation, positions over the row) the loss is off."""
+    """Two samples a row (Qwen2.5-VL: mrope per sample; Gemma 3: image blocks and sliding windows;
+    Kimi-VL, Kimi-K2.5 and Phi-4-multimodal: the families examples/train.py cannot train, see
+    tests/test_pack_data.py's STAGES_ONLY): loss and every gradient within 1e-5 of the unpacked batch
+    through the same two stages; with the stages not told (no isolation, positions over the row) the
+    loss is off by over 50 times that (Kimi-VL's by 7.6e-4, the least)."""
     from ppmedia.pipeline import build_stage_modules
     from ppmedia.testing import tiny_models
     from ppmedia.testing.packed import in_order_rows, pack_batch
@@ -114,7 +116,7 @@ def test_packed_forward_equals_the_unpacked_one(family):
     wrong, _, _ = _step(stages, packed, model.config)
     enable_packing(stages)
     loss_p, grads_p, valid_p = _step(stages, packed, model.config)
-    assert valid_p == valid and abs(loss_p - loss) <= 1e-5 and abs(wrong - loss) > 1e-3
+    assert valid_p == valid and abs(loss_p - loss) <= 1e-5 and abs(wrong - loss) > 5e-4
     assert grads_p.keys() == grads.keys()
     assert max(float((grads[n] - grads_p[n]).abs().max()) for n in grads) <= 1e-5
 

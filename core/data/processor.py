@@ -118,7 +118,7 @@ class SampleProcessor:
             return
         from ..registry import get_adapter
 
-        key = get_adapter(self.config).prefix_lm_key
+        key = getattr(get_adapter(self.config), "prefix_lm_key", None)
         if key is None or key not in sample:
             return
         labelled = ((sample["labels"][0] != IGNORE_INDEX) & (sample["labels"][0] != SHIFTED_MARK)).nonzero()
