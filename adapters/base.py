@@ -682,7 +682,7 @@ class VlmAdapter(abc.ABC):
             positions ``[b, S]`` restarting at 0 at every sample (:func:`ppmedia.packing.sample_positions`).
             Override it for a family whose 1-D positions start elsewhere (PaliGemma: at 1).
         """
-        from ..packing.assemble import sample_positions
+        from ..packing.positions import sample_positions
 
         if not any(spec.name == "position_ids" for spec in self.wire_tensors(model.config, 0)):
             return sample_positions(segments)

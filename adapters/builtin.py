@@ -49,6 +49,7 @@ ADAPTERS: dict[str, str] = {
     "glm46v": "ppmedia.adapters.glm4v:Glm4vAdapter",
     "ernie4_5_vl_moe": "ppmedia.adapters.ernie4_5_vl:Ernie4_5_VLAdapter",
     "phi4_multimodal": "ppmedia.adapters.phi4_multimodal:Phi4MultimodalAdapter",
+    "video_llama_3": "ppmedia.adapters.video_llama_3:VideoLlama3Adapter",
 }
 
 #: ``config.model_type`` strings seen on checkpoints -> the model type of a row above.

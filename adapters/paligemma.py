@@ -139,7 +139,7 @@ class PaliGemmaAdapter(VlmAdapter):
         chunk: VlmMediaChunk | None = None,
     ) -> Tensor | None:
         """Packed rows: the model's 1-indexed positions, restarting at 1 at every sample."""
-        from ..packing.assemble import sample_positions
+        from ..packing.positions import sample_positions
 
         return sample_positions(segments) + 1
 

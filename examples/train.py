@@ -28,7 +28,9 @@ Checkpoints are torch.distributed.checkpoint folders ``--save-dir/step{N}/`` und
 published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, with or without
 ``--fsdp`` (``auto``: the newest complete one under ``--save-dir``, or a fresh start if there is none).
 ``--encoder spread`` lets every pipeline rank encode a share of each step's media
-(``pipeline.EncoderSpread``; see docs/encoder-spread.md), ``--trace FILE.svg`` draws the last step's
+(``pipeline.EncoderSpread``; see docs/encoder-spread.md; with ``--model`` a rank without stage 0 loads
+the checkpoint's vision side alone, and with ``--data`` stage 0's rank, which reads the media, sends
+each rank the pixels of its shares), ``--trace FILE.svg`` draws the last step's
 measured per-rank timeline. ``--eval-every N`` adds the loss of a held-out batch (forward only) to every N-th step's log line.
 
 Guards (``pipeline.guards``; docs/training.md "Guards"): every option is checked before anything starts
@@ -192,9 +194,6 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--epochs counts passes over --data: give --steps for the stand-in batches")
     if args.data and args.epochs is None and args.steps is None:
         parser.error("give --epochs or --steps")
-    if args.encoder == "spread" and args.model:
-        parser.error("--encoder spread cuts each rank's copy of the vision tower from the full model; "
-                     "--model loads only each rank's stages: drop one of them")
     if args.pack and not args.data:
         parser.error("--pack packs the samples of --data: give --model and --data")
     if args.pack_across_batches and not args.pack:
@@ -241,10 +240,16 @@ def stage_modules(args: argparse.Namespace, n_stages: int, indices: list[int], d
 
 
 def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any, device: torch.device) -> list[Any]:
-    """This rank's ``PipelineStage`` objects (``--encoder spread``: cut from the full tiny model, which
-    also gives a rank without stage 0 its copy of the vision side)."""
+    """This rank's ``PipelineStage`` objects. ``--encoder spread``: with ``--model``, a rank without
+    stage 0 also loads the checkpoint's vision side alone (``pipeline.vision_from_pretrained``); the
+    tiny family's are cut from its full model, which gives such a rank its copy of the vision side."""
     layout = pipeline.schedule_layout(args.schedule)  # stages per rank and their placement (loop / V)
     n_stages, indices = layout.n_stages(args.pp), layout.stage_indices(pp_rank, args.pp)
+    if args.encoder == "spread" and args.model:
+        vision = None if 0 in indices else pipeline.vision_from_pretrained(args.model, dtype=model_dtype(args),
+                                                                          device=device)
+        return pipeline.make_pipeline_stages(stage_modules(args, n_stages, indices, device), n_stages, indices,
+                                             device, group=pp_group, encoder="spread", vision=vision)
     if args.encoder == "spread":
         model = tiny_models.load(args.family).build_model(args.seed).to(device=device, dtype=model_dtype(args))
         return pipeline.make_pipeline_stages(model, n_stages, indices, device, group=pp_group, encoder="spread",
@@ -265,18 +270,20 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     if args.tp > 1:  # before FSDP2 and the optimizers: DTensor shards over tp
         pipeline.apply_tensor_parallel(stages, mesh["tp"])
     modules = [stage.submod for stage in stages]
+    spread = pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None
+    if spread is not None and args.data:  # the loader reads media on stage 0's rank: it sends each rank its shares
+        spread.media_from_first_stage = True
     if args.freeze:
         pipeline.freeze(modules, args.freeze)
     if args.activation_checkpointing:
         pipeline.enable_activation_checkpointing(modules)
-    pipeline.train_mode(modules)
+    pipeline.train_mode(modules if spread is None or spread.vision in modules else [*modules, spread.vision])
     if args.pack:  # every stage isolates the samples of a packed row (a family that cannot is refused here)
         from ppmedia import packing
 
         packing.enable_packing(modules)
     if args.fsdp:
         pipeline.apply_fsdp(stages, mesh["dp"], mixed_precision=torch.bfloat16 if args.bf16 else None)
-    spread = pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None
     parts = pipeline.PipelineParts(
         schedule=pipeline.build_schedule(args.schedule, stages, args.microbatches),
         first=next((s for s in stages if s.is_first), None), modules=modules,
@@ -495,10 +502,25 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
                 run_id=ctx["run_id"])
     if progress is not None:
         progress.close()
+    if args.data:  # collective: what each rank read (DataLoader workers' opens are counted in the workers)
+        _say(media_reads_line())
+    if parts.spread is not None:  # collective: who encoded what
+        encoded: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(encoded, parts.spread.last_encoded)
+        _say("encoder spread, last step: microbatches encoded per rank: "
+             + ", ".join(f"{r}: {mine}" for r, mine in enumerate(encoded)))
     if parts.tracer is not None:
         draw_trace(ctx, args)
     if args.export:
         export(ctx, args)
+
+
+def media_reads_line() -> str:
+    """One line: the media files each rank opened (``ppmedia.data.media_reads``; collective)."""
+    from ppmedia import data
+
+    reads = data.media_reads()
+    return "media files opened per rank: " + ", ".join(f"{r}: {n} ({d} distinct)" for r, (n, d) in enumerate(reads))
 
 
 def export(ctx: dict[str, Any], args: argparse.Namespace) -> None:

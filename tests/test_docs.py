@@ -648,9 +648,9 @@ NOT_RUN: dict[str, NotRun] = {
         "step's loss and gradient norm against the model's own run, the checkpoint resumed at pp2 x dp2 with FSDP2",
         _run_as_written_by("test_tensor_parallel", "documented_tp_lines")) for line in [
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --tp 2 --steps 2 "
-        "--loss-log tp.jsonl --save-dir ckpt --save-every 1",
+        "--loss-log tp.jsonl --save-dir ckpt --save-every 1 --export tp-export",
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp --steps 2 "
-        "--resume ckpt/step1 --loss-log fsdp.jsonl"]},
+        "--resume ckpt/step1 --loss-log fsdp.jsonl --export fsdp-export"]},
     **{command_key(line): _FSDP_DCP for line in [
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp "
         "--steps 6 --save-dir ckpt --save-every 2 --eval-every 2 --loss-log straight.jsonl",

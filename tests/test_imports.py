@@ -25,8 +25,9 @@ ABOVE_PIPELINE = ("ppmedia.plan", "ppmedia.stepmodel", "ppmedia.simulate", "ppme
                   "ppmedia.testing", "ppmedia.demo")
 #: leaves both sides use and that import no ppmedia module: timelines and their SVG (the planner's
 #: predicted ones and the pipeline's measured ones, :class:`ppmedia.pipeline.StepTracer`), the encoder
-#: cost model (adapters, the balancer, the planner)
-LEAVES = ("ppmedia.timeline", "ppmedia.costs")
+#: cost model (adapters, the balancer, the planner), packed rows' per-sample positions (the adapters'
+#: default ``packed_position_ids``, the packing)
+LEAVES = ("ppmedia.timeline", "ppmedia.costs", "ppmedia.packing.positions")
 
 
 def _modules() -> dict[str, pathlib.Path]:

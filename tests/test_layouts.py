@@ -55,7 +55,8 @@ def test_the_builtin_layouts_come_through_the_hook():
     assert set(ppmedia.MEDIA_KEYS) | LayoutSet(FAMILY_LAYOUTS).keys == registry.media_layouts().keys
     assert registry.media_layouts().keys - set(ppmedia.MEDIA_KEYS) == {
         "pixel_attention_mask", "image_pixel_values", "image_attention_mask", "audio_input_features", "audio_embed_sizes",
-        "audio_attention_mask"}  # Idefics3's, Phi-4-multimodal's
+        "audio_attention_mask", "image_merge_sizes", "video_merge_sizes", "video_compression_mask",
+    }  # Idefics3's, Phi-4-multimodal's, VideoLLaMA3's
     assert sample_layout("idefics3_images", "image", {"pixel_values": "pixel_values", "pixel_attention_mask":
                          "pixel_attention_mask"}).keys == IDEFICS3_IMAGES.keys  # nothing but the declaration
 

@@ -253,6 +253,36 @@ def test_a_rank_opens_exactly_the_shards_holding_its_stage(checkpoint, variant):
         assert len(expected) < len(shards)
 
 
+@pytest.mark.parametrize("variant", ["qwen2_5_vl", "llava_next"])  # llava_next: a root-level image_newline
+def test_the_vision_side_alone_equals_from_pretrained_and_opens_only_its_shards(checkpoint, variant):
+    """``vision_from_pretrained`` (the encoder spread's copy on a rank without stage 0): the tensors of
+    ``vision_replica(from_pretrained(path))``, buffers included, read from only the shards holding them."""
+    path = checkpoint(variant)
+    reference = _class_of(path).from_pretrained(path)
+    with OpenedFiles(path) as opened:
+        vision = pipeline.vision_from_pretrained(path)
+    _assert_same(vision, pipeline.vision_replica(reference), f"{variant} vision side")
+    assert _non_persistent(vision) or variant == "llava_next"  # Qwen's vision rotary inv_freq compared too
+    expected = _files_holding(path, vision, reference)
+    assert {n for n in opened.names if n.endswith(".safetensors")} == expected
+    assert len(expected) < len({p.name for p in path.glob("*.safetensors")})
+    (first, _) = build_stage_modules(reference, 2)
+    vision_names = {n for n, _ in first.named_parameters() if not first.is_language_parameter(n)}
+    assert {n for n, _ in vision.named_parameters()} == vision_names  # no language tensor read
+
+
+def test_a_vision_tensor_missing_from_the_checkpoint_is_an_error(checkpoint, tmp_path):
+    path = _copy(checkpoint("qwen2_5_vl"), tmp_path)
+    gone = "visual.blocks.0.mlp.up_proj.weight"  # the file's name (model.visual... in memory)
+
+    def drop(tensors, weight_map, file):
+        del tensors[gone], weight_map[gone]
+
+    _rewrite_shard(path, gone, drop)
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) the vision side need.*model\.visual\.blocks\.0\.mlp\.up_proj"):
+        pipeline.vision_from_pretrained(path)
+
+
 def test_a_single_file_checkpoint(tmp_path):
     model = build_variant("qwen2_5_vl")
     model.save_pretrained(tmp_path)  # one model.safetensors, no index

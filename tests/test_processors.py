@@ -328,6 +328,31 @@ def phi4_samples(rng):
     ]
 
 
+def static_video(rng, t, h, w):
+    """A video whose frames after the first redraw only their bottom half: VideoLLaMA3's compression
+    drops the tokens of the unchanged top half."""
+    frames = np.stack([rng.integers(0, 256, (h, w, 3), dtype=np.uint8)] * t)
+    for k in range(1, t):
+        frames[k, h // 2 :] = rng.integers(0, 256, (h - h // 2, w, 3), dtype=np.uint8)
+    return ("video", frames)
+
+
+def video_llama_3_samples(rng):
+    """Images of 9x9 to 33x17 pixels (merge size 1), two back to back in sample 2; videos of 2 to 4
+    frames (merge size 2), two of them half static (the compression mask drops tokens), two videos
+    back to back in sample 6; images and videos in one sample."""
+    return [
+        [2, image(rng, 10, 30), 1, video(rng, 2, 16, 24), 1],
+        [static_video(rng, 3, 16, 16), 2, image(rng, 20, 12)],
+        [image(rng, 9, 9), image(rng, 24, 16), 2],
+        [3, video(rng, 4, 8, 16)],
+        [5],
+        [7],
+        [video(rng, 2, 24, 24), static_video(rng, 3, 16, 32), 1],
+        [image(rng, 33, 17), 2],
+    ]
+
+
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
@@ -387,6 +412,8 @@ CASES: dict[str, Case] = {
     "inkling2": Case(inkling2_samples, ("Inkling2Processor", "Inkling2ImageProcessor"), forward={"use_cache": False}),
     "phi4_multimodal": Case(phi4_samples, ("Phi4MultimodalProcessor", "Phi4MultimodalImageProcessor",
                                            "Phi4MultimodalFeatureExtractor"), call={"sampling_rate": 16000}),
+    "video_llama_3": Case(video_llama_3_samples, ("VideoLlama3Processor", "VideoLlama3ImageProcessor",
+                                                  "VideoLlama3VideoProcessor"), pil="VideoLlama3ImageProcessorPil"),
 }
 
 BACKEND_CASES = [(family, "torchvision") for family in CASES] + [(f, "pil") for f, case in CASES.items() if case.pil]
@@ -438,6 +465,9 @@ def test_family_on_its_processor(family, backend):
     if family == "inkling":  # 30 tiles a token each; 5 clips of 2 to 6 frames (the processor drops the tile counts)
         assert batch["pixel_values"].shape == (30, 2, 4, 4, 3) and "num_patches" not in batch
         assert batch["audio_input_ids_mask"].sum(-1).tolist() == [4, 6, 2, 5, 3]
+    if family == "video_llama_3":  # merge sizes 1 (images) and 2 (videos); the static halves compressed away
+        assert batch["image_merge_sizes"].tolist() == [1] * 5 and batch["video_merge_sizes"].tolist() == [2] * 5
+        assert batch["video_compression_mask"].shape == (74,) and int(batch["video_compression_mask"].sum()) == 62
     if family == "kimi_k25_video":  # 5 videos in 11 chunks of 2 frames
         assert batch["video_grid_thw"][:, 0].tolist() == [2] * 11
     assert_matches_model(family, batch, build_tiny_processor_model(family_of(family)))

@@ -76,7 +76,8 @@ def test_every_declared_model_type_and_alias_resolves():
                                                  "mistral3", "mistral_large4", "llava", "minimax_m3_vl", "inkling2",
                                                  "gemma4", "qwen2_5_omni", "qwen3_omni", "inkling",
                                                  "llava_onevision", "idefics3", "smolvlm", "paligemma", "aya_vision",
-                                                 "llama4", "internvl", "glm4v", "ernie4_5_vl_moe", "phi4_multimodal"]
+                                                 "llama4", "internvl", "glm4v", "ernie4_5_vl_moe", "phi4_multimodal",
+                                                 "video_llama_3"]
     assert {i.provider for i in registry.list()} == {"ppmedia (built-in)"}
 
 

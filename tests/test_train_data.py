@@ -1,4 +1,4 @@
-"""examples/train.py fine-tuning a real checkpoint on real data, under torchrun (five runs in all).
+"""examples/train.py fine-tuning a real checkpoint on real data, under torchrun (six runs in all).
 
 The checkpoint: the tiny Qwen2.5-VL (``save_pretrained``) with its real processor
 (``ppmedia.testing.processors``); the data: generated PNG images and a LLaVA-style JSON Lines file
@@ -11,6 +11,9 @@ folder in the messages style. The reference is the model itself in this process
    with ``--skip-bad-samples`` a record with a missing image is left out, named and counted
    (``skipped`` 1), and the batches are those of the file without it.
 2. pp=1 x dp=2, the ``save_to_disk`` folder, ``--lr 0 --no-shuffle``: the same, within 1e-5.
+2b. pp=2, JSONL, ``--encoder spread``, 2 steps: the same losses as the model's and run 1's within
+   1e-5, microbatch 1 encoded on rank 1 from pixels sent by stage 0's rank, which alone opened media
+   files (each once).
 3. the README quick start's three lines as written (a user's shell, a sandbox of the repository; the
    docs test leaves them to this one): a generated checkpoint and
    16 records, pp=2 x dp=1, shuffled, 2 epochs of 4 steps, checkpoints at steps 4 and 8, the export;
@@ -118,8 +121,18 @@ def world(tmp_path_factory):
             "disk": _save_to_disk(jsonl, root / "disk")}
 
 
+_MODEL_LOSSES: dict[tuple[str, str, bool, int], list[tuple[float, int]]] = {}
+
+
 def _model_losses(world, path, *, shuffle: bool, steps: int) -> list[tuple[float, int]]:
-    """(the model's own loss, label tokens) of each global batch, in one process."""
+    """(the model's own loss, label tokens) of each global batch, in one process (once per arguments)."""
+    key = (str(world["ckpt"]), str(path), shuffle, steps)
+    if key not in _MODEL_LOSSES:
+        _MODEL_LOSSES[key] = _compute_model_losses(world, path, shuffle=shuffle, steps=steps)
+    return _MODEL_LOSSES[key]
+
+
+def _compute_model_losses(world, path, *, shuffle: bool, steps: int) -> list[tuple[float, int]]:
     import transformers
 
     torch.set_num_threads(1)
@@ -147,17 +160,47 @@ def _common(world, log: pathlib.Path) -> list[str]:
             "--loss-log", str(log)]
 
 
+@pytest.fixture(scope="module")
+def lr0_run(world, tmp_path_factory):
+    """``--lr 0 --no-shuffle`` runs by name, each launched once per module: ``(rows, printed)``."""
+    done: dict[str, tuple[dict[int, dict], str]] = {}
+
+    def run(name: str, nproc: int, *args: str) -> tuple[dict[int, dict], str]:
+        if name not in done:
+            log = tmp_path_factory.mktemp(name) / "loss.jsonl"
+            printed = _torchrun(nproc, *_common(world, log), "--lr", "0", "--no-shuffle", *args)
+            done[name] = (_rows(log), printed)
+        return done[name]
+
+    return run
+
+
+def _stage0_pp2xdp2(world, lr0_run) -> tuple[dict[int, dict], str]:
+    extra = ["--eval-data", str(world["eval"]), "--eval-every", "2", "--skip-bad-samples"]
+    return lr0_run("pp2xdp2-jsonl", 4, "--data", str(world["with_bad"]), "--pp", "2", "--dp", "2", "--epochs", "1",
+                   *extra)
+
+
+def _media_reads(printed: str) -> dict[int, tuple[int, int]]:
+    """train.py's ``media files opened per rank: R: N (D distinct), ...`` line, as ``{rank: (N, D)}``."""
+    import re
+
+    (line,) = [x for x in printed.splitlines() if x.startswith("media files opened per rank: ")]
+    return {int(r): (int(n), int(d)) for r, n, d in re.findall(r"(\d+): (\d+) \((\d+) distinct\)", line)}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, source", [(("2", "2"), "with_bad"), (("1", "2"), "disk")],
                          ids=["pp2xdp2-jsonl", "pp1xdp2-disk"])
-def test_lr0_losses_are_the_models_own(world, tmp_path, layout, source):
+def test_lr0_losses_are_the_models_own(world, lr0_run, layout, source):
     pp, dp = layout
-    log = tmp_path / "loss.jsonl"
     jsonl = source == "with_bad"  # its missing image is skipped (and counted) when the file is opened
-    extra = ["--eval-data", str(world["eval"]), "--eval-every", "2", "--skip-bad-samples"] if jsonl else []
-    printed = _torchrun(int(pp) * int(dp), *_common(world, log), "--data", str(world[source]), "--pp", pp, "--dp", dp,
-                        "--epochs", "1", "--lr", "0", "--no-shuffle", *extra)
-    rows = _rows(log)
+    if jsonl:
+        rows, printed = _stage0_pp2xdp2(world, lr0_run)
+        reads = _media_reads(printed)  # world rank = dp_rank * pp + pp_rank: stage 0 on ranks 0 and 2
+        assert reads[1] == reads[3] == (0, 0) and reads[0][0] > 0 and reads[2][0] > 0, reads
+    else:
+        rows, printed = lr0_run("pp1xdp2-disk", 2, "--data", str(world[source]), "--pp", pp, "--dp", dp, "--epochs", "1")
     reference = _model_losses(world, world["jsonl"], shuffle=False, steps=N // B)
     assert sorted(rows) == list(range(N // B))
     for step, (loss, tokens) in enumerate(reference):
@@ -171,6 +214,27 @@ def test_lr0_losses_are_the_models_own(world, tmp_path, layout, source):
         (held_out, _), = _model_losses(world, world["eval"], shuffle=False, steps=1)
         assert sorted(s for s, r in rows.items() if "eval_loss" in r) == [0, 2]
         assert all(abs(rows[s]["eval_loss"] - held_out) <= TOL for s in (0, 2))  # lr 0: the same weights
+
+
+@pytest.mark.multiprocess
+def test_the_spread_on_a_checkpoint_and_data_file_matches_and_reads_each_file_once(world, lr0_run):
+    """``--encoder spread`` with ``--model --data`` at pp=2: rank 1 loads the checkpoint's vision side
+    (``vision_from_pretrained``) and encodes its share of the microbatches from the pixels stage 0's
+    rank sends it; the losses are the model's own and the stage-0 run's within 1e-5, and only stage
+    0's rank opened media files, each once."""
+    rows, printed = lr0_run("pp2-spread", 2, "--data", str(world["jsonl"]), "--pp", "2", "--steps", "2",
+                            "--encoder", "spread")
+    stage0, _ = _stage0_pp2xdp2(world, lr0_run)
+    reference = _model_losses(world, world["jsonl"], shuffle=False, steps=N // B)[:2]  # run 1's, computed once
+    assert sorted(rows) == [0, 1]
+    for step, (loss, tokens) in enumerate(reference):
+        assert abs(rows[step]["loss"] - loss) <= TOL, (step, rows[step]["loss"], loss)
+        assert abs(rows[step]["loss"] - stage0[step]["loss"]) <= TOL, (step, rows[step], stage0[step])
+        assert rows[step]["tokens"] == tokens == stage0[step]["tokens"]
+    assert "encoder spread, last step: microbatches encoded per rank: 0: [0], 1: [1]" in printed
+    records = [json.loads(x) for x in world["jsonl"].read_text().splitlines()[: 2 * B]]
+    images = {p for r in records for p in (r.get("images") or ([r["image"]] if "image" in r else []))}
+    assert _media_reads(printed) == {0: (len(images), len(images)), 1: (0, 0)}
 
 
 def _readme_lines() -> list[str]:

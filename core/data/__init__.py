@@ -22,6 +22,7 @@ from .batching import collate_samples
 from .counts import global_label_tokens
 from .errors import DataError
 from .loader import ReplicaLoader, epoch_order
+from .media import media_reads
 from .packed import Packing, pack_steps
 from .processor import SampleProcessor, TooLong
 from .records import Record, parse_record
@@ -38,6 +39,7 @@ __all__ = [
     "collate_samples",
     "epoch_order",
     "global_label_tokens",
+    "media_reads",
     "open_dataset",
     "pack_steps",
     "parse_record",

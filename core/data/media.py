@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import DataError
 
-__all__ = ["OPENED", "Video", "load_audio", "load_image", "load_video", "open_media_file"]
+__all__ = ["OPENED", "Video", "load_audio", "load_image", "load_video", "media_reads", "open_media_file"]
 
 #: media files opened by this process (one entry per open: the path)
 OPENED: list[str] = []
@@ -32,6 +32,20 @@ def open_media_file(item: Any) -> IO[bytes]:
         raise TypeError(f"a media item is {type(item).__name__}, expected a path or a datasets bytes dict")
     OPENED.append(item)
     return open(item, "rb")
+
+
+def media_reads(group: Any = None) -> list[tuple[int, int]]:
+    """``(opens, distinct files)`` of :data:`OPENED` on every rank of ``group`` (default: the world),
+    in group rank order; collective over ``group`` (one ``all_gather_object``). Opens in
+    ``DataLoader`` worker processes are counted there, not here: use it with ``workers=0``."""
+    import torch.distributed as dist
+
+    mine = (len(OPENED), len(set(OPENED)))
+    if not dist.is_initialized():
+        return [mine]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return [(int(a), int(b)) for a, b in gathered]
 
 
 def _name(item: Any) -> str:

@@ -36,9 +36,10 @@ masks for ``sdpa`` / ``eager``). Families that cannot isolate are refused (:func
 
 from __future__ import annotations
 
-from .assemble import pack_samples, sample_positions
+from .assemble import pack_samples
 from .costs import sample_costs
 from .isolation import PACKED_ATTENTION, enable_packing, isolate, packing_problem, rows_as_samples
+from .positions import sample_positions
 from .rows import plan_rows, row_costs
 
 __all__ = [

@@ -10,8 +10,9 @@ from torch import Tensor
 from ..data.batching import _concat_media
 from ..data.processor import TOKEN_KEYS
 from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
+from .positions import sample_positions
 
-__all__ = ["pack_samples", "sample_positions"]
+__all__ = ["pack_samples"]
 
 
 def _pad_value(key: str, pad_id: int) -> int:
@@ -117,17 +118,3 @@ def pack_samples(
         parts = [s[key] for s in real if s is not None and key in s]
         batch[key] = _concat_media(parts)
     return batch
-
-
-def sample_positions(segments: Tensor) -> Tensor:
-    """``[b, S]`` int64 positions restarting at 0 at every sample (and at the padding run) of packed rows.
-
-    ``segments``: ``[b, S]`` a packed batch's ``attention_mask`` (sample numbers, 0 on padding; a 0/1
-    mask gives the usual ``0 .. S-1`` on a right-padded row's tokens). On the device, no host read.
-    """
-    b, S = segments.shape
-    index = torch.arange(S, device=segments.device).expand(b, S)
-    change = torch.ones_like(segments, dtype=torch.bool)
-    change[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    starts = torch.where(change, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - starts

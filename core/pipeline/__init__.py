@@ -71,7 +71,8 @@ The package, one module per concern (every public name is importable from ``ppme
 ``lane``            the spread's background lane: jobs on a thread of the lowest priority, in the schedule's idle time
 ``trace``           measured per-action timelines of a real step (:class:`StepTracer`)
 ``pretrained``      :func:`stages_from_pretrained`: a rank's stages from a Hugging Face checkpoint
-                    (built on meta, only the stage's tensors read, from only their shard files)
+                    (built on meta, only the stage's tensors read, from only their shard files);
+                    :func:`vision_from_pretrained`: its vision side alone (the spread's copy)
 ``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
 ``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
@@ -120,7 +121,7 @@ from .fsdp import (SPLIT_BACKWARD_RESHARD_REASON, apply_fsdp, check_fsdp_schedul
                    splits_backward)
 from .loss import IGNORE_INDEX, count_valid_tokens, make_labels, pipeline_loss
 from .parallel import all_reduce_gradients, clip_grad_norm, shard_batch
-from .pretrained import checkpoint_dtype, stages_from_pretrained
+from .pretrained import checkpoint_dtype, stages_from_pretrained, vision_from_pretrained
 from .rank_stages import make_pipeline_stages
 from .schedules import (
     SCHEDULE_ALIASES,
@@ -240,5 +241,6 @@ __all__ = [
     "tied_parameters",
     "train_mode",
     "train_step",
+    "vision_from_pretrained",
     "vision_replica",
 ]

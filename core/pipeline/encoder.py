@@ -32,8 +32,13 @@ all the vision work. :class:`EncoderSpread` (``make_pipeline_stages(..., encoder
 
 Loss and gradients equal the stage-0 placement's (and the model's own full-batch run) within float
 rounding: the tower runs on exactly the same chunks, only on another rank. Every rank must hold the
-same batch (each splits it, ``split_media``, the same way). Deepstack outputs (Qwen3-VL) travel as
+same batch (each splits it, ``split_media``, the same way; the media only on stage 0's rank with
+``media_from_first_stage``, below). Deepstack outputs (Qwen3-VL) travel as
 further ``[tokens, H]`` tensors (``adapter.encoder_output_names``).
+
+With ``media_from_first_stage`` only the rank holding stage 0 has the media (a
+:class:`ppmedia.data.ReplicaLoader` reads them there): it makes the plan alone, broadcasts it, and
+sends each rank the tensors of the chunks that rank encodes, so nothing is read or decoded twice.
 
 With FSDP2 stages (:func:`~ppmedia.pipeline.apply_fsdp` after ``make_pipeline_stages``) the first
 stage's vision side stays whole, outside its FSDP2 group (:meth:`EncoderSpread.shard_over`), and the
@@ -49,6 +54,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -76,8 +82,8 @@ __all__ = [
 ENCODER_MODES: tuple[str, ...] = ("stage0", "spread")
 #: the attribute of a stage module that holds its rank's :class:`EncoderSpread`.
 SPREAD_ATTRIBUTE = "encoder_spread"
-#: point-to-point tags of the spread's own traffic (features forward, gradients back).
-_FEATURE_TAG, _GRAD_TAG = 7301, 7302
+#: point-to-point tags of the spread's own traffic (features forward, gradients back, media out).
+_FEATURE_TAG, _GRAD_TAG, _MEDIA_TAG = 7301, 7302, 7303
 #: with the background lane: the share of its microbatches a rank encodes before the schedule (the
 #: first ones, which stage 0 needs first); the lane encodes the rest in the schedule's idle time.
 AHEAD = 0.5
@@ -484,6 +490,12 @@ class EncoderSpread:
             the lane's kernels would queue on the same stream as the schedule's; not measured).
         ahead: with the lane, the share of this rank's microbatches (its first) encoded before the
             schedule (default :data:`AHEAD`); the lane encodes the rest.
+        media_from_first_stage: only the rank holding stage 0 has the step's media (a
+            :class:`ppmedia.data.ReplicaLoader` that reads them there; the other ranks' ``staged`` is
+            the split of the token rows alone). Each step it then makes the plan alone, broadcasts it
+            (one small object) and sends every other rank the chunks of its own microbatches (their
+            tensors, nothing decoded twice); ``False`` (default): every rank holds the whole batch's
+            media and plans for itself. An attribute of the same name; set it on every rank alike.
     """
 
     def __init__(
@@ -496,6 +508,7 @@ class EncoderSpread:
         assign: Callable[[Sequence[float], int], Sequence[int]] | None = None,
         background: bool | None = None,
         ahead: float = AHEAD,
+        media_from_first_stage: bool = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -513,6 +526,7 @@ class EncoderSpread:
                 f"the first stage; expected it on pipeline rank 0 (where every torch schedule places it)"
             )
         self.ahead = float(ahead)
+        self.media_from_first_stage = bool(media_from_first_stage)
         self.params = _vision_parameters(vision)
         self.device = next((p.device for _, p in self.params), torch.device("cpu"))
         self._assign = assign
@@ -660,6 +674,44 @@ class EncoderSpread:
         )
         return SpreadPlan(owners, tuple(float(c) for c in costs), rows, names)
 
+    def _plan_and_media(self, staged: Any, input_ids: Tensor) -> tuple[SpreadPlan, dict[int, VlmMediaChunk] | None]:
+        """The step's plan and, on a rank without stage 0 when only stage 0's rank has the media
+        (:attr:`media_from_first_stage`), the chunks of its own microbatches, sent from there."""
+        import torch.distributed as dist
+
+        if not self.media_from_first_stage or self.size == 1:
+            return self.plan(staged, input_ids), None
+        shared: list[Any] = [None]
+        if self.rank == 0:
+            plan = self.plan(staged, input_ids)
+            layouts = {k: _chunk_layout(staged.chunk(k)) for k, owner in enumerate(plan.owners)
+                       if owner != 0 and plan.names[k]}
+            shared = [(plan, tuple(staged.samples), layouts)]
+        dist.broadcast_object_list(shared, group_src=0, group=self.group, device=self.device)
+        plan, samples, layouts = shared[0]
+        if self.rank == 0:
+            for k, layout in layouts.items():
+                chunk = staged.chunk(k)
+                for name, _, _ in layout:
+                    tensor = _chunk_tensor(chunk, name).contiguous()
+                    self._keep.append(tensor)
+                    self._pending.append(dist.isend(tensor, group_dst=plan.owners[k], group=self.group, tag=_MEDIA_TAG))
+            return plan, None
+        if tuple(staged.samples) != tuple(samples):
+            raise ValueError(
+                f"encoder spread: this rank split its rows into microbatches {list(staged.samples)}, stage 0's rank "
+                f"into {list(samples)}; expected the same rows (the same batch, split_media's bounds)"
+            )
+        received, works = {}, []
+        for k in plan.encoded_by(self.rank):
+            tensors = {}
+            for name, shape, dtype in layouts[k]:
+                tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
+                works.append(dist.irecv(tensors[name], group_src=0, group=self.group, tag=_MEDIA_TAG))
+            received[k] = _chunk_from(tensors)
+        _wait_all(works)
+        return plan, received
+
     # -- before the step -----------------------------------------------------------------------
     def _post_receives(self, plan: SpreadPlan) -> dict[int, _Incoming]:
         """Stage 0: a buffer and a receive for every output another rank encodes."""
@@ -680,13 +732,15 @@ class EncoderSpread:
             incoming[k] = item
         return incoming
 
-    def _checked(self, plan: SpreadPlan, staged: Any, input_ids: Tensor) -> list[tuple[int, VlmMediaChunk, HostValues]]:
-        """This rank's microbatches with their chunks and host values, every one checked
-        (``check_counts``, as stage 0 would) before anything is encoded or sent."""
+    def _checked(self, plan: SpreadPlan, staged: Any, input_ids: Tensor,
+                 received: Mapping[int, VlmMediaChunk] | None = None) -> list[tuple[int, VlmMediaChunk, HostValues]]:
+        """This rank's microbatches with their chunks (``received`` from stage 0's rank, else the
+        staged ones) and host values, every one checked (``check_counts``, as stage 0 would) before
+        anything is encoded or sent."""
         found = []
         for k in plan.encoded_by(self.rank):
             a, b = staged.samples[k]
-            chunk = staged.chunk(k)
+            chunk = received[k] if received is not None else staged.chunk(k)
             _, host = self.adapter.check_counts(input_ids[a:b], chunk, self.config)
             if chunk is None:  # placeholders without media: check_counts raised already; a guard
                 raise ValueError(f"encoder spread: microbatch {k} has placeholders {plan.rows[k]} but no media")
@@ -772,8 +826,9 @@ class EncoderSpread:
         t0 = time.perf_counter()
         self.refresh(everything=not self._synced)
         self._record("S", -1, t0, time.perf_counter())
-        plan = self.last_plan = self.plan(staged, input_ids)
-        work = self._checked(plan, staged, input_ids)
+        plan, received = self._plan_and_media(staged, input_ids)
+        self.last_plan = plan
+        work = self._checked(plan, staged, input_ids, received)
         incoming = self._post_receives(plan) if self.rank == 0 else {}
         mine = [k for k, _, _ in work]
         receives = self._post_gradient_receives(plan, mine) if self.rank != 0 and self._needs_grad else {}
@@ -956,6 +1011,37 @@ class EncoderSpread:
 
 def _nothing() -> None:
     return None
+
+
+def _chunk_layout(chunk: VlmMediaChunk | None) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """``(name, shape, dtype)`` of each tensor of ``chunk`` (a field, or ``extras.NAME``), in order."""
+    if chunk is None:
+        return ()
+    out = [(f.name, tuple(v.shape), v.dtype) for f in dataclass_fields(chunk)
+           if f.name != "extras" and (v := getattr(chunk, f.name)) is not None]
+    out += [(f"extras.{n}", tuple(t.shape), t.dtype) for n, t in (chunk.extras or {}).items()]
+    return tuple(out)
+
+
+def _chunk_tensor(chunk: VlmMediaChunk | None, name: str) -> Tensor:
+    assert chunk is not None
+    if name.startswith("extras."):
+        assert chunk.extras is not None
+        return chunk.extras[name[len("extras."):]]
+    tensor = getattr(chunk, name)
+    assert isinstance(tensor, Tensor)
+    return tensor
+
+
+def _chunk_from(tensors: Mapping[str, Tensor]) -> VlmMediaChunk:
+    """The chunk of the tensors :func:`_chunk_layout` named (received from stage 0's rank)."""
+    fields = {n: t for n, t in tensors.items() if not n.startswith("extras.")}
+    extras = {n[len("extras."):]: t for n, t in tensors.items() if n.startswith("extras.")}
+    chunk = VlmMediaChunk(None, None, None, None)
+    for name, tensor in fields.items():
+        setattr(chunk, name, tensor)
+    chunk.extras = extras or None
+    return chunk
 
 
 def _wait_all(works: Sequence[Any]) -> None:

@@ -34,6 +34,7 @@ PROJECTOR_NAMES = frozenset({
     # Phi-4-multimodal's projections inside embed_tokens_extend
     "img_projection_up", "img_projection_down", "up_proj_for_speech", "down_proj_for_speech",
     "up_proj_for_vision_speech", "down_proj_for_vision_speech",
+    "projector",  # VideoLLaMA3's model.projector
 })
 
 

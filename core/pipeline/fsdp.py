@@ -124,19 +124,12 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def _modules_of(stages: Sequence[Any]) -> list[Any]:
-    from .stages import StageModule
+    from .stages import stage_modules_of
 
-    modules = []
-    for stage in stages:
-        module = getattr(stage, "submod", stage)
-        if not isinstance(module, StageModule):
-            raise TypeError(
-                f"apply_fsdp: got {type(stage).__name__}; expected PipelineStage objects or StageModules "
-                f"(make_pipeline_stages / build_stage_modules)"
-            )
+    modules = stage_modules_of(stages, "apply_fsdp")
+    for module in modules:
         if is_sharded(module):
             raise ValueError(f"apply_fsdp: stage {module.stage_index} is already sharded with FSDP2")
-        modules.append(module)
     return modules
 
 

@@ -52,7 +52,8 @@ from .safetensors_files import CheckpointFiles, open_tensors, read_checkpoint_fi
 from .stages import StageModule, build_stage_modules
 from .tied import TiedParameters
 
-__all__ = ["build_meta_model", "checkpoint_dtype", "load_pretrained_config", "stages_from_pretrained", "tied_groups"]
+__all__ = ["build_meta_model", "checkpoint_dtype", "load_pretrained_config", "stages_from_pretrained", "tied_groups",
+           "vision_from_pretrained"]
 
 
 def checkpoint_dtype(path: str | os.PathLike[str]) -> torch.dtype:
@@ -257,7 +258,8 @@ class _Plan:
     computed: set[str]  # persistent buffers the checkpoint may lack (the model's rules) and init computes
 
 
-def _plan(model: Any, modules: Sequence[StageModule], names: _NameMap, checkpoint: CheckpointFiles) -> _Plan:
+def _plan(model: Any, modules: Sequence[nn.Module], names: _NameMap, checkpoint: CheckpointFiles,
+          what: str | None = None) -> _Plan:
     """The checkpoint tensors the stages need; a stage name the checkpoint lacks must be carried by a
     tie (``lm_head.weight`` <- the embedding), else it is missing: ``ValueError`` naming it."""
     available = names.available
@@ -283,8 +285,9 @@ def _plan(model: Any, modules: Sequence[StageModule], names: _NameMap, checkpoin
     if missing:
         shown = ", ".join(sorted(missing)[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         where = checkpoint.index or os.path.join(checkpoint.directory, checkpoint.files[0] if checkpoint.files else "")
+        who = what or f"stage(s) {[getattr(m, 'stage_index', None) for m in modules]}"
         raise ValueError(
-            f"{where}: the checkpoint lacks {len(missing)} tensor(s) stage(s) {[m.stage_index for m in modules]} "
+            f"{where}: the checkpoint lacks {len(missing)} tensor(s) {who} "
             f"need: {shown} (names as the model has them; nothing is initialised at random)"
         )
     load = sorted(k for k, targets in names.targets.items() if needed.intersection(targets))
@@ -372,7 +375,7 @@ def _set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[leaf] = value
 
 
-def _computed_buffers(model: Any, modules: Sequence[StageModule], plan: _Plan, device: torch.device) -> None:
+def _computed_buffers(model: Any, modules: Sequence[nn.Module], plan: _Plan, device: torch.device) -> None:
     """Allocate the stages' non-persistent buffers (and persistent ones the checkpoint may lack) on
     ``device`` and let the model's own ``initialize_weights()`` compute them, as ``from_pretrained``
     does after loading: it writes every tensor not marked as loaded, and the rest of the model is meta."""
@@ -387,7 +390,7 @@ def _computed_buffers(model: Any, modules: Sequence[StageModule], plan: _Plan, d
     model.initialize_weights()
 
 
-def _into_stages(model: Any, modules: Sequence[StageModule]) -> None:
+def _into_stages(model: Any, modules: Sequence[nn.Module]) -> None:
     """Point every stage tensor at the model's loaded one (the stages' modules are the model's, or
     shallow copies of them whose registries must follow)."""
     for module in modules:
@@ -470,3 +473,51 @@ def stages_from_pretrained(
         module.tied = tied
         module.eval()
     return modules
+
+
+def vision_from_pretrained(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    adapter: Any = None,
+) -> nn.Module:
+    """The vision side of the checkpoint in ``path`` (tower, projector, root-level parameters; no
+    decoder layer, embedding or head), loaded from it alone: what a pipeline rank without stage 0
+    holds for the encoder spread (``make_pipeline_stages(stages, ..., encoder="spread", vision=...)``).
+
+    The same steps as :func:`stages_from_pretrained` (meta model, transformers' name mapping and
+    loader, computed buffers), for :func:`~ppmedia.pipeline.vision_replica`'s module of the meta
+    model: only the checkpoint tensors it holds are read, and only the shards holding them are
+    opened. Its tensors equal those of ``vision_replica(from_pretrained(path, dtype=dtype))``, under
+    the full model's names, so they pair with the first stage's vision parameters.
+
+    Args:
+        path: a checkpoint directory, as for :func:`stages_from_pretrained`.
+        dtype: the parameters' dtype (``None``: float32).
+        device: where its tensors are allocated.
+        adapter: the family adapter (default: the registry's), which says where the language model
+            sits and where it merges.
+
+    Returns:
+        The vision module, in eval mode.
+
+    Raises:
+        ValueError: a vision tensor is missing from the checkpoint, has another shape, or fails to
+            convert (naming it); nothing is initialised at random.
+    """
+    from .encoder import vision_replica
+
+    path = os.fspath(path)
+    config = load_pretrained_config(path, dtype)
+    dtype = config.dtype
+    model = build_meta_model(config, dtype)
+    checkpoint = read_checkpoint_files(path)
+    names = _map_names(model, checkpoint.weight_map)
+    replica = vision_replica(model, adapter)
+    plan = _plan(model, [replica], names, checkpoint, what="the vision side")
+    device = torch.device(device)
+    _load_tensors(model, checkpoint, plan, names, dtype, device)
+    _computed_buffers(model, [replica], plan, device)
+    _into_stages(model, [replica])
+    return replica.eval()

@@ -78,6 +78,7 @@ def make_pipeline_stages(
     adapter: VlmAdapter | None = None,
     encoder: str = "stage0",
     auto_split: Any = None,
+    vision: nn.Module | None = None,
 ) -> list[Any]:
     """``PipelineStage`` objects for the stages a rank owns (see :func:`build_stage_modules`).
 
@@ -100,10 +101,14 @@ def make_pipeline_stages(
         encoder: ``"stage0"`` (the first stage runs the vision tower on its microbatches) or
             ``"spread"``: every pipeline rank encodes a share of each step's media
             (:class:`ppmedia.pipeline.EncoderSpread`, hung on every returned stage's module as
-            ``encoder_spread``; ranks without stage 0 keep a copy of the vision side, cut from
-            ``model``, which must then be a full model with real tensors). Collective over
+            ``encoder_spread``; ranks without stage 0 keep a copy of the vision side: ``vision``, or
+            cut from ``model``, which must then be a full model with real tensors). Collective over
             ``group`` then: call it on every pipeline rank.
         auto_split: with ``layers_per_stage="auto"``, a :class:`ppmedia.stepmodel.AutoSplit`.
+        vision: with ``encoder="spread"`` and prebuilt modules (:func:`stages_from_pretrained`), the
+            copy of the vision side a rank without stage 0 encodes with
+            (:func:`~ppmedia.pipeline.vision_from_pretrained` of the same checkpoint); ignored on
+            the rank holding stage 0, whose stage has its own.
 
     Returns:
         One ``torch.distributed.pipelining.PipelineStage`` per index, in order; ``stage.submod`` is
@@ -126,8 +131,10 @@ def make_pipeline_stages(
         stage = PipelineStage(module, index, n_stages, device, group=group, **kwargs)
         _restore_only_changed_buffers(stage)
         stages.append(stage)
+    if vision is not None and encoder != "spread":
+        raise TypeError("make_pipeline_stages: vision= is the spread's copy of the vision side; give encoder='spread'")
     if encoder != "stage0":
-        _attach_spread(model, modules, stages, group, device)
+        _attach_spread(model, modules, stages, group, device, vision)
     return stages
 
 
@@ -159,11 +166,18 @@ def _restore_only_changed_buffers(stage: Any) -> None:
 
 
 def _spread_vision_side(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any],
-                        device: torch.device) -> nn.Module:
-    """The module whose vision side this rank's spread runs: its stage 0, or a copy cut from ``model``."""
+                        device: torch.device, vision: nn.Module | None = None) -> nn.Module:
+    """The module whose vision side this rank's spread runs: its stage 0, ``vision``, or a copy cut
+    from ``model``."""
     first = next((st for st in stages if st.is_first), None)
     if first is not None:
         return modules[list(stages).index(first)]
+    if vision is not None:
+        if any(t.is_meta for t in [*vision.parameters(), *vision.buffers()]):
+            raise ValueError("make_pipeline_stages(encoder='spread'): vision= holds meta tensors; expected the "
+                             "loaded vision side (vision_from_pretrained)")
+        _to_device(vision, device)
+        return vision
     if isinstance(model, nn.Module) and not isinstance(model, StageModule):
         vision = vision_replica(model, modules[0].adapter)
         if any(t.is_meta for t in [*vision.parameters(), *vision.buffers()]):
@@ -177,26 +191,26 @@ def _spread_vision_side(model: nn.Module | Sequence[StageModule], modules: Seque
     raise TypeError(
         f"make_pipeline_stages(encoder='spread'): this rank holds stages {[m.stage_index for m in modules]} "
         f"as prebuilt StageModule objects, but without stage 0 it needs its own copy of the vision side, "
-        f"cut from the full model; pass the model (build_stage_modules / stages_from_pretrained give none)"
+        f"cut from the full model; pass the model, or vision=vision_from_pretrained(checkpoint) with the stages"
     )
 
 
 def _attach_spread(model: nn.Module | Sequence[StageModule], modules: Sequence[StageModule], stages: Sequence[Any], group: Any,
-                   device: torch.device) -> None:
+                   device: torch.device, vision: nn.Module | None = None) -> None:
     """``encoder="spread"``: this rank's :class:`~ppmedia.pipeline.encoder.EncoderSpread` on every module.
 
     Only ranks without stage 0 can find a problem (no vision side to copy), and the spread's set-up
     is collective: the ranks agree first (:func:`~ppmedia.pipeline.agree`), so every rank raises the
     same error instead of the others waiting for the refusing one in ``new_group`` forever."""
     problem: Exception | None = None
-    vision: nn.Module | None = None
+    side: nn.Module | None = None
     try:
-        vision = _spread_vision_side(model, modules, stages, device)
+        side = _spread_vision_side(model, modules, stages, device, vision)
     except (TypeError, ValueError) as exc:
         problem = exc
     agree(problem, group, what="make_pipeline_stages(encoder='spread') refused")
-    assert vision is not None
+    assert side is not None
     first = next((st for st in stages if st.is_first), None)
-    spread = EncoderSpread(vision, modules[0].adapter, first_stage=first, group=group)
+    spread = EncoderSpread(side, modules[0].adapter, first_stage=first, group=group)
     for module in modules:
         module.__dict__[SPREAD_ATTRIBUTE] = spread

@@ -25,7 +25,7 @@ from .surgery import (
 )
 from .tied import TiedParameters, tied_parameters
 
-__all__ = ["LayerSplitRequest", "StageModule", "build_stage_modules", "refuse_router_loss", "static_stage_args"]
+__all__ = ["LayerSplitRequest", "StageModule", "build_stage_modules", "refuse_router_loss", "stage_modules_of", "static_stage_args"]
 
 #: where :class:`ppmedia.pipeline.encoder.EncoderSpread` hangs a step's precomputed features on the
 #: first stage's module (an object with ``adapter_for(microbatch, chunk) -> VlmAdapter``)
@@ -316,6 +316,21 @@ def refuse_router_loss(config: Any) -> None:
             f"routers' load-balancing loss over all decoder layers, which ppmedia's pipeline stages do not carry "
             f"(they return logits only); set output_router_logits=False on that config to train without it"
         )
+
+
+def stage_modules_of(stages: Sequence[Any], caller: str) -> list["StageModule"]:
+    """The :class:`StageModule` of each of ``stages`` (``PipelineStage`` objects or the modules
+    themselves); anything else is refused with a ``TypeError`` naming ``caller``."""
+    modules = []
+    for stage in stages:
+        module = getattr(stage, "submod", stage)
+        if not isinstance(module, StageModule):
+            raise TypeError(
+                f"{caller}: got {type(stage).__name__}; expected PipelineStage objects or StageModules "
+                f"(make_pipeline_stages / build_stage_modules)"
+            )
+        modules.append(module)
+    return modules
 
 
 def build_stage_modules(

@@ -159,21 +159,15 @@ def _styles(plan: Mapping[str, str]) -> tuple[dict[str, Any], list[re.Pattern[st
 
 def _stage_modules(stages: Sequence[Any]) -> list[StageModule]:
     from .fsdp import is_sharded
+    from .stages import stage_modules_of
 
-    modules = []
-    for stage in stages:
-        module = getattr(stage, "submod", stage)
-        if not isinstance(module, StageModule):
-            raise TypeError(
-                f"apply_tensor_parallel: got {type(stage).__name__}; expected PipelineStage objects or "
-                f"StageModules (make_pipeline_stages / build_stage_modules)"
-            )
+    modules = stage_modules_of(stages, "apply_tensor_parallel")
+    for module in modules:
         if is_sharded(module):
             raise ValueError(f"apply_tensor_parallel: stage {module.stage_index} is sharded with FSDP2 already; "
                              f"apply tensor parallelism first, then apply_fsdp")
         if _REDUCED in module.__dict__:
             raise ValueError(f"apply_tensor_parallel: stage {module.stage_index} is tensor-parallel already")
-        modules.append(module)
     return modules
 
 

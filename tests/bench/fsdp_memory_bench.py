@@ -22,14 +22,13 @@ it includes the whole model each rank builds before keeping its stages, and the 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import resource
-import tempfile
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+from spawned import spawn_ranks, write_result
 
 PP, DP = 2, 2
 N_MICROBATCHES = 2
@@ -183,8 +182,7 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
         result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if rank == 0:
             result["one_process"] = _one_process()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-            json.dump(result, fh)
+        write_result(out_dir, rank, result)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -192,19 +190,7 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
 
 def run() -> dict[str, Any]:
     """Spawn the 4 ranks; returns every rank's counts, ``R`` (FSDP2) and the replicated ratio."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="ppmedia-fsdp-memory-") as out_dir:
-        mp.spawn(_worker, args=(PP * DP, f"tcp://127.0.0.1:{port}", out_dir), nprocs=PP * DP, join=True)
-        ranks = []
-        for rank in range(PP * DP):
-            with open(os.path.join(out_dir, f"rank{rank}.json")) as fh:
-                ranks.append(json.load(fh))
+    ranks = spawn_ranks(_worker, PP * DP, "ppmedia-fsdp-memory-")
     one = ranks[0]["one_process"]["total"]
     largest_fsdp = max(r["fsdp"]["total"] for r in ranks)
     largest_replicated = max(r["replicated"]["total"] for r in ranks)

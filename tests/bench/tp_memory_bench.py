@@ -11,16 +11,14 @@ shards. ``R = largest rank / one process``: ideal ``1 / (pp x tp) = 0.25``, goal
 
 from __future__ import annotations
 
-import json
-import os
 import resource
-import tempfile
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 import fsdp_memory_bench as fsdp
+from spawned import spawn_ranks, write_result
 
 PP, TP = 2, 2
 TARGET_R = 0.30
@@ -91,8 +89,7 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
         result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if rank == 0:
             result["one_process"] = fsdp._one_process()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-            json.dump(result, fh)
+        write_result(out_dir, rank, result)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -100,19 +97,7 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
 
 def run() -> dict[str, Any]:
     """Spawn the 4 ranks; returns every rank's counts and ``R``."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="ppmedia-tp-memory-") as out_dir:
-        mp.spawn(_worker, args=(PP * TP, f"tcp://127.0.0.1:{port}", out_dir), nprocs=PP * TP, join=True)
-        ranks = []
-        for rank in range(PP * TP):
-            with open(os.path.join(out_dir, f"rank{rank}.json")) as fh:
-                ranks.append(json.load(fh))
+    ranks = spawn_ranks(_worker, PP * TP, "ppmedia-tp-memory-")
     one = ranks[0]["one_process"]
     return {"pp": PP, "tp": TP, "layers_per_stage": ranks[0]["layers"], "one_process": one, "ranks": ranks,
             "R": max(r["tp"]["total"] for r in ranks) / one["total"],
@@ -122,7 +107,7 @@ def run() -> dict[str, Any]:
 def report(result: dict[str, Any]) -> str:
     mib = 1 << 20
     lines = [
-        f"10. tensor-parallel memory: pp={result['pp']} x tp={result['tp']}, the section-8 model, decoder layers per "
+        f"11. tensor-parallel memory: pp={result['pp']} x tp={result['tp']}, the section-8 model, decoder layers per "
         f"stage {result['layers_per_stage']} (MiB held after one AdamW step)",
         f"   {'rank':>4}  {'params':>8}  {'grads':>8}  {'optim':>8}  {'total':>8}  {'peak RSS':>9}",
     ]

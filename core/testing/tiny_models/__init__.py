@@ -85,6 +85,7 @@ FAMILIES: tuple[str, ...] = (
     "glm46v",
     "ernie4_5_vl_moe",
     "phi4_multimodal",
+    "video_llama_3",
 )
 
 
