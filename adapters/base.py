@@ -374,6 +374,11 @@ class VlmAdapter(abc.ABC):
             :func:`~ppmedia.pipeline.vision_replica`.
         packing_refusal: why the family's samples cannot share a packed row, in words (refused by
             :func:`ppmedia.packing.enable_packing`); ``None`` (default): its layer types decide.
+        prefix_lm_key: the per-token input whose 0 marks a bidirectional prefix and 1 the causal rest
+            (PaliGemma's ``token_type_ids``); :class:`ppmedia.data.SampleProcessor` (given the
+            config) sets it from the labels: 0 up to the first answer token, 1 from it on (a
+            processor called without a ``suffix`` marks the whole sample prefix, so every answer
+            token would see the tokens after it). ``None`` (default): no such input.
 
     A subclass implements :meth:`media_per_sample`, :meth:`placeholder_masks`,
     :meth:`feature_counts` and :meth:`encode`; it may override :meth:`host_inputs` (integer metadata
@@ -388,6 +393,7 @@ class VlmAdapter(abc.ABC):
     language_model_path: ClassVar[str | None] = None
     merge_path: ClassVar[str | None] = None
     packing_refusal: ClassVar[str | None] = None
+    prefix_lm_key: ClassVar[str | None] = None
 
     # -- token side -------------------------------------------------------------------------
     @abc.abstractmethod

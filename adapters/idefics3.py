@@ -65,6 +65,11 @@ class Idefics3Adapter(VlmAdapter):
         "[B, max_crops, H, W]; image_seq_len tokens a real crop"
     )
     language_model_path: ClassVar[str | None] = "model.text_model"
+    packing_refusal: ClassVar[str | None] = (
+        "its media hold one entry per sample on axis 0 (pixel_values [samples, max_crops, C, H, W] and "
+        "pixel_attention_mask, layout idefics3_images), and a packed row holds several samples: the rows "
+        "would need their samples' crops joined along the crops axis, which pack_samples does not do"
+    )
     family: ClassVar[str] = "Idefics3"
 
     # -- token side -------------------------------------------------------------------------

@@ -163,6 +163,11 @@ class LlavaOnevisionAdapter(VlmAdapter):
         "samples tiled, others base crop only); videos [videos, frames, C, H, W], no grid"
     )
     sample_inputs: ClassVar[tuple[SampleInput, ...]] = (SampleInput(_COUNTS),)
+    packing_refusal: ClassVar[str | None] = (
+        "the model tiles an image only when its sample holds exactly one image (batch_num_images, one entry "
+        "per sample): samples packed into one row would read as one several-image sample, their images "
+        "encoded as base crops only, other features and token counts than alone"
+    )
 
     # -- token side -------------------------------------------------------------------------
     def media_per_sample(

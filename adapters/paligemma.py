@@ -68,6 +68,7 @@ class PaliGemmaAdapter(VlmAdapter):
         "(0 = bidirectional prefix) on every stage"
     )
     sample_inputs: ClassVar[tuple[SampleInput, ...]] = (SampleInput(_TYPES, ("b", "S"), every_stage=True),)
+    prefix_lm_key: ClassVar[str | None] = _TYPES
 
     # -- token side -------------------------------------------------------------------------
     def media_per_sample(

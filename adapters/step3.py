@@ -88,6 +88,10 @@ class Step3Adapter(VlmAdapter):
         "one global image per sample [images, C, H, W] plus crop patches [patches, C, h, w] counted "
         "per sample (num_patches [batch]), newline mask [patches]"
     )
+    packing_refusal: ClassVar[str | None] = (
+        "its crops are counted per sample (num_patches [samples]) and a sample holds at most one image: a "
+        "packed row of several image-bearing samples has neither one count nor one image"
+    )
 
     # -- token side -------------------------------------------------------------------------
     def media_per_sample(

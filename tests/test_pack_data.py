@@ -8,8 +8,12 @@
 * examples/train.py in this process (one rank, pp = dp = 1, the tiny checkpoints with their real
   processors, a length-skewed dataset): with ``--lr 0 --no-shuffle``, ``--pack`` logs the losses of
   the run without it, step for step within 1e-5, and a smaller ``padding_fraction``, for every family
-  of :data:`FAMILIES`; with isolation switched off (a planted bug) the losses differ;
-  ``--pack-across-batches 2`` trains every label token of the epoch once.
+  of :data:`FAMILIES`; with isolation switched off (a planted bug) the losses differ, and so do
+  PaliGemma's with only its masks left unisolated (its prefix block across the row's samples);
+  ``--pack-across-batches 2`` trains every label token of the epoch once;
+* the table is complete: every built-in family with a tiny processor is in :data:`FAMILIES`, in
+  :data:`STAGES_ONLY` (train.py cannot train it at all) or in :data:`REFUSED` (``--pack`` refuses it,
+  with the reason); PaliGemma's samples from ``ppmedia.data`` are prefix up to the answer only.
 
 The 2-process broadcast of packed rows to the rank that reads no media is a scenario of
 tests/test_data_mp.py's spawn.
@@ -33,10 +37,35 @@ from ppmedia import data, pipeline
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-5
 #: the families with tiny processors whose packed losses are checked against their unpacked ones
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "llava_next", "gemma3", "gemma4", "qwen2_5_omni", "internvl")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "llava_next", "gemma3", "gemma4", "qwen2_5_omni", "internvl", "paligemma", "glm4v",
+            "glm4v_moe", "glm46v", "llava", "llava_pixtral", "mistral3", "mistral_small4", "aya_vision", "qwen3_omni",
+            "ernie4_5_vl_moe")
+#: the families with tiny processors that examples/train.py cannot train even unpacked (no loss to
+#: compare): their packed rows are checked on the stages in one process instead
+#: (tests/test_packing.py's ``test_packed_forward_equals_the_unpacked_one``), with why
+STAGES_ONLY = {
+    "kimi_vl": "transformers' from_pretrained cannot load its tiny checkpoint (PermuteForRope on q_proj)",
+    "kimi_k25_video": "transformers' from_pretrained cannot load its tiny checkpoint (PermuteForRope on q_proj)",
+    "phi4_multimodal": "its saved tiny processor loads back without its chat template (ppmedia.data renders with it)",
+}
+#: the families with tiny processors that --pack refuses (ppmedia.packing.packing_problem): a piece
+#: of the reason it gives
+REFUSED = {
+    "idefics3": "its media hold one entry per sample on axis 0",
+    "llava_onevision": "the model tiles an image only when its sample holds exactly one image",
+    "step3": "its crops are counted per sample (num_patches [samples])",
+    "llama4": "chunked attention (attention_chunk_size=",
+    "mistral_large4": "decoder layers of type indexed_attention are not plain attention",
+    "minimax_m3_vl": "decoder layers of type minimax_m3_sparse are not plain attention",
+    "inkling": "decoder layers of type hybrid, hybrid_sliding are not plain attention",
+    "inkling2": "decoder layers of type hybrid, hybrid_sliding are not plain attention",
+}
 N_RECORDS, BATCH, MAX_LENGTH = 16, 8, 128
 #: the train.py runs' rows (a LLaVA-NeXT or Gemma 4 record over it is skipped, in both runs alike)
 TRAIN_MAX_LENGTH = 128
+#: per family, what its records must be: PaliGemma's processor refuses a record without an image, and
+#: one with two (the data pipeline hands it a sample's images as one flat list)
+DATASET_KWARGS: dict[str, dict[str, float]] = {"paligemma": {"text_only": 0.0, "two_images": 0.0}}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -145,7 +174,7 @@ def _one_rank():
 
 
 def _losses(checkpoint, path, log: pathlib.Path, *extra: str) -> dict[int, dict]:
-    extra = tuple(flag for flag in extra if flag != "--planted-bug")
+    extra = tuple(flag for flag in extra if not flag.startswith("--planted-"))
     script = _train_script()
     argv = ["--pp", "1", "--dp", "1", "--model", str(checkpoint), "--data", str(path), "--batch-size", str(BATCH),
             "--max-length", str(TRAIN_MAX_LENGTH), "--epochs", "1", "--lr", "0", "--no-shuffle", "--loss-log", str(log), *extra]
@@ -169,7 +198,8 @@ def runs(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"pack-{family}")
             checkpoint = save_tiny_checkpoint(family, root / "ckpt")
             made[family] = (checkpoint, write_length_skewed_dataset(root / "data", N_RECORDS, words=_words(checkpoint),
-                                                                    max_words=24, seed=3))
+                                                                    max_words=24, seed=3,
+                                                                    **DATASET_KWARGS.get(family, {})))
         key = (family, *flags)
         if key not in done:
             checkpoint, path = made[family]
@@ -191,13 +221,74 @@ def test_pack_logs_the_unpacked_losses_step_for_step(family, runs):
         assert b["padding_fraction"] < a["padding_fraction"], (step, b["padding_fraction"], a["padding_fraction"])
 
 
-def test_without_isolation_the_packed_losses_differ(runs, monkeypatch):
-    """The planted bug: stages that take packed rows as plain ones (no per-sample positions or masks)."""
+def test_paligemma_samples_are_prefix_up_to_the_answer(tmp_path):
+    """PaliGemma's processor, called without a suffix, marks the whole sample prefix (token type 0:
+    bidirectional, the answer would see itself); with the config the answer and what follows are 1."""
+    from ppmedia.testing.datasets import write_length_skewed_dataset
+    from ppmedia.testing.processors import build_tiny_processor
+    from ppmedia.testing.tiny_models import paligemma
+    from ppmedia.testing.word_tokenizer import text_words
+
+    processor = build_tiny_processor("paligemma")
+    path = write_length_skewed_dataset(tmp_path, 1, words=text_words(processor.tokenizer), text_only=0.0, two_images=0.0)
+    record = data.open_dataset(str(path))[0]
+    alone = data.SampleProcessor(processor)(record)
+    sample = data.SampleProcessor(processor, config=paligemma.build_config())(record)
+    assert alone["token_type_ids"].eq(0).all()
+    answer = int((sample["labels"][0] >= 0).nonzero()[0, 0]) + 1  # labels are shifted by one
+    types = sample["token_type_ids"][0].tolist()
+    assert 0 < answer < len(types) and types == [0] * answer + [1] * (len(types) - answer)
+    assert torch.equal(sample["input_ids"], alone["input_ids"]) and torch.equal(sample["labels"], alone["labels"])
+
+
+def test_every_family_with_a_tiny_processor_is_checked_or_refused():
+    """The table is complete: each built-in family with a tiny processor is in exactly one of FAMILIES
+    (train.py's losses), STAGES_ONLY (train.py cannot run it; the stages' check) and REFUSED; a refused
+    family's config is refused with its reason, the others' are not."""
+    from ppmedia.packing import packing_problem
+    from ppmedia.registry import get_adapter
+    from ppmedia.testing import tiny_models
+    from ppmedia.testing.processors import has_tiny_processor
+
+    groups = [set(FAMILIES), set(STAGES_ONLY), set(REFUSED)]
+    assert sum(map(len, groups)) == len(set.union(*groups)), "a family in two groups"
+    assert set.union(*groups) == {f for f in tiny_models.FAMILIES if has_tiny_processor(f)}
+    for family in tiny_models.FAMILIES:
+        config = tiny_models.load(family).build_config()
+        problem = packing_problem(config, get_adapter(config))
+        if family in REFUSED:
+            assert problem is not None and REFUSED[family] in problem, (family, problem)
+        elif family in FAMILIES or family in STAGES_ONLY:
+            assert problem is None, (family, problem)
+
+
+def test_pack_refuses_a_family_before_training(runs):
+    """train.py --pack on Idefics3: one ValueError naming the family and why, before any step."""
+    with pytest.raises(ValueError, match=r"sequence packing refused for idefics3: its media hold one entry per sample "
+                                         r"on axis 0 \(pixel_values \[samples, max_crops, C, H, W\]"):
+        runs("idefics3", "--pack")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "paligemma"])
+def test_without_isolation_the_packed_losses_differ(family, runs, monkeypatch):
+    """The planted bug: stages that take packed rows as plain ones (no per-sample positions or masks).
+    PaliGemma: its prefix-LM block (every prefix token of the row, type 0) then spans the samples."""
     from ppmedia import packing
 
-    plain = runs("qwen2_5_vl")
+    plain = runs(family)
     monkeypatch.setattr(packing, "enable_packing", lambda modules, enabled=True: None)
-    packed = runs("qwen2_5_vl", "--pack", "--planted-bug")  # the key of this run only; train.py never sees it
+    packed = runs(family, "--pack", "--planted-bug")  # the key of this run only; train.py never sees it
+    assert max(abs(plain[s]["loss"] - packed[s]["loss"]) for s in plain) > 1e-3
+
+
+def test_paligemma_prefix_leaking_across_a_boundary_changes_the_losses(runs, monkeypatch):
+    """The planted bug: positions restart per sample, but the masks are the family's own over the whole
+    row (``isolate`` a no-op): the row's prefix-LM block and the causal mask reach into other samples."""
+    from ppmedia.packing import isolation
+
+    plain = runs("paligemma")
+    monkeypatch.setattr(isolation, "isolate", lambda config, hidden, mask, segments: mask)
+    packed = runs("paligemma", "--pack", "--planted-leak")
     assert max(abs(plain[s]["loss"] - packed[s]["loss"]) for s in plain) > 1e-3
 
 

@@ -25,6 +25,16 @@ def test_plan_rows_orders_by_cost_and_makes_a_multiple():
     assert sorted(loads) == [3, 5]  # {5, 0} and {1, 2}: the best split of these rows
 
 
+def test_plan_rows_repacks_into_the_rows_the_multiple_adds():
+    """First-fit decreasing into 128 gives 3 rows (113, 88, 51 tokens); 2 microbatches need 4: the
+    samples are packed again into 4 rows of at most 71 tokens (the old split left 113: S 113 -> 71)."""
+    lengths = [46, 29, 26, 25, 33, 34, 27, 32]
+    rows = plan_rows(lengths, 128, multiple_of=2)
+    assert len(rows) == 4 and sorted(i for r in rows for i in r) == list(range(8))
+    assert max(sum(lengths[i] for i in r) for r in rows) == 71
+    assert plan_rows([5, 3, 7, 2, 4], 8) == [[2], [0, 1], [3, 4]]  # no row added: first-fit decreasing as it was
+
+
 def test_plan_rows_names_a_sample_too_long():
     with pytest.raises(ValueError, match=r"sample 1 has 9 tokens, over max_length=8"):
         plan_rows([3, 9], 8)
@@ -85,11 +95,13 @@ def _step(stages, batch, config):
     return float(loss.detach()), grads, inputs.loss_kwargs["num_valid_tokens"]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_vl", "kimi_k25_video", "phi4_multimodal"])
 def test_packed_forward_equals_the_unpacked_one(family):
-    """Two samples a row (Qwen2.5-VL: mrope per sample; Gemma 3: image blocks and sliding windows):
-    loss and every gradient within 1e-5 of the unpacked batch through the same two stages; with the
-    stages not told (no isolation, positions over the row) the loss is off."""
+    """Two samples a row (Qwen2.5-VL: mrope per sample; Gemma 3: image blocks and sliding windows;
+    Kimi-VL, Kimi-K2.5 and Phi-4-multimodal: the families examples/train.py cannot train, see
+    tests/test_pack_data.py's STAGES_ONLY): loss and every gradient within 1e-5 of the unpacked batch
+    through the same two stages; with the stages not told (no isolation, positions over the row) the
+    loss is off by over 50 times that (Kimi-VL's by 7.6e-4, the least)."""
     from ppmedia.pipeline import build_stage_modules
     from ppmedia.testing import tiny_models
     from ppmedia.testing.packed import in_order_rows, pack_batch
@@ -104,7 +116,7 @@ def test_packed_forward_equals_the_unpacked_one(family):
     wrong, _, _ = _step(stages, packed, model.config)
     enable_packing(stages)
     loss_p, grads_p, valid_p = _step(stages, packed, model.config)
-    assert valid_p == valid and abs(loss_p - loss) <= 1e-5 and abs(wrong - loss) > 1e-3
+    assert valid_p == valid and abs(loss_p - loss) <= 1e-5 and abs(wrong - loss) > 5e-4
     assert grads_p.keys() == grads.keys()
     assert max(float((grads[n] - grads_p[n]).abs().max()) for n in grads) <= 1e-5
 

@@ -15,8 +15,9 @@ from .records import Record
 
 __all__ = ["TOKEN_KEYS", "SampleProcessor", "TooLong"]
 
-#: per-token keys of a processor's output (``[1, S]``), padded per row when batched; others are media
-TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
+#: per-token keys of a processor's output (``[1, S]``), padded per row when batched (ERNIE 4.5 VL's
+#: ``moe_mm_token_type_ids`` too); others are media
+TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids", "moe_mm_token_type_ids")
 
 
 class TooLong(DataError):
@@ -41,7 +42,9 @@ class SampleProcessor:
     ``attention_mask`` ``[1, S]`` and the media keys in the processor's layout) plus ``labels``
     ``[1, S]``: shifted (position ``t`` labelled with token ``t + 1``), :data:`IGNORE_INDEX` except on
     the assistant's tokens and each reply's end-of-turn token, last column :data:`SHIFTED_MARK`
-    (the form :func:`ppmedia.pipeline.pipeline_loss` takes).
+    (the form :func:`ppmedia.pipeline.pipeline_loss` takes). For a prefix-LM family (PaliGemma, its
+    adapter's ``prefix_lm_key``; needs ``config``) that key is 0 up to the first answer token and 1
+    from it on: the prompt is the bidirectional prefix, the answers causal.
     """
 
     def __init__(self, processor: Any, max_length: int | None = None, config: Any = None, truncate: bool = False,
@@ -103,9 +106,26 @@ class SampleProcessor:
         sample = {k: v for k, v in out.items() if isinstance(v, Tensor)}
         ids = sample["input_ids"][0].tolist()
         sample["labels"] = self._labels(text, spans, markers, ids, record.where)
+        self._mark_prefix(sample)
         if self.max_length is not None and len(ids) > self.max_length:
             sample = self._cut(sample, record.where)
         return sample
+
+    def _mark_prefix(self, sample: dict[str, Any]) -> None:
+        """A prefix-LM family (its adapter's ``prefix_lm_key``, e.g. PaliGemma's ``token_type_ids``):
+        0 up to the first answer token (the prompt attends bidirectionally), 1 from it on (causal)."""
+        if self.config is None:
+            return
+        from ..registry import get_adapter
+
+        key = getattr(get_adapter(self.config), "prefix_lm_key", None)
+        if key is None or key not in sample:
+            return
+        labelled = ((sample["labels"][0] != IGNORE_INDEX) & (sample["labels"][0] != SHIFTED_MARK)).nonzero()
+        types = torch.zeros_like(sample[key])
+        if labelled.numel():  # labels are shifted: position t is labelled with token t + 1
+            types[0, int(labelled[0, 0]) + 1:] = 1
+        sample[key] = types
 
     def _media_end(self, input_ids: Tensor) -> int:
         """One past the last media placeholder token (0 when none); -1 when unknown (no config)."""

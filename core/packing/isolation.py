@@ -42,14 +42,15 @@ def packing_problem(config: Any, adapter: Any = None) -> str | None:
     refusal = getattr(adapter, "packing_refusal", None)
     if refusal:
         return f"{family}: {refusal}"
-    types = list(getattr(text, "layer_types", None) or [])
-    other = sorted({t for t in types if t not in _LAYERS})
-    if other:
-        return (f"{family}: decoder layers of type {', '.join(other)} carry state along the row across sample "
-                f"boundaries (no per-sample state); packing supports {' and '.join(_LAYERS)} layers")
     if getattr(text, "attention_chunk_size", None):
         return (f"{family}: chunked attention (attention_chunk_size={text.attention_chunk_size}) cuts a row into "
                 f"chunks at row positions, not at each sample's, so a packed sample sees other chunks than alone")
+    types = list(getattr(text, "layer_types", None) or [])
+    other = sorted({t for t in types if t not in _LAYERS})
+    if other:
+        return (f"{family}: decoder layers of type {', '.join(other)} are not plain attention (state carried along "
+                f"the row, or keys selected over the whole row) and cannot keep packed samples apart; packing "
+                f"supports {' and '.join(_LAYERS)} layers")
     impl = getattr(text, "_attn_implementation", None) or "sdpa"
     if impl not in PACKED_ATTENTION:
         return (f"{family}: attention implementation {impl!r}; packed masks are dense 4-D masks for "

@@ -55,6 +55,31 @@ def _to_multiple(rows: list[list[int]], lengths: list[int], multiple: int) -> li
     return rows
 
 
+def _fewest_rows(lengths: list[int], max_length: int, multiple: int) -> list[list[int]]:
+    """First-fit decreasing, its row count rounded up to a multiple; when the rounding adds rows, the
+    samples are packed again into that many rows of the smallest capacity that first-fit decreasing
+    fits them in (a bisection over ``[longest sample, max_length]``): the added rows take a share of
+    the samples and the longest row, the packed batch's ``S``, gets shorter."""
+    rows = _first_fit_decreasing(lengths, max_length)
+    target = -(-len(rows) // multiple) * multiple
+    if target == len(rows):
+        return rows
+    longest = lambda plan: max(sum(lengths[i] for i in row) for row in plan)  # noqa: E731
+    best = _to_multiple([list(r) for r in rows], lengths, multiple)
+    low, high = max(lengths), max_length
+    while low < high:
+        mid = (low + high) // 2
+        plan = _first_fit_decreasing(lengths, mid)
+        if len(plan) <= target:
+            high = mid
+            plan = _to_multiple(plan, lengths, multiple)
+            if longest(plan) < longest(best):
+                best = plan
+        else:
+            low = mid + 1
+    return best
+
+
 def row_costs(rows: Sequence[Sequence[int]], costs: Sequence[float] | np.ndarray) -> np.ndarray:
     """``[rows]`` float: each row's summed per-sample cost (``costs`` ``[samples]``)."""
     values = np.asarray(costs, dtype=np.float64)
@@ -91,8 +116,12 @@ def plan_rows(
         costs: ``[samples]`` per-sample vision cost (>= 0), e.g. :func:`ppmedia.packing.sample_costs`.
         n_microbatches: the schedule's microbatches (rows are ordered for that split).
         multiple_of: the row count is made a multiple of this (``n_microbatches`` times the data-parallel
-            replicas, when the rows are split so): a row with the most samples gives up its shortest
-            sample to a new row; only when every row holds one sample are empty rows added.
+            replicas, when the rows are split so): when first-fit decreasing gives fewer rows, the
+            samples are packed again into that many rows as short as first-fit decreasing can make
+            them (the smallest capacity it fits, by bisection), so the added rows take samples and the
+            longest row shortens; rows still short of the multiple are split (a row with the most
+            samples gives up its shortest sample to a new row); only when every row holds one sample
+            are empty rows added.
 
     Raises:
         ValueError: a sample longer than ``max_length`` (named by index, with its length); a length
@@ -101,7 +130,7 @@ def plan_rows(
     values = _checked_lengths(lengths, max_length)
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise ValueError(f"multiple_of: got {multiple_of!r}; expected an int >= 1")
-    rows = _to_multiple(_first_fit_decreasing(values, max_length), values, multiple_of)
+    rows = _fewest_rows(values, max_length, multiple_of)
     rows = [sorted(row) for row in rows]
     if costs is None:
         return rows

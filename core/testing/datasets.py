@@ -80,13 +80,14 @@ def write_image_chat_dataset(folder: str | Path, n_samples: int, *, words: list[
 
 def write_length_skewed_dataset(folder: str | Path, n_samples: int, *, words: list[str], seed: int = 0,
                                 max_words: int = 96, text_only: float = 0.4, median_words: float = 10.0,
-                                name: str = "skewed.jsonl") -> Path:
+                                name: str = "skewed.jsonl", two_images: float = 0.25) -> Path:
     """``n_samples`` LLaVA-style records of long-tailed lengths in ``folder/name`` (images beside it).
 
     Each record's question has ``round(median_words * exp(N(0, 1)))`` words (a log-normal: most
     records short, a few long), clipped to ``[1, max_words]``; its answer 1 to 4 words. A record is
-    text-only with probability ``text_only``, else it holds one image (two with probability 1/4) of a
-    size from :data:`SKEWED_IMAGE_SIZES`. The same ``seed`` writes the same records.
+    text-only with probability ``text_only``, else it holds one image (two with probability
+    ``two_images``) of a size from :data:`SKEWED_IMAGE_SIZES`. The same ``seed`` writes the same
+    records (and the same questions and image sizes whatever ``text_only`` and ``two_images`` are).
 
     Args:
         words: the tokenizer's plain words (``ppmedia.testing.word_tokenizer.text_words``), at least 12.
@@ -103,7 +104,7 @@ def write_length_skewed_dataset(folder: str | Path, n_samples: int, *, words: li
         n_words = int(np.clip(round(median_words * float(np.exp(rng.normal()))), 1, max_words))
         question = " ".join(words[int(k)] for k in rng.integers(0, len(words), n_words))
         answer = " ".join(words[int(k)] for k in rng.integers(0, len(words), int(rng.integers(1, 5))))
-        n_images = 0 if rng.random() < text_only else (2 if rng.random() < 0.25 else 1)
+        n_images = 0 if rng.random() < text_only else (2 if rng.random() < two_images else 1)
         images = []
         for j in range(n_images):
             height, width = SKEWED_IMAGE_SIZES[int(rng.integers(0, len(SKEWED_IMAGE_SIZES)))]
