@@ -39,7 +39,7 @@ TOL = 1e-5
 #: the families with tiny processors whose packed losses are checked against their unpacked ones
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "llava_next", "gemma3", "gemma4", "qwen2_5_omni", "internvl", "paligemma", "glm4v",
             "glm4v_moe", "glm46v", "llava", "llava_pixtral", "mistral3", "mistral_small4", "aya_vision", "qwen3_omni",
-            "ernie4_5_vl_moe")
+            "ernie4_5_vl_moe", "video_llama_3")
 #: the families with tiny processors that examples/train.py cannot train even unpacked (no loss to
 #: compare): their packed rows are checked on the stages in one process instead
 #: (tests/test_packing.py's ``test_packed_forward_equals_the_unpacked_one``), with why
