@@ -402,6 +402,15 @@ def _into_stages(model: Any, modules: Sequence[nn.Module]) -> None:
                 sub._buffers[leaf] = owner._buffers[leaf]
 
 
+def _open_on_meta(path: str, dtype: Any) -> tuple[Any, Any, nn.Module, CheckpointFiles, _NameMap]:
+    """The checkpoint's config (its dtype unless ``dtype``), the model built on meta in that dtype, the
+    checkpoint's files and the model's names mapped onto its tensors: nothing read but the index."""
+    config = load_pretrained_config(path, dtype)
+    model = build_meta_model(config, config.dtype)
+    checkpoint = read_checkpoint_files(path)
+    return config, config.dtype, model, checkpoint, _map_names(model, checkpoint.weight_map)
+
+
 def stages_from_pretrained(
     path: str | os.PathLike[str],
     n_stages: int,
@@ -444,11 +453,7 @@ def stages_from_pretrained(
         FileNotFoundError: no safetensors checkpoint in ``path``, or a shard the index names is absent.
     """
     path = os.fspath(path)
-    config = load_pretrained_config(path, dtype)
-    dtype = config.dtype
-    model = build_meta_model(config, dtype)
-    checkpoint = read_checkpoint_files(path)
-    names = _map_names(model, checkpoint.weight_map)
+    config, dtype, model, checkpoint, names = _open_on_meta(path, dtype)
     if names.unexpected:
         shown = ", ".join(f"{k!r} ({checkpoint.weight_map[k]})" for k in names.unexpected[:5])
         raise ValueError(
@@ -509,11 +514,7 @@ def vision_from_pretrained(
     from .encoder import vision_replica
 
     path = os.fspath(path)
-    config = load_pretrained_config(path, dtype)
-    dtype = config.dtype
-    model = build_meta_model(config, dtype)
-    checkpoint = read_checkpoint_files(path)
-    names = _map_names(model, checkpoint.weight_map)
+    config, dtype, model, checkpoint, names = _open_on_meta(path, dtype)
     replica = vision_replica(model, adapter)
     plan = _plan(model, [replica], names, checkpoint, what="the vision side")
     device = torch.device(device)
