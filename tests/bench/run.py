@@ -319,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_stage": stages,
         "targets": targets,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    _write_out(args, results, indent=2)
     print(f"\nwrote {args.out} ({elapsed:.0f} s)")
     return 0
 
@@ -351,8 +350,7 @@ def _run_balance(args: argparse.Namespace, targets: list[dict[str, Any]] | None)
                             "met": None if analysis["unquiet"] else c["ratio"] <= limit})
     result = {"raw": raw, "analysis": analysis}
     if targets is None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"balance": result}, indent=1) + "\n")
+        _write_out(args, {"balance": result})
         print(last)
         return 0
     print(last)
@@ -378,8 +376,7 @@ def _run_stage0(args: argparse.Namespace, targets: list[dict[str, Any]] | None) 
     costs.write_text(json.dumps(analysis["costs"], indent=1) + "\n")
     print(f"wrote {costs} (ppmedia plan --calibration {costs.name})")
     if targets is None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"stage0": result}, indent=1) + "\n")
+        _write_out(args, {"stage0": result})
         return 0
     targets.append({"target": "encoder spread: spread/stage-0 step time <= 0.80",
                     "measured": round(spread, 3) if quiet else None, "met": spread <= 0.80 if quiet else None})
@@ -396,8 +393,7 @@ def _run_load_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | N
         targets.append({"target": f"load memory: last of {result['n_stages']} stages / whole model <= {result['target']}",
                         "measured": round(result["ratio"], 3), "met": result["met"]})
         return result
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"load_memory": result}, indent=1) + "\n")
+    _write_out(args, {"load_memory": result})
     return 0
 
 
@@ -406,8 +402,7 @@ def _run_fsdp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | N
     result = fsdp_memory_bench.run()
     print(fsdp_memory_bench.report(result))
     if targets is None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"fsdp_memory": result}, indent=1) + "\n")
+        _write_out(args, {"fsdp_memory": result})
         return 0
     targets.append({"target": f"fsdp-memory: pp=2 x dp=2 FSDP2, largest rank / one process <= {result['target']}",
                     "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
@@ -421,12 +416,17 @@ def _run_tp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | Non
     if targets is None:
         fsdp = fsdp_memory_bench.run()
         print(fsdp_memory_bench.report(fsdp).splitlines()[-1])
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"tp_memory": result, "fsdp_memory": fsdp}, indent=1) + "\n")
+        _write_out(args, {"tp_memory": result, "fsdp_memory": fsdp})
         return 0
     targets.append({"target": f"tp-memory: pp=2 x tp=2, largest rank / one process <= {result['target']}",
                     "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
     return result
+
+
+def _write_out(args: argparse.Namespace, results: Any, indent: int = 1) -> None:
+    """``results`` as JSON into ``--out`` (its folder made if needed)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=indent) + "\n")
 
 
 def _run_data(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
@@ -434,8 +434,7 @@ def _run_data(args: argparse.Namespace, targets: list[dict[str, Any]] | None) ->
     result = data_bench.run(repeats=2 if args.quick else 5)
     print(data_bench.report(result))
     if targets is None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"data": result}, indent=1) + "\n")
+        _write_out(args, {"data": result})
         return 0
     reads = result["reads"]
     targets.append({"target": "data: media files read per replica at pp=2 / at pp=1 = 1.00",
@@ -443,14 +442,12 @@ def _run_data(args: argparse.Namespace, targets: list[dict[str, Any]] | None) ->
     return result
 
 
-
 def _run_pack(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
     """Section 12; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
     result = pack_bench.run(repeats=2 if args.quick else 5)
     print(pack_bench.report(result))
     if targets is None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"pack": result}, indent=1) + "\n")
+        _write_out(args, {"pack": result})
         return 0
     targets.append({"target": f"pack: padding fraction packed / padded <= {pack_bench.GOAL_P}",
                     "measured": round(result["P"], 3), "met": result["P"] <= pack_bench.GOAL_P})
