@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ..hostreads import HostReader
+from ..producer.hostreads import HostReader
 from .base import config_get, config_value, inner_model
 
 __all__ = [

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk
-from ..costs import encoder_flops
-from ..hostreads import HostReader
+from ..planning.costs import encoder_flops
+from ..producer.hostreads import HostReader
 
 if TYPE_CHECKING:
     import numpy as np
@@ -227,7 +227,7 @@ def _microbatch_label(model: Any) -> str:
 
 def read_host(masks: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> HostValues:
     """Read every mask's per-sample sum and every tensor of ``inputs`` to the host, in one read
-    (:class:`ppmedia.hostreads.HostReader`; one per device when they live on several).
+    (:class:`ppmedia.producer.hostreads.HostReader`; one per device when they live on several).
 
     Args:
         masks: ``{modality: [b, S] bool}``, all of one shape.
@@ -637,7 +637,7 @@ class VlmAdapter(abc.ABC):
             patches: int64 ``[sequences]`` host array. config: the model's config.
 
         Returns:
-            float ``[sequences]``. The default is :func:`ppmedia.balance.encoder_flops` (from :mod:`ppmedia.costs`; linear layers
+            float ``[sequences]``. The default is :func:`ppmedia.balance.encoder_flops` (from :mod:`ppmedia.planning.costs`; linear layers
             per patch plus attention over the sequence, windowed layers over their window); override
             it for an encoder whose cost grows differently.
         """

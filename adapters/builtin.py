@@ -79,9 +79,9 @@ def ppmedia_model_type_aliases() -> dict[str, str]:
 
 @hookimpl
 def ppmedia_media_layouts() -> list[Any]:
-    """ppmedia's own media layouts (:data:`ppmedia.layouts.BUILTIN_LAYOUTS`), then the built-in families'
+    """ppmedia's own media layouts (:data:`ppmedia.producer.layouts.BUILTIN_LAYOUTS`), then the built-in families'
     (:data:`ppmedia.adapters.media_layouts.FAMILY_LAYOUTS`), through the same hook as a plugin's."""
-    from ..layouts import BUILTIN_LAYOUTS
+    from ..producer.layouts import BUILTIN_LAYOUTS
     from .media_layouts import FAMILY_LAYOUTS
 
     return [*BUILTIN_LAYOUTS, *FAMILY_LAYOUTS]

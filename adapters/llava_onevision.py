@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ..hostreads import HostReader
+from ..producer.hostreads import HostReader
 from ._helpers import as_tower_dtype, count_runs, images_from_runs, shape
 from .base import HostValues, SampleInput, VlmAdapter, config_get, config_value, inner_model
 

@@ -1,6 +1,6 @@
-"""Media layouts of built-in families that ppmedia's core layouts (:data:`ppmedia.layouts.BUILTIN_LAYOUTS`)
-do not cover, declared as a plugin declares its own (:func:`ppmedia.layouts.item_layout`,
-:func:`ppmedia.layouts.sample_layout`) and registered through the same hook
+"""Media layouts of built-in families that ppmedia's core layouts (:data:`ppmedia.producer.layouts.BUILTIN_LAYOUTS`)
+do not cover, declared as a plugin declares its own (:func:`ppmedia.producer.layouts.item_layout`,
+:func:`ppmedia.producer.layouts.sample_layout`) and registered through the same hook
 (``ppmedia_media_layouts`` of :mod:`ppmedia.adapters.builtin`).
 
 Kept apart from the adapter modules so that registering them imports no family's adapter or model
@@ -40,10 +40,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
-from ..assemble import Part
-from ..layout_planners import GridRows
-from ..layouts import MediaLayout, Planner, item_layout, sample_layout
-from ..planners import Context, Counts
+from ..producer.assemble import Part
+from ..producer.declared import GridRows
+from ..producer.layouts import MediaLayout, Planner, item_layout, sample_layout
+from ..producer.planners import Context, Counts
 
 __all__ = [
     "FAMILY_LAYOUTS",

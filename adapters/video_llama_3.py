@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ..hostreads import HostReader
+from ..producer.hostreads import HostReader
 from ._helpers import as_tower_dtype, count_runs, grid_products, shape
 from .base import HostValues, VlmAdapter, config_value, inner_model
 

@@ -11,44 +11,74 @@ chunk and merge the features into the text embeddings.
 import typing as _typing
 
 from ._lazy import lazy_attributes as _lazy_attributes
+from ._lazy import moved_modules as _moved_modules
 
 #: public name -> the module that defines it (imported on first use: ``import ppmedia`` imports no torch)
 _EXPORTS = {
     "CURSOR_ATTRIBUTE": "chunk",
-    "HostReadCounter": "hostreads",
-    "IMAGE_GRID_KEYS": "split",
-    "MEDIA_KEYS": "split",
-    "MEDIA_KWARG": "presplit",
-    "MicrobatchInputs": "presplit",
-    "MicrobatchMedia": "presplit",
-    "PipelineBatch": "collate",
+    "HostReadCounter": "producer.hostreads",
+    "IMAGE_GRID_KEYS": "producer.split",
+    "MEDIA_KEYS": "producer.split",
+    "MEDIA_KWARG": "producer.presplit",
+    "MicrobatchInputs": "producer.presplit",
+    "MicrobatchMedia": "producer.presplit",
+    "PipelineBatch": "producer.collate",
     "STAGED_ATTRIBUTES": "chunk",
-    "StagedMedia": "split",
+    "StagedMedia": "producer.split",
     "VlmMediaChunk": "chunk",
     "balance_microbatches": "balance",
-    "collate_for_pipeline": "collate",
+    "collate_for_pipeline": "producer.collate",
     "get_adapter": "registry",
     "hookimpl": "registry",
     "list_adapters": "registry",
-    "microbatch_bounds": "split",
-    "microbatch_inputs": "presplit",
+    "microbatch_bounds": "producer.split",
+    "microbatch_inputs": "producer.presplit",
     "next_vlm_media_chunk": "chunk",
     "register_adapter": "registry",
     "restore_order": "balance",
-    "split_media": "split",
-    "stage_media": "stage",
+    "split_media": "producer.split",
+    "stage_media": "producer.staging",
 }
 __getattr__, __dir__ = _lazy_attributes(__name__, _EXPORTS)
+
+#: modules that moved into the concern folders (docs/architecture.md): their old import paths keep working
+_MOVED = {
+    "assemble": "producer.assemble",
+    "balancing": "producer.balancing",
+    "cli_base": "cli.base",
+    "cli_inspect": "cli.inspect_batch",
+    "collate": "producer.collate",
+    "costs": "planning.costs",
+    "demo": "cli.demo",
+    "hostreads": "producer.hostreads",
+    "layout_planners": "producer.declared",
+    "loads": "planning.loads",
+    "plan": "cli.plan",
+    "planners": "producer.planners",
+    "planners_audio": "producer.planners_audio",
+    "planners_frames": "producer.planners_frames",
+    "presplit": "producer.presplit",
+    "replay": "planning.replay",
+    "simulate": "planning.simulate",
+    "split": "producer.split",
+    "splitter": "producer.plan",
+    "stage": "producer.staging",
+    "staged": "producer.staged",
+    "stepmodel": "planning.stepmodel",
+    "tables": "cli.tables",
+    "timeline": "planning.timeline",
+}
+_moved_modules(__name__, _MOVED)
 
 if _typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .balance import balance_microbatches, restore_order
     from .chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES, VlmMediaChunk, next_vlm_media_chunk
-    from .collate import PipelineBatch, collate_for_pipeline
-    from .hostreads import HostReadCounter
-    from .presplit import MEDIA_KWARG, MicrobatchInputs, MicrobatchMedia, microbatch_inputs
+    from .producer.collate import PipelineBatch, collate_for_pipeline
+    from .producer.hostreads import HostReadCounter
+    from .producer.presplit import MEDIA_KWARG, MicrobatchInputs, MicrobatchMedia, microbatch_inputs
     from .registry import get_adapter, hookimpl, list_adapters, register_adapter
-    from .split import IMAGE_GRID_KEYS, MEDIA_KEYS, StagedMedia, microbatch_bounds, split_media
-    from .stage import stage_media
+    from .producer.split import IMAGE_GRID_KEYS, MEDIA_KEYS, StagedMedia, microbatch_bounds, split_media
+    from .producer.staging import stage_media
 
 __version__ = "0.1.0"
 

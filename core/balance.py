@@ -3,18 +3,18 @@ carries a similar vision-encoder load.
 
 The cost model (:func:`encoder_flops`, :func:`sample_costs`, :data:`ImageCost`) and the assignment
 (:func:`balance_microbatches`, :func:`microbatch_loads`, :func:`restore_order`) live in
-:mod:`ppmedia.balancing`, the balancing step of the producer path; :func:`reorder_plan` in
-:mod:`ppmedia.assemble`. :func:`balanced_split` is ``split_media(batch, n, balance=...)`` with the
+:mod:`ppmedia.producer.balancing`, the balancing step of the producer path; :func:`reorder_plan` in
+:mod:`ppmedia.producer.assemble`. :func:`balanced_split` is ``split_media(batch, n, balance=...)`` with the
 order of the microbatches and the patch size to choose; it runs the same top-down path
-(:func:`ppmedia.split.split_in_order`). Nothing on that path imports this module.
+(:func:`ppmedia.producer.split.split_in_order`). Nothing on that path imports this module.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, MutableMapping
 
-from .assemble import reorder_plan
-from .balancing import (
+from .producer.assemble import reorder_plan
+from .producer.balancing import (
     DEFAULT_ORDER,
     MICROBATCH_ORDERS,
     BalanceSpec,
@@ -25,9 +25,9 @@ from .balancing import (
     restore_order,
     sample_costs,
 )
-from .layouts import LayoutSet
-from .split import balance_order, split_in_order
-from .staged import StagedMedia
+from .producer.layouts import LayoutSet
+from .producer.split import balance_order, split_in_order
+from .producer.staged import StagedMedia
 
 __all__ = [
     "BalanceSpec",

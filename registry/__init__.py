@@ -74,5 +74,5 @@ def list_adapters() -> list[AdapterInfo]:
 
 
 def media_layouts() -> Any:
-    """The process-wide registry's media layouts (:class:`ppmedia.layouts.LayoutSet`): ppmedia's and every plugin's."""
+    """The process-wide registry's media layouts (:class:`ppmedia.producer.layouts.LayoutSet`): ppmedia's and every plugin's."""
     return default_registry().media_layouts()

@@ -63,14 +63,14 @@ def ppmedia_model_type_aliases() -> Mapping[str, str]:
 
 @hookspec
 def ppmedia_media_layouts() -> Sequence[Any]:
-    """Return the media layouts this plugin brings: :class:`ppmedia.layouts.MediaLayout` objects.
+    """Return the media layouts this plugin brings: :class:`ppmedia.producer.layouts.MediaLayout` objects.
 
     A layout names the batch keys it reads (``requires``: all present selects it; ``optional``), what
     axis 0 of each holds, the chunk fields it stages (a :class:`ppmedia.VlmMediaChunk` field or a new
     name, carried in ``chunk.extras``) and a planner that maps its items to samples and rows. Build
-    one with :func:`ppmedia.layouts.item_layout` (items on axis 0, optionally several rows each) or
-    :func:`ppmedia.layouts.sample_layout` (samples on axis 0), or write the planner (see
-    :mod:`ppmedia.planners`). Every split then checks, stages as views and refuses malformed input
+    one with :func:`ppmedia.producer.layouts.item_layout` (items on axis 0, optionally several rows each) or
+    :func:`ppmedia.producer.layouts.sample_layout` (samples on axis 0), or write the planner (see
+    :mod:`ppmedia.producer.planners`). Every split then checks, stages as views and refuses malformed input
     all or nothing for it exactly as for ppmedia's own. A name, or the exact ``requires`` of another
     layout sharing a key, already registered by another provider is an error.
     """

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Union
 import pluggy
 
 from ..adapters.base import SampleInput, VlmAdapter  # torch only: no family, no transformers
-from ..layouts import LayoutSet, MediaLayout, check_layout
+from ..producer.layouts import LayoutSet, MediaLayout, check_layout
 from . import hookspecs
 from .hookspecs import PROJECT
 
@@ -372,7 +372,7 @@ class AdapterRegistry:
         """The registered layouts plus ``given`` (a plugin's hook result), checked as one :class:`LayoutSet`."""
         hook = "ppmedia_media_layouts"
         if not isinstance(given, (list, tuple)):
-            raise PluginError(provider, f"{hook} returned {type(given).__name__} {given!r}; expected a list of ppmedia.layouts.MediaLayout", hook=hook)
+            raise PluginError(provider, f"{hook} returned {type(given).__name__} {given!r}; expected a list of ppmedia.producer.layouts.MediaLayout", hook=hook)
         new = list(self._layouts)
         for layout in given:
             try:

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 from ppmedia import cli
+import ppmedia.cli.commands  # noqa: F401  (cli.commands: the module holding COMMANDS)
 from ppmedia.cli import COMMANDS, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -432,7 +433,7 @@ def test_unexpected_errors_are_one_line_too(capsys, tmp_path, monkeypatch):
     def boom(args):
         raise AssertionError("a bug\nover two lines")
 
-    monkeypatch.setattr(cli, "COMMANDS", [cli.Command("boom", "raises", lambda p: None, boom)])
+    monkeypatch.setattr(cli.commands, "COMMANDS", [cli.Command("boom", "raises", lambda p: None, boom)])
     assert fails(capsys, "boom") == (
         1, "ppmedia: error: unexpected AssertionError: a bug over two lines (a bug in ppmedia or a plugin; "
            "PPMEDIA_DEBUG=1 shows the traceback)")
@@ -450,7 +451,7 @@ def test_warnings_during_a_failure_are_dropped_and_after_a_success_shown(capsys,
         warnings.warn("ignored", UserWarning)
         raise cli.CliError("it broke")
 
-    monkeypatch.setattr(cli, "COMMANDS", [cli.Command("ok", "", lambda p: None, ok), cli.Command("bad", "", lambda p: None, bad)])
+    monkeypatch.setattr(cli.commands, "COMMANDS", [cli.Command("ok", "", lambda p: None, ok), cli.Command("bad", "", lambda p: None, bad)])
     assert run(capsys, "ok") == (0, "done\n", "ppmedia: warning: UserWarning: careful now\n")
     assert fails(capsys, "bad") == (1, "ppmedia: error: it broke")
 
@@ -522,7 +523,7 @@ def test_demo_runs_a_real_pipeline_and_prints_parity(tmp_path):
 
 def test_torch_advice_never_reaches_the_line():
     # torch's safe-loader errors end with Python advice (weights_only=False, add_safe_globals): dropped
-    from ppmedia.cli_inspect import _unpickling_reason
+    from ppmedia.cli.inspect_batch import _unpickling_reason
 
     message = (
         "Weights only load failed. In PyTorch 2.6, we changed the default value of the `weights_only` argument in "

@@ -19,8 +19,8 @@ from ppmedia import pipeline
 from ppmedia.pipeline import assign_encoders, build_stage_modules, vision_replica
 from ppmedia.pipeline.encoder import AHEAD, _precomputed, encoded_ahead, interleave_encoders
 from ppmedia.pipeline.stages import FEATURES_ATTRIBUTE
-from ppmedia.stepmodel import AutoSplit, OpCosts, best_layer_split, compare_placements, predict_step, schedule_actions
-from ppmedia.timeline import Bar, Timeline, render_svg
+from ppmedia.planning.stepmodel import AutoSplit, OpCosts, best_layer_split, compare_placements, predict_step, schedule_actions
+from ppmedia.planning.timeline import Bar, Timeline, render_svg
 from train_helpers import model_adamw_run, train_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -268,7 +268,7 @@ def test_without_the_lane_every_encode_comes_first_and_every_backward_after_the_
 
 
 def test_the_replay_runs_a_lane_only_while_its_rank_idles():
-    from ppmedia.replay import Op, lane_done, replay
+    from ppmedia.planning.replay import Op, lane_done, replay
 
     # rank 0: A (0-2), then B once rank 1's C (0-5) is done, then the join; its lane's job (cost 4)
     # is ready when A ends
@@ -326,13 +326,13 @@ def test_layers_per_stage_auto_takes_the_step_models_best_split(one_thread):
     costs = OpCosts(layer_forward=1.0, vision_forward=1.0, unit="s")  # vision heavy: fewer layers on stage 0
     request = AutoSplit(batch, 4, "1f1b", costs)
     stages = build_stage_modules(model, 2, layers_per_stage="auto", auto_split=request)
-    from ppmedia.plan import plan_batch
+    from ppmedia.cli.plan import plan_batch
 
     loads = plan_batch(dict(batch), 4, ppmedia.get_adapter(model), model.config)["loads"]
     best = best_layer_split("1f1b", costs, loads, n_ranks=2, num_layers=2)
     assert [s.num_layers for s in stages] == best.layers_per_stage == [0, 2]
     assert "input_ids" in batch and "pixel_values" in batch  # the request's batch is not modified
-    with pytest.raises(TypeError, match="needs auto_split=ppmedia.stepmodel.AutoSplit"):
+    with pytest.raises(TypeError, match="needs auto_split=ppmedia.planning.stepmodel.AutoSplit"):
         build_stage_modules(model, 2, layers_per_stage="auto")
     with pytest.raises(ValueError, match="expected a list of counts or 'auto'"):
         build_stage_modules(model, 2, layers_per_stage="best", auto_split=request)

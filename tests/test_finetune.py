@@ -230,7 +230,7 @@ def test_train_py_refuses_cuda_where_there_is_none(capsys):
 def test_the_demo_ends_with_a_fine_tune_whose_loss_falls():
     """``make demo``'s ending: the tiny Qwen2.5-VL with its real processor on generated images, through
     ppmedia.data's loader and pipeline.train_step (2 stages in this process)."""
-    from ppmedia import demo
+    from ppmedia.cli import demo
 
     losses = demo.finetune(steps=4)
     assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:])), losses

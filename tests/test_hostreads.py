@@ -1,4 +1,4 @@
-"""ppmedia.hostreads: HostReadCounter counts every kind of host read (and nothing else); HostReader
+"""ppmedia.producer.hostreads: HostReadCounter counts every kind of host read (and nothing else); HostReader
 reads any number of integer tensors in one read per device.
 
 Only the CPU exists on this machine: the several-devices path of HostReader (one read per device) is
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ppmedia import HostReadCounter
-from ppmedia.hostreads import HostReader
+from ppmedia.producer.hostreads import HostReader
 
 READS = [
     ("item", lambda t: t.sum().item()),

@@ -18,16 +18,32 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: package -> its source folder (pyproject's package-dir)
 SOURCES = {"ppmedia": ROOT / "core", "ppmedia.registry": ROOT / "registry", "ppmedia.adapters": ROOT / "adapters"}
 
+#: the layers, bottom first: a module imports only modules of its own layer or a lower one (or a leaf).
+#: The package reads as docs/architecture.md draws it: the contract, the producer side (splitting media,
+#: layouts, the registry and the family adapters it looks up), the pipeline runtime, the data path and the
+#: planner built on it, the testing kit, the training command, the command line, the package's lazy names.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("contract", ("ppmedia.chunk",)),
+    ("producer", ("ppmedia.producer", "ppmedia.layouts", "ppmedia.balance", "ppmedia.registry", "ppmedia.adapters")),
+    ("pipeline", ("ppmedia.pipeline",)),
+    ("data", ("ppmedia.data", "ppmedia.packing", "ppmedia.planning")),
+    ("testing", ("ppmedia.testing",)),
+    ("train", ("ppmedia.train",)),
+    ("cli", ("ppmedia.cli", "ppmedia.__main__")),
+    ("package", ("ppmedia",)),
+)
 #: the pipeline runtime: never imports the planner, the kit or the demo (they use it)
 PIPELINE = ("ppmedia.pipeline",)
 #: the step-time planner and its command (the ``ppmedia plan`` models), the testing kit, the demo
-ABOVE_PIPELINE = ("ppmedia.plan", "ppmedia.stepmodel", "ppmedia.simulate", "ppmedia.replay", "ppmedia.loads",
-                  "ppmedia.testing", "ppmedia.demo")
-#: leaves both sides use and that import no ppmedia module: timelines and their SVG (the planner's
+ABOVE_PIPELINE = ("ppmedia.cli.plan", "ppmedia.planning.stepmodel", "ppmedia.planning.simulate",
+                  "ppmedia.planning.replay", "ppmedia.planning.loads", "ppmedia.testing", "ppmedia.cli.demo")
+#: leaves every layer may use and that import no ppmedia module: timelines and their SVG (the planner's
 #: predicted ones and the pipeline's measured ones, :class:`ppmedia.pipeline.StepTracer`), the encoder
-#: cost model (adapters, the balancer, the planner), packed rows' per-sample positions (the adapters'
-#: default ``packed_position_ids``, the packing)
-LEAVES = ("ppmedia.timeline", "ppmedia.costs", "ppmedia.packing.positions")
+#: cost model (adapters, the balancer, the planner), packed rows' per-sample positions and isolation rules
+#: (the adapters, the stages, the packing), text tables (the command line, the parity report), the lazy
+#: attributes of the packages
+LEAVES = ("ppmedia.planning.timeline", "ppmedia.planning.costs", "ppmedia.packing.positions",
+          "ppmedia.packing.isolation", "ppmedia.cli.tables", "ppmedia._lazy")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -156,10 +172,10 @@ def test_the_graph_sees_function_level_and_lazy_imports():
     graph = import_graph()
     assert "ppmedia.pipeline.stages" in graph and "ppmedia.testing.parity" in graph and "ppmedia.adapters.base" in graph
     assert "ppmedia.pipeline" in graph["ppmedia.testing.parity"]  # its imports are all inside functions
-    assert "ppmedia.split" in graph["ppmedia"]  # through _EXPORTS only
+    assert "ppmedia.producer.split" in graph["ppmedia"]  # through _EXPORTS only
     assert "ppmedia.testing.kit" in graph["ppmedia.testing"]  # the same
-    planted = {**graph, "ppmedia.pipeline.stages": {**graph["ppmedia.pipeline.stages"], "ppmedia.stepmodel": 1}}
-    assert any("ppmedia.stepmodel" in c and "ppmedia.pipeline.stages" in c for c in cycles(planted))
+    planted = {**graph, "ppmedia.pipeline.stages": {**graph["ppmedia.pipeline.stages"], "ppmedia.planning.stepmodel": 1}}
+    assert any("ppmedia.planning.stepmodel" in c and "ppmedia.pipeline.stages" in c for c in cycles(planted))
 
 
 def test_no_import_cycle_among_ppmedia_modules():
@@ -192,3 +208,49 @@ def test_the_shared_leaves_import_no_ppmedia_module():
     graph = import_graph()
     for leaf in LEAVES:
         assert graph[leaf] == {}, f"{leaf} imports {graph[leaf]} (module: line)"
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of ``module`` (the longest matching prefix wins)."""
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes if _in(module, (p,))), default=None)
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best[1]
+
+
+def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Every import that runs back up the layers (a leaf may be imported from anywhere)."""
+    found = []
+    for module, edges in sorted(graph.items()):
+        for target, line in sorted(edges.items()):
+            if target not in LEAVES and layer_of(target) > layer_of(module):
+                found.append(f"{module} (layer {LAYERS[layer_of(module)][0]}) line {line} imports {target} "
+                             f"(layer {LAYERS[layer_of(target)][0]})")
+    return found
+
+
+def test_the_layers_import_only_downward():
+    graph = import_graph()
+    assert not upward_imports(graph), "imports running back up the layers:\n  " + "\n  ".join(upward_imports(graph))
+    # every module sits in a layer, and each layer holds modules
+    held = {layer_of(m) for m in graph}
+    assert held == set(range(len(LAYERS))), held
+
+
+def test_an_arrow_running_back_up_fails():
+    graph = import_graph()
+    planted = {**graph, "ppmedia.producer.split": {**graph["ppmedia.producer.split"], "ppmedia.pipeline.stages": 7}}
+    assert upward_imports(planted) == [
+        "ppmedia.producer.split (layer producer) line 7 imports ppmedia.pipeline.stages (layer pipeline)"]
+    planted = {**graph, "ppmedia.data.loader": {**graph["ppmedia.data.loader"], "ppmedia.cli.commands": 3}}
+    assert len(upward_imports(planted)) == 1
+    leaf = {**graph, "ppmedia.chunk": {**graph["ppmedia.chunk"], "ppmedia.planning.costs": 1}}
+    assert upward_imports(leaf) == []  # a leaf imports nothing, so anyone may use it
+
+
+def test_the_top_of_the_package_reads_as_the_architecture():
+    """``core/`` holds the contract, the two public facades and the package's plumbing at its top; every other
+    module sits in a concern folder, and each folder is a layer or part of one (docs/architecture.md)."""
+    top = sorted(p.name for p in SOURCES["ppmedia"].glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "_lazy.py", "balance.py", "chunk.py", "layouts.py"], top
+    folders = sorted(p.name for p in SOURCES["ppmedia"].iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    assert folders == ["cli", "data", "packing", "pipeline", "planning", "producer", "testing", "train"], folders

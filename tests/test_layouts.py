@@ -11,8 +11,8 @@ import torch
 import ppmedia
 from ppmedia import HostReadCounter, split_media
 from ppmedia.adapters.media_layouts import FAMILY_LAYOUTS, IDEFICS3_IMAGES, ONEVISION_VIDEOS
-from ppmedia.layouts import BUILTIN_LAYOUTS, GridRows, LayoutSet, MediaLayout, item_layout, sample_layout
-from ppmedia.planners import FieldSplit, Part
+from ppmedia.producer.layouts import BUILTIN_LAYOUTS, GridRows, LayoutSet, MediaLayout, item_layout, sample_layout
+from ppmedia.producer.planners import FieldSplit, Part
 from ppmedia.registry import AdapterRegistry, PluginError
 
 B = 4
@@ -208,7 +208,7 @@ def _plugin(name, **hooks):
 
 @pytest.mark.parametrize("given, problem", [
     ("not a list", r"ppmedia_media_layouts returned str 'not a list'; expected a list"),
-    ([object()], r"ppmedia_media_layouts: got object <object object at .*>; expected a ppmedia.layouts.MediaLayout"),
+    ([object()], r"ppmedia_media_layouts: got object <object object at .*>; expected a ppmedia.producer.layouts.MediaLayout"),
     ([MediaLayout("bad", "video", ("k",), lambda *a: None, ())], r"ppmedia_media_layouts: media layout 'bad': fields is \(\); expected"),
     ([MediaLayout("bad", "video", ["k"], lambda *a: None, ("f",))], r"ppmedia_media_layouts: media layout 'bad': requires is \['k'\]; expected a tuple"),
     ([item_layout("images", "image", "x")], r"ppmedia_media_layouts: media layout 'images' has the name of media layout 'images' from ppmedia \(built-in\)"),

@@ -63,7 +63,7 @@ def test_import_ppmedia_and_the_pytest_plugin_without_torch():
         "import sys, ppmedia, ppmedia.testing, ppmedia.testing.pytest_plugin\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "from ppmedia import split_media, hookimpl\n"
-        "assert split_media.__module__ == 'ppmedia.split' and 'torch' in sys.modules\n"
+        "assert split_media.__module__ == 'ppmedia.producer.split' and 'torch' in sys.modules\n"
         "assert ppmedia.pipeline.__name__ == 'ppmedia.pipeline' and ppmedia.testing.FamilyKit.__name__ == 'FamilyKit'\n"
         "assert set(ppmedia.__all__) <= set(dir(ppmedia))\n"
         "try:\n    ppmedia.no_such_name\nexcept AttributeError as e:\n    print(e)\n"
@@ -103,10 +103,10 @@ def test_architecture_page_names_what_exists():
     import re
 
     section = _architecture_section("Who calls whom")
-    modules = {"registry": "ppmedia.registry", "split": "ppmedia.split", "hostreads": "ppmedia.hostreads",
-               "stage": "ppmedia.stage", "pipeline": "ppmedia.pipeline", "chunk": "ppmedia.chunk",
-               "adapters/base": "ppmedia.adapters.base", "collate": "ppmedia.collate",
-               "planners": "ppmedia.planners", "balance": "ppmedia.balance", "presplit": "ppmedia.presplit"}
+    modules = {"registry": "ppmedia.registry", "split": "ppmedia.producer.split", "hostreads": "ppmedia.producer.hostreads",
+               "stage": "ppmedia.producer.staging", "pipeline": "ppmedia.pipeline", "chunk": "ppmedia.chunk",
+               "adapters/base": "ppmedia.adapters.base", "collate": "ppmedia.producer.collate",
+               "planners": "ppmedia.producer.planners", "balance": "ppmedia.balance", "presplit": "ppmedia.producer.presplit"}
     tags = set(re.findall(r"\[([a-z/]+)\]", section))
     assert tags == set(modules), tags
     for name, module in [("get_adapter", "registry"), ("split_media", "split"), ("StagedMedia", "split"),

@@ -1,9 +1,9 @@
-"""ppmedia.planners: the exact integer helpers every planner relies on (no wrapped number ever trusted)."""
+"""ppmedia.producer.planners: the exact integer helpers every planner relies on (no wrapped number ever trusted)."""
 
 import numpy as np
 import pytest
 
-from ppmedia.planners import check_range, exact_products, exact_sum, first_oversized, offsets
+from ppmedia.producer.planners import check_range, exact_products, exact_sum, first_oversized, offsets
 
 I64 = 2**63 - 1
 

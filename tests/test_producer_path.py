@@ -26,18 +26,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: modules of its own layer or below. "entry" is the orchestrator: it calls each step in turn.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("public", ("ppmedia.balance",)),  # public names of balancing; nothing on the path imports it
-    ("entry", ("ppmedia.split",)),
-    ("plan", ("ppmedia.splitter", "ppmedia.registry", "ppmedia.registry.registry", "ppmedia.layouts",
-              "ppmedia.layout_planners", "ppmedia.planners_audio", "ppmedia.planners_frames",
-              "ppmedia.planners", "ppmedia.hostreads")),
-    ("order", ("ppmedia.balancing",)),  # the row-order strategies: balancing (packing's joins here)
-    ("assemble", ("ppmedia.assemble",)),
-    ("views", ("ppmedia.staged", "ppmedia.chunk")),
-    ("leaves", ("ppmedia.costs",)),  # the encoder cost model: imports no ppmedia module
+    ("entry", ("ppmedia.producer.split",)),
+    ("plan", ("ppmedia.producer.plan", "ppmedia.registry", "ppmedia.registry.registry", "ppmedia.producer.layouts",
+              "ppmedia.producer.declared", "ppmedia.producer.planners_audio", "ppmedia.producer.planners_frames",
+              "ppmedia.producer.planners", "ppmedia.producer.hostreads")),
+    ("order", ("ppmedia.producer.balancing",)),  # the row-order strategies: balancing (packing's joins here)
+    ("assemble", ("ppmedia.producer.assemble",)),
+    ("views", ("ppmedia.producer.staged", "ppmedia.chunk")),
+    ("leaves", ("ppmedia.planning.costs",)),  # the encoder cost model: imports no ppmedia module
 )
 #: user-supplied callbacks the path calls (the adapter's cost function, and the cost model it calls by
 #: default): transparent to the tracer
-CALLBACKS = frozenset({"ppmedia.adapters.base", "ppmedia.costs"})
+CALLBACKS = frozenset({"ppmedia.adapters.base", "ppmedia.planning.costs"})
 ENTRY = 1
 
 
@@ -138,7 +138,7 @@ def test_split_media_walks_the_layers_top_down(family, balanced):
     assert staged is not None and staged.n_microbatches == 4
     assert got["climbs"] == 0, got["path"]
     assert got["steps_in_order"], got["path"]
-    assert got["path"][0] == "ppmedia.split"
+    assert got["path"][0] == "ppmedia.producer.split"
     assert got["steps"] == (["plan", "order", "assemble"] if balanced else ["plan", "assemble"]), got
     assert got["step_stays"] == (7 if balanced else 4), got  # entry, plan, entry, plan, order, assemble, entry
     assert got["modules"] <= MODULES[family] + balanced and got["stays"] <= STAYS[family] + 3 * balanced, got
@@ -154,15 +154,15 @@ def _as_module(module, source, **names):
 def test_the_tracer_catches_a_call_back_up_and_a_step_out_of_order():
     # planted: an order strategy that calls back into the plan step (as balance -> splitter did), and an
     # entry that plans again after assembling
-    from ppmedia import splitter
-    from ppmedia.split import split_in_order
+    from ppmedia.producer import plan as splitter
+    from ppmedia.producer.split import split_in_order
 
     batch, counts, _ = _family_batch("qwen2_5_vl")
-    upward = _as_module("ppmedia.balancing", "def order(per_sample, n):\n    splitter.default_layouts()\n"
+    upward = _as_module("ppmedia.producer.balancing", "def order(per_sample, n):\n    splitter.default_layouts()\n"
                         "    return list(range(per_sample.batch_size))\n", splitter=splitter)
     got = measure(trace(lambda: split_in_order(dict(batch), 4, upward, **counts)))
     assert got["climbs"] == 1 and got["steps"] == ["plan", "order", "assemble"], got
-    again = _as_module("ppmedia.split", "def split(batch):\n    staged = split_in_order(dict(batch), 4, None, **counts)\n"
+    again = _as_module("ppmedia.producer.split", "def split(batch):\n    staged = split_in_order(dict(batch), 4, None, **counts)\n"
                        "    plan_split(dict(batch), 4, **counts)\n    return staged\n", split_in_order=split_in_order,
                        plan_split=splitter.plan_split, counts=counts)
     got = measure(trace(lambda: again(batch)))
@@ -205,9 +205,13 @@ def test_lower_layers_never_import_upper_ones():
 def test_every_producer_module_is_declared():
     # a new module of the producer side needs its layer (packing's row order goes in "order")
     layer = layer_of()
-    path_modules = {"split", "splitter", "balance", "balancing", "assemble", "staged", "chunk", "layouts",
-                    "planners", "layout_planners", "planners_audio", "planners_frames", "hostreads", "costs"}
+    path_modules = {"producer.split", "producer.plan", "balance", "producer.balancing", "producer.assemble",
+                    "producer.staged", "chunk", "producer.layouts", "producer.planners", "producer.declared",
+                    "producer.planners_audio", "producer.planners_frames", "producer.hostreads", "planning.costs"}
     for name in path_modules:
-        assert f"ppmedia.{name}" in layer and (ROOT / "core" / f"{name}.py").is_file(), name
+        assert f"ppmedia.{name}" in layer and (ROOT / "core" / f"{name.replace('.', '/')}.py").is_file(), name
+    producer = {f"producer.{p.stem}" for p in (ROOT / "core" / "producer").glob("*.py") if p.stem != "__init__"}
+    off_path = {"producer.staging", "producer.presplit", "producer.collate"}  # after the split: staging, feeding
+    assert producer - off_path <= path_modules, sorted(producer - off_path - path_modules)
     for module in layer:
         importlib.import_module(module)

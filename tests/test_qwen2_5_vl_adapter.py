@@ -97,7 +97,7 @@ def _same_chunk(a: VlmMediaChunk | None, b: VlmMediaChunk | None) -> bool:
 
 
 def test_media_per_sample_counts_without_host_reads(adapter, model, batch):
-    from ppmedia.hostreads import HostReadCounter
+    from ppmedia.producer.hostreads import HostReadCounter
 
     with HostReadCounter() as reads:
         images, videos = adapter.media_per_sample(batch["input_ids"], model.config)
@@ -115,7 +115,7 @@ def test_media_per_sample_without_vision_start_counts_runs(adapter, batch):
 
 
 def test_placeholder_masks_and_feature_counts(adapter, model, batch):
-    from ppmedia.hostreads import HostReadCounter
+    from ppmedia.producer.hostreads import HostReadCounter
 
     masks = adapter.placeholder_masks(batch["input_ids"], model.config)
     assert set(masks) == {"image", "video"}

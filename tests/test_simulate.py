@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppmedia.simulate import Calibration, fit_calibration, predict, schedule_order, simulate
+from ppmedia.planning.simulate import Calibration, fit_calibration, predict, schedule_order, simulate
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

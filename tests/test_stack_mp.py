@@ -409,7 +409,8 @@ def test_shard_batch_takes_media_counts_with_per_sample_inputs(family):
 def test_demo_takes_pp_dp_and_any_torch_schedule_name(monkeypatch, capsys):
     """The demo's flags reach the harness: --pp x --dp processes, torch's schedule names in any case.
     (run_parity is replaced by a recorder here: the real 4-process run is the pp2 x dp2 test above.)"""
-    from ppmedia import cli, demo
+    from ppmedia import cli
+    from ppmedia.cli import demo
     from ppmedia.testing import parity
 
     args = cli.build_parser().parse_args(["demo", "--family", "qwen2_5_vl", "--pp", "2", "--dp", "2",

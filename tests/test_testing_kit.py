@@ -305,7 +305,7 @@ def test_the_pytest_plugin_registers_the_multiprocess_marker(tmp_path):
 def test_demo_takes_a_plugins_tiny_module(plugin_path, capsys):
     from ppmedia.cli import build_parser, main
 
-    from ppmedia.demo import selected_families
+    from ppmedia.cli.demo import selected_families
 
     args = build_parser().parse_args(["demo", "--family", LLAVA, "--steps", "1"])
     assert selected_families(args.family) == [LLAVA]

@@ -13,7 +13,7 @@ import torch
 import ppmedia
 from ppmedia.adapters.media_layouts import _VIDEO_ROWS, VIDEOLLAMA3_VIDEOS, _with_compression_mask
 from ppmedia.adapters.video_llama_3 import VideoLlama3Adapter
-from ppmedia.layouts import GridRows, LayoutSet, item_layout
+from ppmedia.producer.layouts import GridRows, LayoutSet, item_layout
 from ppmedia.testing import AdapterMismatch, check_adapter
 from ppmedia.testing.goldens import check_goldens
 from ppmedia.testing.tiny_models import video_llama_3 as tiny

@@ -25,7 +25,7 @@ def sample_costs(samples: Sequence[Mapping[str, Any]], config: Any, adapter: Any
     """
     from ..balance import sample_costs as costs_of_split
     from ..data.batching import collate_samples
-    from ..split import split_media
+    from ..producer.split import split_media
 
     if adapter is None:
         from ..registry import get_adapter

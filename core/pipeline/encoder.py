@@ -652,8 +652,8 @@ class EncoderSpread:
     def plan(self, staged: Any, input_ids: Tensor) -> SpreadPlan:
         """This step's :class:`SpreadPlan` (the same on every rank for the same batch): one host read
         of each sample's placeholder counts; costs from the split's metadata (no read)."""
-        from ..balancing import sample_costs
-        from ..costs import vision_value
+        from ..producer.balancing import sample_costs
+        from ..planning.costs import vision_value
 
         if staged.batch_size != input_ids.shape[0]:
             raise ValueError(
@@ -818,7 +818,7 @@ class EncoderSpread:
         Yields:
             The step's :class:`SpreadPlan`.
         """
-        from ..stage import stage_media
+        from ..producer.staging import stage_media
 
         self._keep, self._grad_sends, self._pending = [], [], []
         self._follow_trainable()

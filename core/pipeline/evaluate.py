@@ -56,8 +56,8 @@ def eval_step(
     """
     import torch.distributed as dist
 
-    from ..presplit import microbatch_inputs
-    from ..stage import stage_media
+    from ..producer.presplit import microbatch_inputs
+    from ..producer.staging import stage_media
 
     losses: list[Tensor] = []
     loss_kwargs = {"num_valid_tokens": num_valid_tokens}

@@ -55,7 +55,7 @@ def shard_batch(
         ValueError: ``dp_rank`` out of range; anything :func:`ppmedia.split_media` refuses (e.g. a
             non-media tensor whose dim 0 is not the batch size, named with its shape).
     """
-    from ..split import split_media
+    from ..producer.split import split_media
 
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"shard_batch: dp_rank {dp_rank}; expected 0 <= dp_rank < dp_size ({dp_size})")

@@ -104,7 +104,7 @@ def make_pipeline_stages(
             ``encoder_spread``; ranks without stage 0 keep a copy of the vision side: ``vision``, or
             cut from ``model``, which must then be a full model with real tensors). Collective over
             ``group`` then: call it on every pipeline rank.
-        auto_split: with ``layers_per_stage="auto"``, a :class:`ppmedia.stepmodel.AutoSplit`.
+        auto_split: with ``layers_per_stage="auto"``, a :class:`ppmedia.planning.stepmodel.AutoSplit`.
         vision: with ``encoder="spread"`` and prebuilt modules (:func:`stages_from_pretrained`), the
             copy of the vision side a rank without stage 0 encodes with
             (:func:`~ppmedia.pipeline.vision_from_pretrained` of the same checkpoint); ignored on

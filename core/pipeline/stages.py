@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ..adapters.base import VlmAdapter, WireTensor, config_value
 from ..chunk import CURSOR_ATTRIBUTE, VlmMediaChunk, next_vlm_media_chunk
-from ..presplit import MicrobatchMedia
+from ..producer.presplit import MicrobatchMedia
 from .surgery import (
     _child_name,
     _get_path,
@@ -33,7 +33,7 @@ FEATURES_ATTRIBUTE = "_ppmedia_encoder_features"
 
 
 class LayerSplitRequest(Protocol):
-    """What ``layers_per_stage="auto"`` asks its ``auto_split`` for (:class:`ppmedia.stepmodel.AutoSplit`
+    """What ``layers_per_stage="auto"`` asks its ``auto_split`` for (:class:`ppmedia.planning.stepmodel.AutoSplit`
     is one: the step model's best split for a representative batch). The cutter depends only on this,
     never on the planner that answers it."""
 
@@ -350,9 +350,9 @@ def build_stage_modules(
         stages: which stage indices to build (default: all); each rank builds only its own.
         layers_per_stage: decoder layers per stage (default :func:`default_layer_split`), or
             ``"auto"``: the split with the shortest predicted step for ``auto_split``
-            (:func:`ppmedia.stepmodel.auto_layer_split`: option (b) of ``ppmedia plan``).
+            (:func:`ppmedia.planning.stepmodel.auto_layer_split`: option (b) of ``ppmedia plan``).
         adapter: the family adapter (default: ``ppmedia.registry.get_adapter(model)``).
-        auto_split: with ``layers_per_stage="auto"``, a :class:`ppmedia.stepmodel.AutoSplit` (a
+        auto_split: with ``layers_per_stage="auto"``, a :class:`ppmedia.planning.stepmodel.AutoSplit` (a
             representative batch, the schedule, optionally calibrated costs).
 
     Returns:
@@ -413,12 +413,12 @@ def build_stage_modules(
 def _auto_layers(model: nn.Module, n_stages: int, value: str, auto_split: Any, adapter: VlmAdapter,
                  num_layers: int) -> list[int]:
     """``layers_per_stage="auto"``: the split ``auto_split`` (a :class:`LayerSplitRequest`, e.g. a
-    :class:`ppmedia.stepmodel.AutoSplit`, the step model's best split) gives for this model."""
+    :class:`ppmedia.planning.stepmodel.AutoSplit`, the step model's best split) gives for this model."""
     if value != "auto":
         raise ValueError(f"layers_per_stage: got {value!r}; expected a list of counts or 'auto'")
     if not callable(getattr(auto_split, "split_layers", None)):
         raise TypeError(
-            f"layers_per_stage='auto' needs auto_split=ppmedia.stepmodel.AutoSplit(batch, n_microbatches, ...); "
+            f"layers_per_stage='auto' needs auto_split=ppmedia.planning.stepmodel.AutoSplit(batch, n_microbatches, ...); "
             f"got {type(auto_split).__name__}"
         )
     request: LayerSplitRequest = auto_split

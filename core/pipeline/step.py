@@ -129,7 +129,7 @@ def share_of_global_batch(batch: Mapping[str, Any], config: Any, adapter: Any, d
     ``input_ids``, ``attention_mask``, media keys): its rows (:func:`~ppmedia.pipeline.shard_batch`),
     labels from :func:`~ppmedia.pipeline.make_labels` (pads and media tokens ignored), the media split
     per microbatch when ``stages_media``, and the global label-token count."""
-    from ..split import split_media
+    from ..producer.split import split_media
     from .loss import count_valid_tokens, make_labels
     from .parallel import shard_batch
 
@@ -159,7 +159,7 @@ def share_of_replica_batch(batch: Mapping[str, Any], config: Any, adapter: Any, 
             ``staged`` is the split of the token rows alone (no media, every chunk ``None``): the
             microbatch bounds :func:`ppmedia.microbatch_inputs` needs on every rank (``presplit``).
     """
-    from ..split import split_media
+    from ..producer.split import split_media
 
     ids, mask = batch["input_ids"], batch["attention_mask"]
     if stages_media:
@@ -217,9 +217,9 @@ def _replica_sums(batch: Mapping[str, Any], opened: int, dp_group: Any, device: 
 
 
 def _run_schedule(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]) -> None:
-    from ..stage import stage_media
+    from ..producer.staging import stage_media
 
-    from ..presplit import microbatch_inputs
+    from ..producer.presplit import microbatch_inputs
 
     staging: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if parts.spread is not None:  # every pipeline rank encodes a share; stage 0 also stages the chunks

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, MutableMapping
 
 from ..adapters.base import VlmAdapter
-from ..presplit import MicrobatchInputs, microbatch_inputs
+from ..producer.presplit import MicrobatchInputs, microbatch_inputs
 from .loss import count_valid_tokens, make_labels
 
 __all__ = ["presplit_batch"]
@@ -49,8 +49,8 @@ def presplit_batch(
         ValueError: ``n_microbatches`` differs from a :class:`~ppmedia.PipelineBatch`'s split; and
             whatever :func:`~ppmedia.split_media` raises for the batch.
     """
-    from ..collate import PipelineBatch
-    from ..split import split_media
+    from ..producer.collate import PipelineBatch
+    from ..producer.split import split_media
 
     if adapter is None:
         from ..registry import get_adapter

@@ -4,8 +4,8 @@ The tracer wraps each of a rank's ``PipelineStage`` objects' ``forward_one_chunk
 ``backward_one_chunk`` and ``backward_weight_one_chunk`` (the calls every torch schedule makes, in
 its own order) and records when each ran; an :class:`~ppmedia.pipeline.encoder.EncoderSpread` adds its
 broadcast, encodes, waits, vision backwards and reduction. :meth:`StepTracer.timeline` gathers every
-pipeline rank's record into one :class:`~ppmedia.timeline.Timeline` (times from the step's start, taken
-right after a barrier on every rank), which :func:`ppmedia.timeline.write_svg` draws.
+pipeline rank's record into one :class:`~ppmedia.planning.timeline.Timeline` (times from the step's start, taken
+right after a barrier on every rank), which :func:`ppmedia.planning.timeline.write_svg` draws.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from ..timeline import Bar, Timeline
+from ..planning.timeline import Bar, Timeline
 
 __all__ = ["StepTracer"]
 

@@ -30,7 +30,7 @@ from .tiny_models import capture_reference
 
 if TYPE_CHECKING:
     from ..adapters.base import VlmAdapter
-    from ..layouts import LayoutSet
+    from ..producer.layouts import LayoutSet
 
 __all__ = ["AdapterMismatch", "MicrobatchCheck", "capture_reference", "check_adapter", "check_merges"]
 
@@ -113,8 +113,8 @@ def check_merges(
     by (default: the process-wide registry's). The model itself is staged as the first stage. Raises
     :class:`AdapterMismatch` at the first difference.
     """
-    from ..split import split_media
-    from ..stage import stage_media
+    from ..producer.split import split_media
+    from ..producer.staging import stage_media
 
     split = _Split(name, f"{name} (adapter {adapter.name}), {n} microbatches", n, adapter, model, batch, reference, positions, atol)
     input_ids = batch["input_ids"]

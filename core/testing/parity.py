@@ -58,7 +58,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..tables import format_table
+from ..cli.tables import format_table
 
 __all__ = [
     "ALL_SCENARIOS",
@@ -639,7 +639,7 @@ _table = format_table
 
 
 def _split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> Any:
-    from ..split import split_media
+    from ..producer.split import split_media
     return split_media(batch, n, **adapter.media_counts(batch, config))
 
 
@@ -648,7 +648,7 @@ def _balanced_split(adapter: Any, config: Any, local: dict[str, Any], n: int) ->
     reorders its ``[B, ...]`` entries (new tensors; the caller's batch keeps its order)."""
     import functools
 
-    from ..split import split_media
+    from ..producer.split import split_media
 
     cost = functools.partial(adapter.image_costs, config=config)
     return split_media(local, n, **adapter.media_counts(local, config), balance=cost)
@@ -1180,8 +1180,8 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     """One schedule step on this replica's share, then the tied and data-parallel reductions
     (``accumulate``: keep the gradients already there, and leave the reductions to the next step)."""
     from ..pipeline import all_reduce_gradients, make_labels, sync_tied_gradients
-    from ..presplit import microbatch_inputs
-    from ..stage import stage_media
+    from ..producer.presplit import microbatch_inputs
+    from ..producer.staging import stage_media
 
     import torch.distributed as dist
 

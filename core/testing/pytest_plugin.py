@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import pytest
 
 if TYPE_CHECKING:
-    from ..hostreads import HostReadCounter
+    from ..producer.hostreads import HostReadCounter
     from .kit import Kit
 
 
@@ -57,7 +57,7 @@ def ppmedia_kit(request: pytest.FixtureRequest) -> Kit:
 @pytest.fixture
 def ppmedia_host_reads() -> Iterator[HostReadCounter]:
     """A :class:`ppmedia.HostReadCounter` active for the test: host reads of tensor data are counted."""
-    from ..hostreads import HostReadCounter
+    from ..producer.hostreads import HostReadCounter
 
     with HostReadCounter() as reads:
         yield reads

@@ -11,7 +11,7 @@ Per schedule (1F1B, GPipe) the arms alternate step by step, their order flipped 
 (ABBA...): ``skewed`` (the batch as it is), ``balanced`` (``split_media(balance=adapter cost)``,
 heaviest microbatch first), and for 1F1B ``balanced_heavy_last``. The even batch runs 1F1B as-is vs
 balanced. Every step records each stage's ``forward_one_chunk`` / ``backward_one_chunk`` times; the
-simulator (:mod:`ppmedia.simulate`) replays each arm from its own median per-operation costs, and
+simulator (:mod:`ppmedia.planning.simulate`) replays each arm from its own median per-operation costs, and
 the planner predicts the balanced step from the skewed run's calibration and the balanced loads alone.
 
 Quietness: rank 0 reads ``/proc/stat`` around each measured window and subtracts the CPU time of the
@@ -287,7 +287,7 @@ def _median_matrix(per_rank: list[list[list[float]]]) -> list[list[float]]:
 
 def analyse(results: dict[str, Any], max_foreign: float = 0.25) -> dict[str, Any]:
     """Ratios (median of per-pair ratios), simulator predictions, quietness verdict."""
-    from ppmedia.simulate import fit_calibration, predict, simulate
+    from ppmedia.planning.simulate import fit_calibration, predict, simulate
 
     arms = results["arms"]
     out: dict[str, Any] = {"comparisons": [], "arms": {}}
@@ -347,7 +347,7 @@ def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = Fals
                      " ".join(f"{v:.0f}" for v in arm["forward_ms"][0]),
                      " ".join(f"{v:.0f}" for v in arm["backward_ms"][0]),
                      " ".join(f"{v:.1f}" for v in arm["loads"]), f"{arm['simulated_s'] * 1e3:.1f}", f"{arm['bubble']:.2f}"))
-    from ppmedia.tables import format_table
+    from ppmedia.cli.tables import format_table
 
     lines.append(format_table(header, rows))
     lines.append("")
@@ -412,7 +412,7 @@ def random_batches_study(trials: int = 300, seed: int = 0) -> list[dict[str, Any
     from transformers import Qwen2_5_VLConfig
 
     from ppmedia.balance import balance_microbatches, encoder_flops, microbatch_loads
-    from ppmedia.simulate import Calibration, predict
+    from ppmedia.planning.simulate import Calibration, predict
 
     vision = Qwen2_5_VLConfig(vision_config={"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
                                               "patch_size": 14, "window_size": 112,

@@ -363,7 +363,7 @@ def _run_stage0(args: argparse.Namespace, targets: list[dict[str, Any]] | None) 
     analysis = stage0_bench.analyse(raw)
     print(stage0_bench.report(raw, analysis, args.force))
     if args.timeline is not None:
-        from ppmedia.timeline import write_svg
+        from ppmedia.planning.timeline import write_svg
 
         write_svg(str(args.timeline), stage0_bench.timelines(raw, analysis),
                   "one 1F1B step of the benchmark's batch, predicted (left) and measured (right)")

@@ -15,7 +15,7 @@ workers time, at the same time, the vision tower's forward and backward per MFLO
 cost model, one decoder layer's forward and backward on a microbatch, and the spread's weight
 broadcast plus gradient reduction. After them, the ``stage0`` arm's own per-action medians give the
 first and last stages' extra work (embedding, merge, head and loss) and the send latency (fitted so
-the model reproduces that arm's step time). :mod:`ppmedia.stepmodel` then predicts every arm.
+the model reproduces that arm's step time). :mod:`ppmedia.planning.stepmodel` then predicts every arm.
 
 Quietness as in ``balance_bench``: more than 0.25 cores used by other processes (``/proc/stat``
 minus the workers' own CPU time) before or during the runs prints ``n/a`` instead of the ratio.
@@ -261,7 +261,7 @@ def run(pairs: int = 12, warmup: int = 2) -> dict[str, Any]:
 
 
 def _bars(raw: list[list[Any]]) -> list[Any]:
-    from ppmedia.timeline import Bar
+    from ppmedia.planning.timeline import Bar
 
     return [Bar(int(r), str(k), float(a), float(b), int(s), int(m)) for r, k, a, b, s, m in raw]
 
@@ -277,9 +277,9 @@ def _op_medians(steps: list[list[Any]], kind: str, stage: int) -> float:
 
 
 def calibrate(results: dict[str, Any]) -> Any:
-    """:class:`ppmedia.stepmodel.OpCosts` (seconds) from the probe and the baseline arm's per-action
+    """:class:`ppmedia.planning.stepmodel.OpCosts` (seconds) from the probe and the baseline arm's per-action
     medians, the latency fitted to the baseline's median step."""
-    from ppmedia.stepmodel import OpCosts, predict_step
+    from ppmedia.planning.stepmodel import OpCosts, predict_step
 
     probe, loads = results["probe"], results["loads"]
     mean_load = statistics.mean(l for l in loads if l > 0)
@@ -311,7 +311,7 @@ def calibrate(results: dict[str, Any]) -> Any:
 
 def analyse(results: dict[str, Any], max_foreign: float = 0.25) -> dict[str, Any]:
     """Measured ratios (median of per-repetition ratios to the baseline), predictions, quietness."""
-    from ppmedia.stepmodel import compare_placements, predict_step
+    from ppmedia.planning.stepmodel import compare_placements, predict_step
 
     costs = calibrate(results)
     loads = results["loads"]
@@ -346,8 +346,8 @@ def analyse(results: dict[str, Any], max_foreign: float = 0.25) -> dict[str, Any
 
 def timelines(results: dict[str, Any], analysis: dict[str, Any]) -> list[list[Any]]:
     """Rows (stage 0 uniform, the best static split, spread) of (predicted, measured median step)."""
-    from ppmedia.stepmodel import OpCosts, predict_step
-    from ppmedia.timeline import Timeline
+    from ppmedia.planning.stepmodel import OpCosts, predict_step
+    from ppmedia.planning.timeline import Timeline
 
     costs = OpCosts.from_dict(analysis["costs"])
     rows = []
@@ -364,7 +364,7 @@ def timelines(results: dict[str, Any], analysis: dict[str, Any]) -> list[list[An
 
 def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = False) -> str:
     """The tables and the final ``stage0: ...`` line."""
-    from ppmedia.tables import format_table
+    from ppmedia.cli.tables import format_table
 
     arms = analysis["arms"]
     lines = [f"9. encoder spread: 2-process {SCHEDULE} pipelines, vision-heavy tiny Qwen2.5-VL (B={BATCH}, n={N_MICROBATCHES}, "
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python tests/bench/stage0_bench.py [--pairs N] [--force] [--out FILE] [--timeline FILE.svg]``."""
     import argparse
 
-    from ppmedia.timeline import write_svg
+    from ppmedia.planning.timeline import write_svg
 
     parser = argparse.ArgumentParser(description="ppmedia encoder-spread benchmark")
     parser.add_argument("--pairs", type=int, default=12)

@@ -1,5 +1,5 @@
 """The audio planners: audio clips, one clip per row of axis 0 (layouts ``audio_features`` and
-``audio_codes`` in :data:`ppmedia.layouts.BUILTIN_LAYOUTS`).
+``audio_codes`` in :data:`ppmedia.producer.layouts.BUILTIN_LAYOUTS`).
 
 Audio clips are media like images: a sample may hold none, one or several, so they cannot be split
 along dim 0 with the samples. Every family in transformers stages them clip-major:
@@ -85,7 +85,7 @@ def _check_mask(mask_key: str, mask: torch.Tensor, key: str, features: torch.Ten
 def audio_planner(key: str) -> Callable[[Context, Mapping[str, Any], "Counts | None"], Callable[[], Part]]:
     """The planner of the clips ``key`` (one of :data:`AUDIO_FEATURE_KEYS`) and their mask, one clip per row.
 
-    Its ``finish()`` gives a :class:`~ppmedia.planners.Part` holding ``input_features`` and
+    Its ``finish()`` gives a :class:`~ppmedia.producer.planners.Part` holding ``input_features`` and
     ``input_features_mask`` cut by clips, and the clips per microbatch as both ``items`` and ``rows``.
     """
     mask_keys = AUDIO_MASKS[key]

@@ -2,8 +2,8 @@
 
 :func:`plan_split` is the first step :func:`ppmedia.split_media` calls (``n`` microbatches for the plain
 split, ``B`` of one sample each for a row order such as ``balance=``); it returns a
-:class:`~ppmedia.assemble.Planned` and calls only downwards (layouts, planners, host reads, and the
-types of :mod:`ppmedia.assemble`). Nothing here modifies the batch.
+:class:`~ppmedia.producer.assemble.Planned` and calls only downwards (layouts, planners, host reads, and the
+types of :mod:`ppmedia.producer.assemble`). Nothing here modifies the batch.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def default_layouts() -> LayoutSet:
     """The process-wide registry's layouts: the built-ins, installed plugins' and ``PPMEDIA_PLUGINS``'."""
     global _registry
     if _registry is None:
-        from .registry import default_registry
+        from ..registry import default_registry
 
         _registry = default_registry
     layouts: LayoutSet = _registry().media_layouts()
@@ -252,7 +252,7 @@ def _check_part(layout: MediaLayout, part: Part, n: int) -> None:
     if not isinstance(part, Part) or len(part.items) != n or len(part.rows) != n:
         raise TypeError(
             f"media layout {layout.name!r}: its planner's finish() returned {type(part).__name__}; expected a "
-            f"ppmedia.planners.Part with {n} items and rows (one per microbatch)"
+            f"ppmedia.producer.planners.Part with {n} items and rows (one per microbatch)"
         )
     for f in part.fields:
         if f.name not in layout.fields or f.kind not in FIELD_KINDS or len(f.ranges) != n:

@@ -2,7 +2,7 @@
 
 :func:`encoder_flops` is the default of :meth:`VlmAdapter.image_costs
 <ppmedia.adapters.base.VlmAdapter.image_costs>`, which the balancer (:mod:`ppmedia.balance`) and the
-planner (:mod:`ppmedia.loads`) weigh samples with. It reads only the model config: no torch, no other
+planner (:mod:`ppmedia.planning.loads`) weigh samples with. It reads only the model config: no torch, no other
 ppmedia module, so an adapter can use it without importing the balancer.
 """
 

@@ -1,6 +1,6 @@
 """The built-in media planners, and the pieces every planner (a plugin's too) is built from.
 
-A planner serves one media layout (:class:`ppmedia.layouts.MediaLayout`): ``split_media`` selects the
+A planner serves one media layout (:class:`ppmedia.producer.layouts.MediaLayout`): ``split_media`` selects the
 layouts that fit the batch's keys and calls each one's planner in two phases around the producer's
 single host read:
 
@@ -16,7 +16,7 @@ single host read:
 Nothing here modifies the batch: :func:`ppmedia.split_media` pops the keys only after every planner
 finished and every view was made.
 
-Built-in layouts (registered in :mod:`ppmedia.layouts`):
+Built-in layouts (registered in :mod:`ppmedia.producer.layouts`):
 
 * patch rows (:func:`patch_rows_planner`, ``image_grid_thw``/``image_grid_hws``): flat patch rows
   ``[patches, D]`` or patch-major ``[patches, C, ph, pw]``; rows per image = its grid product;

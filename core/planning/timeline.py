@@ -11,7 +11,7 @@ the rank's row: ``wait`` (the first stage waiting for a microbatch's features in
 time: a measured one spans from its start to its end, preemptions included; a predicted one is drawn
 in the pieces the model gives it). Time in which a rank neither works nor its lane does is a bubble.
 
-Predicted timelines come from :func:`ppmedia.stepmodel.predict_step`, measured ones from
+Predicted timelines come from :func:`ppmedia.planning.stepmodel.predict_step`, measured ones from
 :class:`ppmedia.pipeline.trace.StepTracer`. :func:`render_svg` draws a grid of them (e.g. predicted
 next to measured, one row per placement of the vision work) on one time scale, so bars compare by
 length across panels. Every bar is a ``<rect>`` carrying ``data-rank``, ``data-seq`` (its position in

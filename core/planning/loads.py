@@ -1,5 +1,5 @@
 """Per-microbatch vision loads of a batch, plain and balanced: what ``ppmedia plan`` prints and the
-step model plans ``layers_per_stage="auto"`` with (:func:`ppmedia.stepmodel.auto_layer_split`).
+step model plans ``layers_per_stage="auto"`` with (:func:`ppmedia.planning.stepmodel.auto_layer_split`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def plan_batch(batch: dict[str, Any], n_microbatches: int, adapter: Any = None, 
         ``{"unit", "costs" [B], "permutation" [B], "loads" [n_microbatches], "balanced_loads",
         "images" [n_microbatches] (images + videos), "balanced_images"}``.
     """
-    from .balance import balance_microbatches, microbatch_loads, sample_costs
-    from .split import split_media
+    from ..balance import balance_microbatches, microbatch_loads, sample_costs
+    from ..producer.split import split_media
 
     work = dict(batch)
     kwargs: dict[str, Any] = {}

@@ -1,8 +1,8 @@
 """The assembly step of the producer path: a finished plan -> :class:`~ppmedia.StagedMedia` of views.
 
 What a plan hands down lives here too, so that every step above imports it downwards:
-:class:`FieldSplit` and :class:`Part` (a planner's result, re-exported by :mod:`ppmedia.planners`) and
-:class:`Planned` (a batch planned for ``n`` microbatches, made by :func:`ppmedia.splitter.plan_split`).
+:class:`FieldSplit` and :class:`Part` (a planner's result, re-exported by :mod:`ppmedia.producer.planners`) and
+:class:`Planned` (a batch planned for ``n`` microbatches, made by :func:`ppmedia.producer.plan.plan_split`).
 :func:`reorder_plan` applies a row order decided above (``split_media(balance=...)``) to a per-sample
 plan: every staged tensor gathered once. Nothing here reads the batch or calls a step above.
 """
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .chunk import STAGED_ATTRIBUTES
+from ..chunk import STAGED_ATTRIBUTES
 from .staged import Range, StagedMedia, cached_bounds, views
 
 __all__ = ["FIELD_KINDS", "FieldSplit", "Part", "Planned", "assemble", "reorder_plan"]
@@ -61,7 +61,7 @@ class Planned:
     """A batch planned for ``n`` microbatches: every check passed, the host read done, no view made yet.
 
     ``parts`` pairs each finished :class:`Part` with its layout (a
-    :class:`~ppmedia.layouts.MediaLayout`; ``None``: the per-sample inputs); ``popped`` is every batch
+    :class:`~ppmedia.producer.layouts.MediaLayout`; ``None``: the per-sample inputs); ``popped`` is every batch
     key a successful split removes. ``items`` and ``rows`` (computed) sum the layouts' items and
     media rows per modality and microbatch.
     """

@@ -20,8 +20,8 @@ import sys
 import time
 from typing import Sequence
 
-from .testing import parity
-from .testing import tiny_models as tiny
+from ..testing import parity
+from ..testing import tiny_models as tiny
 
 __all__ = ["finetune", "run", "selected_families"]
 
@@ -106,9 +106,9 @@ def finetune(steps: int = 12, lr: float = 5e-3) -> list[float]:
     import torch.distributed as dist
     import transformers
 
-    from . import data, pipeline
-    from .testing.datasets import save_tiny_checkpoint, write_image_chat_dataset
-    from .testing.word_tokenizer import text_words
+    from .. import data, pipeline
+    from ..testing.datasets import save_tiny_checkpoint, write_image_chat_dataset
+    from ..testing.word_tokenizer import text_words
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -25,7 +25,7 @@ send latency). Each operation starts when its rank is free and its inputs have a
 :func:`best_layer_split` searches ``layers_per_stage`` for the fastest step, and
 :func:`compare_placements` gives the four placements ``ppmedia plan`` prints (vision on stage 0 with
 the uniform split, with the best split for the batch, spread with the uniform and with its best
-split). Every prediction carries its :class:`~ppmedia.timeline.Timeline`.
+split). Every prediction carries its :class:`~ppmedia.planning.timeline.Timeline`.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _flatten(action: Any) -> list[Action]:
 
 @functools.lru_cache(maxsize=128)
 def _actions(schedule: str, n_ranks: int, n_microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    from .pipeline import schedule_layout
+    from ..pipeline import schedule_layout
     from .simulate import schedule_order
 
     layout = schedule_layout(schedule)
@@ -274,7 +274,7 @@ def _spread_ops(costs: OpCosts, loads: Sequence[float], owners: Sequence[int], n
     reduction (contributing nothing) and finishes its own share while the other ranks' gradients
     travel (``R`` on those ranks, the other half, once their own backwards are done and stage 0 has
     entered); stage 0 ends when the sum has arrived."""
-    from .pipeline.encoder import encoded_ahead
+    from ..pipeline.encoder import encoded_ahead
 
     half = costs.sync / 2
     ranks, lanes = [], []
@@ -334,8 +334,8 @@ def predict_step(
         ahead: spread with ``background``: the share of each rank's microbatches it encodes before
             its schedule (default the runtime's, :data:`~ppmedia.pipeline.encoder.AHEAD`).
     """
-    from .pipeline import schedule_layout
-    from .pipeline.encoder import AHEAD, ENCODER_MODES, default_assign
+    from ..pipeline import schedule_layout
+    from ..pipeline.encoder import AHEAD, ENCODER_MODES, default_assign
 
     if encoder not in ENCODER_MODES:
         raise ValueError(f"encoder: got {encoder!r}; expected one of {', '.join(ENCODER_MODES)}")
@@ -373,7 +373,7 @@ def best_layer_split(
     Every split when there are at most ``limit`` of them, else a local search from the uniform split
     (moving one layer between two stages while the step gets shorter).
     """
-    from .pipeline import default_layer_split, schedule_layout
+    from ..pipeline import default_layer_split, schedule_layout
 
     n_stages = schedule_layout(schedule).n_stages(n_ranks)
 
@@ -411,7 +411,7 @@ def compare_placements(
     :func:`best_layer_split` for these loads, ``(c)`` spread with the uniform split, ``(d)`` spread
     with its best split. Ties go to the earlier (simpler) option.
     """
-    from .pipeline import default_layer_split, schedule_layout
+    from ..pipeline import default_layer_split, schedule_layout
 
     uniform = default_layer_split(num_layers, schedule_layout(schedule).n_stages(n_ranks))
     a = predict_step(schedule, costs, loads, n_ranks=n_ranks, layers_per_stage=uniform)
@@ -461,14 +461,14 @@ def auto_layer_split(config: Any, n_stages: int, request: AutoSplit, adapter: An
     Raises:
         ValueError: ``n_stages`` does not fit the schedule's placement, or the batch cannot be split.
     """
-    from .pipeline import schedule_layout
+    from ..pipeline import schedule_layout
     from .loads import plan_batch
 
     layout = schedule_layout(request.schedule)
     if n_stages % layout.stages_per_rank:
         raise ValueError(f"auto_split: {n_stages} stages; {layout.name} places {layout.stages_per_rank} per rank")
     if adapter is None:
-        from .registry import get_adapter
+        from ..registry import get_adapter
 
         adapter = get_adapter(config)
     loads = plan_batch(dict(request.batch), request.n_microbatches, adapter, config)["loads"]

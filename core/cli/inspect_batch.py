@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .cli_base import CliError, UsageError, cli_terms, positive_int
+from .base import CliError, UsageError, cli_terms, positive_int
 from .tables import format_table
 
 __all__ = ["add_arguments", "load_batch", "run"]

@@ -4,12 +4,12 @@
 of every tensor it is handed. :func:`split_media` pops the media out of the batch (media do not have
 samples on dim 0) and cuts each media tensor so that microbatch ``k`` gets exactly the media of its
 samples, as views of the batch's tensors. Which keys are media, and how they map to samples, is what
-the registered media layouts say (:mod:`ppmedia.layouts`; ppmedia's own and plugins', one mechanism).
+the registered media layouts say (:mod:`ppmedia.producer.layouts`; ppmedia's own and plugins', one mechanism).
 
-The producer path, top-down: :func:`split_in_order` calls the plan step (:func:`ppmedia.splitter.plan_split`:
+The producer path, top-down: :func:`split_in_order` calls the plan step (:func:`ppmedia.producer.plan.plan_split`:
 checks, the one host read), then, for a row order such as ``balance=``, the strategy that decides which
-sample goes where (:func:`ppmedia.balancing.balanced_permutation`; packing's takes the same place), then
-the assembly (:mod:`ppmedia.assemble`: gather, views in :mod:`ppmedia.staged`). No step calls back up;
+sample goes where (:func:`ppmedia.producer.balancing.balanced_permutation`; packing's takes the same place), then
+the assembly (:mod:`ppmedia.producer.assemble`: gather, views in :mod:`ppmedia.producer.staged`). No step calls back up;
 only this module changes the batch, once everything has succeeded.
 """
 
@@ -26,7 +26,7 @@ from .assemble import Planned, assemble, reorder_plan
 from .balancing import DEFAULT_ORDER, balanced_permutation
 from .layouts import BUILTIN_LAYOUTS, LayoutSet
 from .planners import IMAGE_GRID_KEYS, CountsArgument
-from .splitter import SampleInputsArgument, default_layouts, plan_split
+from .plan import SampleInputsArgument, default_layouts, plan_split
 from .staged import StagedMedia, microbatch_bounds
 
 __all__ = [
@@ -42,7 +42,7 @@ __all__ = [
 
 #: a row-order strategy: ``(per-sample plan, n_microbatches) -> permutation`` of the ``B`` samples
 #: (position ``i`` of the split batch holds original sample ``permutation[i]``); it reads the
-#: :class:`~ppmedia.assemble.Planned` of ``B`` one-sample microbatches and calls nothing above it.
+#: :class:`~ppmedia.producer.assemble.Planned` of ``B`` one-sample microbatches and calls nothing above it.
 RowOrder = Callable[[Planned, int], Sequence[int]]
 
 #: every key :func:`split_media` pops with ppmedia's own layouts (plugins' layouts add theirs:
@@ -115,7 +115,7 @@ def split_media(
             instead; the batch's key is popped either way). Each is split with its samples, staged as
             views in ``chunk.extras[key]``, and reordered with them by a balanced split.
             ``adapter.media_counts(batch, config)`` passes the adapter's.
-        layouts: the :class:`~ppmedia.layouts.LayoutSet` to split by (default: the process-wide
+        layouts: the :class:`~ppmedia.producer.layouts.LayoutSet` to split by (default: the process-wide
             registry's: ppmedia's layouts and every registered plugin's).
         balance: reorder the samples so every microbatch gets a similar vision load
             (:func:`ppmedia.balance.balanced_split`, :func:`split_in_order`): ``True`` (cost linear in patches), a cost function
@@ -144,7 +144,7 @@ def split_media(
 def balance_order(balance: Any, *, order: str = DEFAULT_ORDER, patch_size: int | None = None) -> RowOrder:
     """The :data:`RowOrder` of ``split_media(balance=...)``: ``balance`` checked for its form (``True``, a
     cost function ``patches -> costs``, or ``[B]`` per-sample costs), then
-    :func:`ppmedia.balancing.balanced_permutation` with ``order`` and ``patch_size``."""
+    :func:`ppmedia.producer.balancing.balanced_permutation` with ``order`` and ``patch_size``."""
     if isinstance(balance, (str, bytes)) or not (
         balance is True or callable(balance) or isinstance(balance, (Sequence, np.ndarray, Tensor))
     ):

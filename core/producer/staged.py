@@ -1,6 +1,6 @@
 """What a split produces: :class:`StagedMedia`, one batch's media cut per microbatch as views.
 
-Made by :func:`ppmedia.split_media` (plain or balanced, both through :mod:`ppmedia.splitter`) and hung
+Made by :func:`ppmedia.split_media` (plain or balanced, both through :mod:`ppmedia.producer.plan`) and hung
 on the first stage by :func:`ppmedia.stage_media`.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .chunk import STAGED_ATTRIBUTES, VlmMediaChunk
+from ..chunk import STAGED_ATTRIBUTES, VlmMediaChunk
 
 __all__ = ["StagedMedia", "microbatch_bounds"]
 
@@ -74,7 +74,7 @@ class StagedMedia:
             ``None`` when not balanced.
         items: modality -> per microbatch, its items (``"image"``, ``"video"``, a plugin's modality).
         rows: modality -> per microbatch, the rows of that modality's pixel tensor.
-        kinds: staged name -> what its axis 0 holds (:data:`ppmedia.planners.FIELD_KINDS`):
+        kinds: staged name -> what its axis 0 holds (:data:`ppmedia.producer.planners.FIELD_KINDS`):
             ``"media"`` rows or items, ``"sample"`` one entry per sample (empty in a microbatch
             without media), ``"input"`` one entry per sample (a per-sample input, always staged).
         layouts: the names of the media layouts that staged this batch.

@@ -1,5 +1,5 @@
-"""Planners made from a declaration, for plugin layouts (:func:`ppmedia.layouts.item_layout`,
-:func:`ppmedia.layouts.sample_layout`).
+"""Planners made from a declaration, for plugin layouts (:func:`ppmedia.producer.layouts.item_layout`,
+:func:`ppmedia.producer.layouts.sample_layout`).
 
 Each checks shapes before the host read, reads only the integer metadata it needs (counts, rows per
 item) in the split's one read, checks every value with exact arithmetic and stages views: what a
@@ -41,7 +41,7 @@ _MAX_MERGE = 2**31  # its square fits in int64
 
 @dataclass(frozen=True)
 class GridRows:
-    """Rows per item as the product of a grid key's columns, for :func:`ppmedia.layouts.item_layout`.
+    """Rows per item as the product of a grid key's columns, for :func:`ppmedia.producer.layouts.item_layout`.
 
     Item ``i`` has ``prod(grid[i]) // merge_i**2`` rows of the pixels: ``grid`` is the batch key
     ``key`` of shape ``[items, columns]`` (positive integers, e.g. ``image_grid_thw`` ``[images, 3]``,

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .chunk import CURSOR_ATTRIBUTE, EXTRAS_ATTRIBUTE, STAGED_ATTRIBUTES
+from ..chunk import CURSOR_ATTRIBUTE, EXTRAS_ATTRIBUTE, STAGED_ATTRIBUTES
 from .staged import StagedMedia
 
 __all__ = ["stage_media"]

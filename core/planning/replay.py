@@ -1,5 +1,5 @@
 """Replay modelled operations in time: each rank runs its own operations in order, and a background lane
-that only runs while they idle (the step model of :mod:`ppmedia.stepmodel`).
+that only runs while they idle (the step model of :mod:`ppmedia.planning.stepmodel`).
 
 An operation starts when its rank is free and every event it needs has happened (plus the latency the
 need adds); when it ends it makes its events (after a delay: a send's latency). A rank's lane runs its
@@ -205,7 +205,7 @@ class _Replay:
 
 def replay(ranks: list[list[Op]], title: str, unit: str, lanes: list[list[Op]] | None = None) -> Timeline:
     """Replay ``ranks`` (each rank's operations in order) and their ``lanes`` (each rank's background
-    jobs in order; default none) into a :class:`~ppmedia.timeline.Timeline`.
+    jobs in order; default none) into a :class:`~ppmedia.planning.timeline.Timeline`.
 
     Raises:
         RuntimeError: the operations wait for each other in a cycle (an event nothing makes).

@@ -4,15 +4,15 @@ where the vision work should run.
 
 Loads are the adapter's encoder cost (:meth:`VlmAdapter.image_costs`, in MFLOP) when the model type is
 known (``--model-type`` or a ``config.json`` beside the file), else patches. Times come from
-``--calibration FILE`` (JSON with the fields of :class:`ppmedia.simulate.Calibration`, in ms, e.g. the
+``--calibration FILE`` (JSON with the fields of :class:`ppmedia.planning.simulate.Calibration`, in ms, e.g. the
 ``calibration`` that ``tests/bench/run.py --balance`` writes), else relative units: one stage's text
 forward is 1 and the average microbatch's vision forward is ``--vision-share`` of it.
 
-With a model config, the placement of the vision work (:func:`ppmedia.stepmodel.compare_placements`):
+With a model config, the placement of the vision work (:func:`ppmedia.planning.stepmodel.compare_placements`):
 (a) on stage 0 with the uniform split, (b) on stage 0 with the best static ``layers_per_stage`` for
 this batch, (c) spread over the pipeline ranks (``encoder="spread"``) with the uniform split, (d)
 spread with its best split; predicted from per-operation costs (a ``--calibration`` file with the fields
-of :class:`ppmedia.stepmodel.OpCosts`, in seconds, as ``tests/bench/run.py --stage0`` writes it, else
+of :class:`ppmedia.planning.stepmodel.OpCosts`, in seconds, as ``tests/bench/run.py --stage0`` writes it, else
 the config's FLOPs), with the recommendation; ``--timeline FILE.svg`` draws their predicted timelines.
 ``--stages`` is the number of pipeline ranks there (a schedule with 2 stages per rank has twice as many).
 """
@@ -24,18 +24,18 @@ import json
 import pathlib
 from typing import Any
 
-from .cli_base import UsageError, non_negative_float, positive_int
-from .loads import plan_batch
+from .base import UsageError, non_negative_float, positive_int
+from ..planning.loads import plan_batch
 
 __all__ = ["add_arguments", "plan_batch", "run"]
 
 
 def _calibration(path: pathlib.Path) -> Any:
-    """``--calibration FILE``: a JSON object with the fields of :class:`ppmedia.simulate.Calibration`,
-    or of :class:`ppmedia.stepmodel.OpCosts` (per-operation costs, in seconds)."""
-    from .cli_base import CliError
-    from .simulate import Calibration
-    from .stepmodel import OpCosts
+    """``--calibration FILE``: a JSON object with the fields of :class:`ppmedia.planning.simulate.Calibration`,
+    or of :class:`ppmedia.planning.stepmodel.OpCosts` (per-operation costs, in seconds)."""
+    from .base import CliError
+    from ..planning.simulate import Calibration
+    from ..planning.stepmodel import OpCosts
 
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -50,8 +50,8 @@ def _calibration(path: pathlib.Path) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """``ppmedia plan``: load the batch (as ``inspect`` does), print loads and predicted step times."""
-    from .cli_inspect import check_microbatches, load_inputs
-    from .simulate import Calibration, predict
+    from .inspect_batch import check_microbatches, load_inputs
+    from ..planning.simulate import Calibration, predict
     from .tables import format_table
 
     path, batch, model = load_inputs(args)
@@ -92,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _as_calibration(costs: Any, config: Any, n_stages: int) -> Any:
-    """The balancing table's per-stage :class:`~ppmedia.simulate.Calibration` (uniform split, ms) of
+    """The balancing table's per-stage :class:`~ppmedia.planning.simulate.Calibration` (uniform split, ms) of
     per-operation costs."""
-    from .pipeline import default_layer_split
-    from .simulate import Calibration
+    from ..pipeline import default_layer_split
+    from ..planning.simulate import Calibration
 
     layers = default_layer_split(_num_layers(config) or n_stages, n_stages)
     forward = [n * costs.layer_forward + (costs.first_forward if s == 0 else 0) + (costs.last_forward if s == n_stages - 1 else 0)
@@ -130,9 +130,9 @@ def _placements(args: argparse.Namespace, batch: dict[str, Any], plan: dict[str,
                 schedules: list[str]) -> None:
     """Where the vision work should run: the four placements per schedule, the recommendation, and
     ``--timeline``'s picture (of the first schedule)."""
-    from .stepmodel import OpCosts, compare_placements
+    from ..planning.stepmodel import OpCosts, compare_placements
     from .tables import format_table
-    from .timeline import write_svg
+    from ..planning.timeline import write_svg
 
     num_layers = _num_layers(config)
     if num_layers is None:
@@ -161,7 +161,7 @@ def _placements(args: argparse.Namespace, batch: dict[str, Any], plan: dict[str,
 
 def _schedule(value: str) -> str:
     """``--schedule``: ``all``, or a schedule name in any case (its canonical spelling)."""
-    from .pipeline.schedules import schedule_argument, schedule_choices
+    from ..pipeline.schedules import schedule_argument, schedule_choices
 
     if value.lower() == "all":
         return "all"

@@ -17,7 +17,7 @@ over its sequences. The default is linear in patches; :meth:`VlmAdapter.image_co
 layers over a window only).
 
 :func:`balanced_permutation` is the row order ``split_media(balance=...)`` asks for: it reads a
-per-sample :class:`~ppmedia.assemble.Planned` (no host read, no view) and returns a permutation; it
+per-sample :class:`~ppmedia.producer.assemble.Planned` (no host read, no view) and returns a permutation; it
 calls nothing above it. Another row-order strategy (packing's) takes the same place.
 """
 
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .assemble import Planned
-from .costs import encoder_flops, vision_value
+from ..planning.costs import encoder_flops, vision_value
 
 __all__ = [
     "ImageCost",

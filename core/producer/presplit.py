@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from torch import Tensor
 
-from .chunk import VlmMediaChunk
+from ..chunk import VlmMediaChunk
 from .staged import StagedMedia
 
 __all__ = ["MEDIA_KWARG", "MicrobatchInputs", "MicrobatchMedia", "microbatch_inputs"]

@@ -11,7 +11,7 @@ from torch import Tensor
 from .split import StagedMedia, split_media
 
 if TYPE_CHECKING:  # typing only: importing the adapters here would cost every `import ppmedia`
-    from .adapters.base import VlmAdapter
+    from ..adapters.base import VlmAdapter
 
 __all__ = ["PipelineBatch", "collate_for_pipeline"]
 

@@ -1,5 +1,5 @@
 """The padded-frames video planner (Gemma 4 videos; layout ``video_frames`` in
-:data:`ppmedia.layouts.BUILTIN_LAYOUTS`).
+:data:`ppmedia.producer.layouts.BUILTIN_LAYOUTS`).
 
 Gemma 4's video processor writes every sampled frame as one image of padded patches:
 
@@ -8,7 +8,7 @@ Gemma 4's video processor writes every sampled frame as one image of padded patc
 * ``num_frames_per_video`` ``[videos]``, how many of those frames each video has.
 
 The frames have no ``video_grid_thw``, so the Qwen-style video layout cannot cut them. The layout is
-an :func:`ppmedia.layouts.item_layout` (rows per item = ``num_frames_per_video``, ``video_position_ids``
+an :func:`ppmedia.producer.layouts.item_layout` (rows per item = ``num_frames_per_video``, ``video_position_ids``
 per row): microbatch ``k`` gets the frames of its samples' videos (videos per sample: the modality
 ``"video"``'s counts, e.g. an adapter's ``media_counts``), ``pixel_values_videos`` and
 ``video_position_ids`` cut by frames, ``num_frames_per_video`` by videos, all views.

@@ -19,8 +19,9 @@ import sys
 import warnings
 from typing import Iterator, Sequence
 
-from . import cli_inspect, plan
-from .cli_base import CliError, Command, UsageError, cli_terms, one_line, positive_int
+from . import inspect_batch as cli_inspect
+from . import plan
+from .base import CliError, Command, UsageError, cli_terms, one_line, positive_int
 from .tables import format_table
 
 __all__ = [
@@ -44,7 +45,7 @@ _DEMO_BATCH_SIZE = 8
 def family_argument(value: str) -> str:
     """``--family``'s type: ``all``, a built-in tiny family, or the dotted name of a plugin's tiny-family
     module (``my_plugin.tiny``, imported now: the workers import it by name too)."""
-    from .testing import tiny_models
+    from ..testing import tiny_models
 
     if value == "all" or value in tiny_models.FAMILIES:
         return value
@@ -66,7 +67,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
              "repeatable: --family A --family B runs both, in that order",
     )
     parser.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per step (default 4)")
-    from .pipeline.schedules import schedule_argument, schedule_choices
+    from ..pipeline.schedules import schedule_argument, schedule_choices
 
     choices = schedule_choices()
     parser.add_argument(
@@ -93,7 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
             + (f"{', '.join(map(str, divisors[:-1]))} or {divisors[-1]}" if len(divisors) > 1 else "1")
         )
     from . import demo
-    from .testing import parity
+    from ..testing import parity
 
     code = demo.run(args)
     if parity.launched_by_torchrun():

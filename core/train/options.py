@@ -1,0 +1,166 @@
+"""The training command's options: the parser and the checks that refuse a bad combination before anything
+starts (argparse's one line, exit 2). Every option of ``ppmedia.train`` is here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from .. import pipeline
+from ..testing import tiny_models
+
+#: the stand-in run's length when neither --steps nor --epochs is given.
+DEFAULT_STEPS = 4
+#: the parser's description
+DESCRIPTION = "Train a vision-language model with pipeline x data (x tensor) parallelism and ppmedia's staged media."
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated integers such as 2,3") from None
+
+
+def _parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(pipeline.MODEL_PARTS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"got {unknown}; expected some of {','.join(pipeline.MODEL_PARTS)}")
+    return parts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    add = parser.add_argument
+    add("--family", default="qwen2_5_vl", choices=tiny_models.FAMILIES, metavar="FAMILY",
+        help="the tiny seeded model and its stand-in batches (without --model / --data)")
+    add("--model", help="a Hugging Face checkpoint directory to fine-tune (its processor too); needs --data")
+    add("--data", help="training data: a JSON / JSONL file (LLaVA or messages style) or a datasets save_to_disk folder")
+    add("--eval-data", help="held-out data in the same formats, evaluated every --eval-every steps")
+    add("--media-dir", help="where relative media paths of the data point (default: the data file's folder)")
+    add("--batch-size", type=int, default=8, help="the global batch in samples (split over the replicas)")
+    add("--max-length", type=int, default=2048, help="the longest sample in tokens (longer ones are skipped)")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, help="train this many passes over --data")
+    length.add_argument("--steps", type=int, help="train until this step (exclusive)")
+    add("--no-shuffle", action="store_true", help="global batch i holds samples [i*B, (i+1)*B) in order")
+    add("--seed", type=int, default=0, help="the shuffle's seed (and the tiny model's)")
+    add("--workers", type=int, default=0, help="DataLoader worker processes per rank that reads media")
+    add("--skip-bad-samples", action="store_true", help="skip (and count) bad records instead of stopping")
+    add("--pack", action="store_true",
+        help="pack each global batch's samples into rows of at most --max-length tokens (the same samples per step)")
+    add("--pack-across-batches", type=int, default=0, metavar="N",
+        help="with --pack: pool N consecutive global batches per replica before packing (fuller rows; changes "
+             "which samples share a step)")
+    add("--lr", type=float, default=1e-3, help="the peak learning rate")
+    add("--weight-decay", type=float, default=0.01, help="AdamW's, not on norms, biases and embeddings")
+    add("--warmup-steps", type=int, default=0, help="linear warm-up from 0 over this many steps")
+    add("--lr-schedule", default="constant", choices=pipeline.LR_SCHEDULES, help="after the warm-up")
+    add("--max-grad-norm", type=float, default=1.0)
+    add("--dtype", choices=("float32", "bfloat16"), help="the parameters' dtype (default: the checkpoint's)")
+    add("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (nccl, one GPU per rank)")
+    add("--activation-checkpointing", action="store_true", help="recompute layer activations in the backward")
+    add("--freeze", type=_parts, default=[], metavar="PARTS", help="comma-separated: vision,projector,language")
+    add("--layers-per-stage", type=_int_list, metavar="N,N,...", help="decoder layers per stage (default: even)")
+    add("--pp", type=int, default=2, help="pipeline ranks")
+    add("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp x tp)")
+    add("--tp", type=int, default=1, help="tensor-parallel ranks per stage (pipeline.apply_tensor_parallel)")
+    add("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
+    add("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
+    add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
+    add("--microbatches", type=int, default=2, help="microbatches per replica and step")
+    add("--save-dir", help="write DCP checkpoints under this folder (step{N}/)")
+    add("--save-every", type=int, default=0, help="checkpoint after every N steps")
+    add("--overwrite", action="store_true",
+        help="a fresh run may delete another run's checkpoints under --save-dir (refused otherwise)")
+    add("--resume", help="a checkpoint folder (step{N}) to continue from, or 'auto' (newest under --save-dir)")
+    add("--skip-nonfinite", type=int, default=0, metavar="N",
+        help="skip at most N steps whose loss or gradient norm is not finite (default: stop at the first)")
+    add("--no-batch-check", action="store_true",
+        help="do not compare a fingerprint of every step's batch across the ranks that must hold it")
+    add("--loss-log", help="append one JSON line per step here (rank 0)")
+    add("--export", help="write the trained model (and the processor) as a Hugging Face checkpoint here")
+    add("--eval-every", type=int, default=0, help="every N steps, the held-out loss (forward only)")
+    add("--encoder", default="stage0", choices=("stage0", "spread"),
+        help="where the vision tower runs: on stage 0, or spread over the pipeline ranks")
+    add("--presplit", action="store_true",
+        help="feed the schedule pre-split microbatches (each one's media its own keyword input) instead of "
+             "staging the media on stage 0")
+    add("--trace", metavar="FILE.svg", help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
+    return parser
+
+
+def bad_option(args: argparse.Namespace) -> str | None:
+    """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
+    problem = pipeline.option_problem(
+        {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
+        positive=("--pp", "--dp", "--tp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
+                  "--max-grad-norm"),
+        non_negative=("--lr", "--weight-decay", "--warmup-steps", "--workers", "--save-every", "--eval-every",
+                      "--skip-nonfinite", "--pack-across-batches"),
+        together=(("--save-every", "--save-dir"), ("--overwrite", "--save-dir")),
+    )
+    if problem is None and args.save_dir and not args.save_every and args.resume != "auto":
+        problem = f"--save-dir {args.save_dir} needs --save-every N (or --resume auto, which reads it): nothing would be saved"
+    if problem is None:
+        try:
+            pipeline.schedule_layout(args.schedule)
+        except ValueError as exc:
+            problem = f"--schedule: {str(exc).removeprefix('schedule: ')}"
+    for option, path in (("--model", args.model), ("--resume", None if args.resume == "auto" else args.resume)):
+        if problem is None and path and not os.path.isdir(path):
+            problem = f"{option} {path}: no such directory"
+    for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if problem is None and path and not os.path.exists(path):
+            problem = f"{option} {path}: no such file or directory"
+    if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):
+        problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
+    return problem
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations of flags that cannot work: one ``parser.error`` (exit 2) before anything starts."""
+    problem = bad_option(args)
+    if problem:
+        parser.error(problem)
+    if args.model and not args.data:
+        parser.error("--model fine-tunes a checkpoint on --data: give --data (the tiny stand-in batches only go "
+                     "with --family)")
+    if args.data and not args.model:
+        parser.error("--data is processed with --model's own processor: give --model")
+    if args.eval_data and not args.data:
+        parser.error("--eval-data goes with --data")
+    if args.data and bool(args.eval_every) != bool(args.eval_data):
+        parser.error("with --data, --eval-every N evaluates --eval-data PATH: give both or neither")
+    if args.epochs is not None and not args.data:
+        parser.error("--epochs counts passes over --data: give --steps for the stand-in batches")
+    if args.data and args.epochs is None and args.steps is None:
+        parser.error("give --epochs or --steps")
+    if args.pack and not args.data:
+        parser.error("--pack packs the samples of --data: give --model and --data")
+    if args.pack_across_batches and not args.pack:
+        parser.error("--pack-across-batches N pools batches for --pack: give --pack too")
+    if args.resume == "auto" and not args.save_dir:
+        parser.error("--resume auto looks under --save-dir: give --save-dir")
+    if args.bf16 and not args.fsdp:
+        parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
+    untested = [flag for flag, on in (("--encoder spread", args.encoder == "spread"), ("--data", args.data),
+                                      ("--presplit", args.presplit)) if on]
+    if args.tp > 1 and untested:
+        parser.error(f"--tp {args.tp} with {', '.join(untested)}: not supported (docs/tensor-parallel.md); "
+                     f"drop one of them")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
+                     f"use --device cpu")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    if args.steps is None and args.epochs is None:
+        args.steps = DEFAULT_STEPS
+    return args
