@@ -34,7 +34,7 @@ def test_wheel_lists_packages_explicitly(tmp_path):
     assert tops == {"ppmedia", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     names = zipfile.ZipFile(wheel).namelist()
     assert "ppmedia/py.typed" in names and "ppmedia/adapters/base.py" in names and "ppmedia/registry/__init__.py" in names
-    for module in ("checks", "goldens", "kit", "parity", "pytest_plugin", "tiny_models/__init__"):
+    for module in ("checks", "goldens", "kit", "parity/__init__", "parity/__main__", "pytest_plugin", "tiny_models/__init__"):
         assert f"ppmedia/testing/{module}.py" in names, module
     assert not [n for n in names if n.endswith(".safetensors")]  # goldens are test data, not package data
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]

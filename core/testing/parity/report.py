@@ -58,7 +58,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..cli.tables import format_table
+from ...cli.tables import format_table
 
 __all__ = [
     "ALL_SCENARIOS",
@@ -201,7 +201,7 @@ class Scenario:
     packed: bool = False
 
     def __post_init__(self) -> None:
-        from ..pipeline import schedule_layout
+        from ...pipeline import schedule_layout
 
         try:
             schedule_layout(self.schedule)
@@ -639,7 +639,7 @@ _table = format_table
 
 
 def _split(adapter: Any, config: Any, batch: dict[str, Any], n: int) -> Any:
-    from ..producer.split import split_media
+    from ...producer.split import split_media
     return split_media(batch, n, **adapter.media_counts(batch, config))
 
 
@@ -648,7 +648,7 @@ def _balanced_split(adapter: Any, config: Any, local: dict[str, Any], n: int) ->
     reorders its ``[B, ...]`` entries (new tensors; the caller's batch keeps its order)."""
     import functools
 
-    from ..producer.split import split_media
+    from ...producer.split import split_media
 
     cost = functools.partial(adapter.image_costs, config=config)
     return split_media(local, n, **adapter.media_counts(local, config), balance=cost)
@@ -683,8 +683,8 @@ def _microbatch_infos(adapter: Any, config: Any, batch: dict[str, Any], n: int, 
 
 def microbatch_table(family: str, n_microbatches: int = 4, seed: int = 0) -> list[MicrobatchInfo]:
     """What each microbatch of ``family``'s tiny batch holds (builds only the config, no model)."""
-    from . import tiny_models as tiny
-    from ..registry import get_adapter
+    from .. import tiny_models as tiny
+    from ...registry import get_adapter
 
     module = tiny.load(family)
     config = module.build_config()
@@ -758,7 +758,7 @@ def _groups(world: int, rank: int, dp: int, tp: int = 1) -> _Groups:
     if dp == 1 and tp == 1:
         groups = _Groups(pp, 1, rank, 0, None, None)
     else:
-        from ..pipeline import pipeline_mesh
+        from ...pipeline import pipeline_mesh
 
         mesh = pipeline_mesh(pp, dp, tp)  # rank = (d * pp + p) * tp + t
         groups = _Groups(pp, dp, (rank // tp) % pp, rank // (tp * pp), mesh["pp"].get_group(), mesh["dp"].get_group(),
@@ -799,7 +799,7 @@ def _pipeline_batch(scenario: Scenario, batch: dict[str, Any], config: Any) -> d
     """What the pipeline runs: ``batch``, or with ``/packed`` its :data:`PACKED_PER_ROW` samples a row."""
     if not scenario.packed:
         return batch
-    from .packed import in_order_rows, pack_batch
+    from ..packed import in_order_rows, pack_batch
 
     pad = getattr(config.get_text_config(), "pad_token_id", None)
     return pack_batch(batch, in_order_rows(int(batch["input_ids"].shape[0]), PACKED_PER_ROW), int(pad or 0))
@@ -847,7 +847,7 @@ class _PositionCheck:
 
 def _plant_packing_fault(fault: str | None, modules: Sequence[Any]) -> None:
     """:data:`PACKED_FAULTS`: break the packed stages on purpose (see :data:`FAULTS`)."""
-    from ..packing import isolate, sample_positions
+    from ...packing import isolate, sample_positions
 
     for module in modules:
         if fault == "packed_positions":
@@ -878,8 +878,8 @@ def _plant_packing_fault(fault: str | None, modules: Sequence[Any]) -> None:
 def _text_only_first_half(tiny_module: Any, batch: dict[str, Any]) -> dict[str, Any]:
     """``B`` samples: the batch's text-only samples, repeated, for the first half; its first half,
     with exactly that half's media (views), for the second."""
-    from ..pipeline.parallel import _PER_SAMPLE_MEDIA_KEYS
-    from ..registry import get_adapter
+    from ...pipeline.parallel import _PER_SAMPLE_MEDIA_KEYS
+    from ...registry import get_adapter
 
     config = tiny_module.build_config()
     adapter = get_adapter(config)
@@ -912,7 +912,7 @@ def _stages(
 ) -> tuple[list[Any], list[Any]]:
     """This rank's PipelineStages and the tied parameter groups: cut from a copy of ``pristine``, or
     loaded from ``checkpoint`` (the ``pretrained`` scenarios)."""
-    from ..pipeline import make_pipeline_stages, stages_from_pretrained, tied_parameters
+    from ...pipeline import make_pipeline_stages, stages_from_pretrained, tied_parameters
 
     if scenario.pretrained:
         assert checkpoint is not None
@@ -947,7 +947,7 @@ _READ_ATTRIBUTE = "_ppmedia_parity_elements_read"
 def _counted_reads() -> Iterator[list[int]]:
     """Inside the block, the elements :func:`~ppmedia.pipeline.stages_from_pretrained` reads from
     the checkpoint's safetensors slices (``slice[index]``), summed into the yielded list's one item."""
-    from ..pipeline import pretrained
+    from ...pipeline import pretrained
 
     read = [0]
     original = pretrained.open_tensors
@@ -993,7 +993,7 @@ def _export_round_trip(built: "_Built", g: _Groups, checkpoint: str) -> float:
 
     import torch.distributed as dist
 
-    from ..pipeline import save_pretrained_stages
+    from ...pipeline import save_pretrained_stages
 
     out = checkpoint.rstrip(os.sep) + "-export"
     save_pretrained_stages(built.modules, out, group=g.pp_group)
@@ -1027,7 +1027,7 @@ def _loaded(built: "_Built", scenario: Scenario, g: _Groups, checkpoint: str | N
 def _build(
     scenario: Scenario, job: _Job, g: _Groups, pristine: torch.nn.Module, tiny_module: Any, checkpoint: str | None = None
 ) -> _Built:
-    from ..pipeline import build_schedule, default_layer_split, find_language_model, schedule_layout
+    from ...pipeline import build_schedule, default_layer_split, find_language_model, schedule_layout
 
     layout = schedule_layout(scenario.schedule)
     n_stages = layout.n_stages(g.pp)
@@ -1042,17 +1042,17 @@ def _build(
     static = (B // g.dp // n, S) if scenario.shapes == "static" else None
     stages, tied = _stages(scenario, pristine, n_stages, indices, g, layers_per_stage, static, checkpoint)
     if scenario.tp > 1 and not scenario.pretrained:  # stages_from_pretrained(tp_mesh=) made them so
-        from ..pipeline import apply_tensor_parallel
+        from ...pipeline import apply_tensor_parallel
 
         apply_tensor_parallel(stages, g.mesh["tp"])
     if scenario.fsdp:
-        from ..pipeline import apply_fsdp
+        from ...pipeline import apply_fsdp
 
         mixed = torch.bfloat16 if scenario.dtype == "bfloat16" else None
         apply_fsdp(stages, g.mesh["dp"], mixed_precision=mixed)
     modules = [st.submod for st in stages]
     if scenario.packed:
-        from ..packing import enable_packing
+        from ...packing import enable_packing
 
         enable_packing(modules)
         _plant_packing_fault(scenario.fault, modules)
@@ -1093,7 +1093,7 @@ class _Probe:
     global batch's media it covers), and how often the decoder and vision layers run."""
 
     def __init__(self, built: _Built) -> None:
-        from ..chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES
+        from ...chunk import CURSOR_ATTRIBUTE, STAGED_ATTRIBUTES
 
         self.trace: list[tuple[int | None, int]] = []
         self.views: list[tuple[int, str, torch.Tensor]] = []
@@ -1179,9 +1179,9 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
                    accumulate: bool = False) -> tuple[list[torch.Tensor], float, Any]:
     """One schedule step on this replica's share, then the tied and data-parallel reductions
     (``accumulate``: keep the gradients already there, and leave the reductions to the next step)."""
-    from ..pipeline import all_reduce_gradients, make_labels, sync_tied_gradients
-    from ..producer.presplit import microbatch_inputs
-    from ..producer.staging import stage_media
+    from ...pipeline import all_reduce_gradients, make_labels, sync_tied_gradients
+    from ...producer.presplit import microbatch_inputs
+    from ...producer.staging import stage_media
 
     import torch.distributed as dist
 
@@ -1196,7 +1196,7 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     t0 = time.perf_counter()
     staging: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if scenario.encoder == "spread":  # every rank: its share of the encoding; stage 0 also stages
-        from ..pipeline import encoder_spread_of
+        from ...pipeline import encoder_spread_of
 
         spread = encoder_spread_of(built.stages)
         if not scenario.lane:  # every encode before the schedule, every backward after it
@@ -1216,7 +1216,7 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     if accumulate:
         return losses, time.perf_counter() - t0, staged
     if scenario.tp > 1 and scenario.fault != "unreduced_tower":
-        from ..pipeline import reduce_tensor_parallel_gradients
+        from ...pipeline import reduce_tensor_parallel_gradients
 
         reduce_tensor_parallel_gradients(built.modules)
     sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
@@ -1231,7 +1231,7 @@ def _eval_loss(built: _Built, scenario: Scenario, local: dict[str, Any], media_l
     scenario says), before the step's training step; ``None`` for other variants."""
     if scenario.variant != "eval":
         return None
-    from ..pipeline import eval_step, make_labels
+    from ...pipeline import eval_step, make_labels
 
     staged = _split(adapter, config, dict(media_local), n)
     ids, mask = local["input_ids"], local["attention_mask"]
@@ -1248,7 +1248,7 @@ def _encoded_rows(built: _Built, scenario: Scenario, staged: Any, g: _Groups, wh
     exactly its share of the plan and that the plan gives every microbatch with media an encoder."""
     if scenario.encoder != "spread":
         return []
-    from ..pipeline import encoder_spread_of
+    from ...pipeline import encoder_spread_of
 
     spread = encoder_spread_of(built.stages)
     plan = spread.last_plan
@@ -1264,7 +1264,7 @@ def _encoded_rows(built: _Built, scenario: Scenario, staged: Any, g: _Groups, wh
 
 def _padded(batch: dict[str, Any], config: Any, columns: int) -> dict[str, Any]:
     """``batch`` with ``columns`` more padding positions at the end of every row (another ``S``)."""
-    from ..adapters.base import config_value
+    from ...adapters.base import config_value
 
     ids, mask = batch["input_ids"], batch["attention_mask"]
     pad = int(config_value(config, "pad_token_id", "text_config.pad_token_id"))
@@ -1276,8 +1276,8 @@ def _accumulate_padded(built: _Built, scenario: Scenario, g: _Groups, seed: int,
                        n: int) -> None:
     """``varlen``: zero the gradients, then one schedule step (and one reference forward and backward)
     on another batch, right-padded by :data:`VARLEN_PAD` columns; the step's own batch follows."""
-    from ..pipeline import count_valid_tokens, make_labels, shard_batch
-    from ..registry import get_adapter
+    from ...pipeline import count_valid_tokens, make_labels, shard_batch
+    from ...registry import get_adapter
 
     config = built.reference.config
     adapter = get_adapter(config)
@@ -1304,7 +1304,7 @@ def _reference_step(built: _Built, tiny_module: Any, batch: dict[str, Any], targ
 
 def _clip_both(built: _Built, g: _Groups) -> tuple[float, float]:
     """Clip the reference to half its global norm with torch, the pipeline to the same with ppmedia."""
-    from ..pipeline import clip_grad_norm
+    from ...pipeline import clip_grad_norm
 
     ref_norm = float(torch.nn.utils.clip_grad_norm_(built.reference.parameters(), float("inf")))
     max_norm = 0.5 * ref_norm
@@ -1374,7 +1374,7 @@ def _shares(scenario: Scenario, tiny_module: Any, batch: dict[str, Any], media_s
             config: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``(media_batch, local, media_local)``: what the pipeline runs (``batch``, packed with ``/packed``; the
     reference runs ``batch``), the batch its media come from, and this replica's shares of both."""
-    from ..pipeline import shard_batch
+    from ...pipeline import shard_batch
 
     rows = _pipeline_batch(scenario, batch, config)
     media_batch = _build_batch(tiny_module, scenario, media_seed) if scenario.fault == "wrong_batch" else rows
@@ -1388,8 +1388,8 @@ def _run_scenario(
     family: str, scenario: Scenario, job: _Job, rank: int, world: int, pristine: torch.nn.Module, tiny_module: Any,
     checkpoint: str | None = None,
 ) -> dict[str, Any]:
-    from ..pipeline import count_valid_tokens, make_labels, shard_batch
-    from ..registry import get_adapter
+    from ...pipeline import count_valid_tokens, make_labels, shard_batch
+    from ...registry import get_adapter
 
     n = scenario.microbatches or job.n_microbatches
     adapter, config = get_adapter(pristine), pristine.config
@@ -1468,12 +1468,12 @@ def _run_scenario(
 
 
 def _run_family(family: str, job: _Job, rank: int, world: int) -> dict[str, Any]:
-    from . import tiny_models as tiny
+    from .. import tiny_models as tiny
 
     module = tiny.load(family)
     pristine = module.build_model(job.seed)
     batch = module.build_batch(job.seed)
-    from ..registry import get_adapter
+    from ...registry import get_adapter
 
     specs = job.scenarios_of(family)
     dp = max((spec.get("dp", 1) for spec in specs), default=1)
@@ -1722,8 +1722,8 @@ def launched_by_torchrun() -> bool:
 
 
 def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: int, world_size: int, steps: int) -> None:
-    from ..pipeline import schedule_layout
-    from . import tiny_models as tiny
+    from ...pipeline import schedule_layout
+    from .. import tiny_models as tiny
 
     for family in families:
         tiny.load(family)  # a built-in name or a plugin's dotted module name; ValueError/TypeError if neither
@@ -1787,8 +1787,8 @@ def _validate(families: list[str], scenarios: list[Scenario], n_microbatches: in
 def _refuse_idle_ranks(family: str, sc: Scenario, pp: int) -> None:
     """A pipeline rank whose stages hold neither a decoder layer nor the first or last stage has nothing
     to train (and torch's optimizer refuses an empty parameter list): refuse it before spawning."""
-    from ..pipeline import default_layer_split, schedule_layout
-    from . import tiny_models as tiny
+    from ...pipeline import default_layer_split, schedule_layout
+    from .. import tiny_models as tiny
 
     layout = schedule_layout(sc.schedule)
     n_stages = layout.n_stages(pp)
@@ -1921,7 +1921,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     import argparse
 
-    from . import tiny_models as tiny
+    from .. import tiny_models as tiny
 
     parser = argparse.ArgumentParser(prog="python -m ppmedia.testing.parity", description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", default=list(tiny.FAMILIES), help="families (default: all)")
@@ -1955,9 +1955,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report.format())
     return 0 if report.ok else 1
 
-
-if __name__ == "__main__":
-    code = main()
-    if launched_by_torchrun():
-        exit_worker(code)  # this process was a gloo worker: skip the teardown (see exit_worker)
-    sys.exit(code)
