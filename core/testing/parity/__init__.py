@@ -36,34 +36,40 @@ which fails the run.
 
 Results come back as a :class:`ParityReport` (per family: a per-microbatch table and, per scenario and
 step, both losses, the max gradient differences split into vision and language model, wall times).
+
+One module per concern; this package keeps every public name: ``scenarios`` (what a run asks for),
+``launch`` (:func:`run_parity` and ``python -m ppmedia.testing.parity``), ``groups`` (the processes and
+their groups), ``worker`` (one worker: every family and scenario, the results gathered), ``build`` (a
+rank's pipeline and the reference beside it), ``batches`` (a scenario's batches and microbatches),
+``steps`` (a step on both sides and the comparison), ``probes`` (what a worker checks during a step),
+``report`` (the report, its pass rules and the merging of every rank's rows).
 """
 
+from .batches import microbatch_table
+from .groups import exit_worker, launched_by_torchrun
+from .launch import ParityError, main, run_parity
 from .report import (
-    ALL_SCENARIOS,
     BF16_GRAD_RTOL,
     BF16_LOSS_TOLERANCE,
+    FamilyReport,
+    MicrobatchInfo,
+    ParityReport,
+    ScenarioResult,
+    StepResult,
+)
+from .scenarios import (
+    ALL_SCENARIOS,
     DEFAULT_SCENARIOS,
     FAULTS,
     PACKED_FAULTS,
     PACKED_PER_ROW,
     VARIANTS,
     VARLEN_PAD,
-    FamilyReport,
-    MicrobatchInfo,
-    ParityError,
-    ParityReport,
     Scenario,
-    ScenarioResult,
-    StepResult,
-    exit_worker,
-    launched_by_torchrun,
-    main,
-    microbatch_table,
     parse_scenarios,
-    run_parity,
-    run_worker,
 )
-from .report import _free_port  # noqa: F401  (the benchmarks' free port for their own process groups)
+from .worker import run_worker
+from .groups import _free_port  # noqa: F401  (the benchmarks' free port for their own process groups)
 
 __all__ = [
     "ALL_SCENARIOS",
