@@ -48,28 +48,14 @@ rank's pipeline and the reference beside it), ``batches`` (a scenario's batches 
 from .batches import microbatch_table
 from .groups import exit_worker, launched_by_torchrun
 from .launch import ParityError, main, run_parity
-from .report import (
-    BF16_GRAD_RTOL,
-    BF16_LOSS_TOLERANCE,
-    FamilyReport,
-    MicrobatchInfo,
-    ParityReport,
-    ScenarioResult,
-    StepResult,
-)
-from .scenarios import (
-    ALL_SCENARIOS,
-    DEFAULT_SCENARIOS,
-    FAULTS,
-    PACKED_FAULTS,
-    PACKED_PER_ROW,
-    VARIANTS,
-    VARLEN_PAD,
-    Scenario,
-    parse_scenarios,
-)
+from .report import (BF16_GRAD_RTOL, BF16_LOSS_TOLERANCE, FamilyReport, MicrobatchInfo, ParityReport, ScenarioResult,
+                     StepResult)
+from .scenarios import ALL_SCENARIOS, DEFAULT_SCENARIOS, FAULTS, VARIANTS, VARLEN_PAD, Scenario, parse_scenarios
 from .worker import run_worker
-from .groups import _free_port  # noqa: F401  (the benchmarks' free port for their own process groups)
+
+# names the module had outside __all__: the packed scenarios' constants, the benchmarks' free port
+from .groups import _free_port  # noqa: F401
+from .scenarios import PACKED_FAULTS, PACKED_PER_ROW  # noqa: F401
 
 __all__ = [
     "ALL_SCENARIOS",

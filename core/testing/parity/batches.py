@@ -5,7 +5,6 @@ processes needed)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
