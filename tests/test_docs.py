@@ -315,7 +315,9 @@ def _check_program(program: str, argv: list[str], *, module: bool) -> None:
             return check_ppmedia(argv)
         spec = importlib.util.find_spec(program)
         assert spec is not None and spec.origin, f"no module {program}"
-        source, load = pathlib.Path(spec.origin).read_text(), lambda: importlib.import_module(program)
+        origin = pathlib.Path(spec.origin)  # a package (``-m`` runs its __main__): the source of all its modules
+        files = sorted(origin.parent.glob("*.py")) if spec.submodule_search_locations is not None else [origin]
+        source, load = "".join(f.read_text() for f in files), lambda: importlib.import_module(program)
     else:
         path = ROOT / program
         assert path.is_file(), f"{program} does not exist"
