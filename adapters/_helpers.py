@@ -20,6 +20,7 @@ from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = [
     "ImageRowsAdapter",
+    "anyres_geometry",
     "as_tower_dtype",
     "check_audio_mask",
     "check_image_rows",
@@ -150,6 +151,27 @@ def unpadded_width(config: Any, head_width: int) -> int:
     """The width :func:`unpadded_logits` leaves of a head ``head_width`` wide."""
     width = config_get(text_config(config), "unpadded_vocab_size")
     return head_width if width is None else min(head_width, int(width))
+
+
+# -- LLaVA-NeXT-style anyres crops ------------------------------------------------------------------
+
+
+def anyres_geometry(config: Any, family: str) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """``(crop side in pixels, patches per crop side, pinpoints)`` of a LLaVA-NeXT-style anyres config
+    (``vision_config.image_size`` / ``patch_size``, ``image_grid_pinpoints``).
+
+    Raises:
+        AttributeError: one of them is unset (the message names all three, and ``family``'s geometry).
+    """
+    vision = config_get(config, "vision_config")
+    crop, patch = config_get(vision, "image_size"), config_get(vision, "patch_size")
+    pinpoints = config_get(config, "image_grid_pinpoints")
+    if crop is None or patch is None or pinpoints is None:
+        raise AttributeError(
+            f"{type(config).__name__} lacks vision_config.image_size, vision_config.patch_size or "
+            f"image_grid_pinpoints ({family}'s anyres geometry)"
+        )
+    return int(crop), int(crop) // int(patch), tuple(map(tuple, pinpoints))
 
 
 # -- audio features ----------------------------------------------------------------------------------
@@ -438,14 +460,21 @@ def _ints(value: Any) -> list[int]:
     return [int(v) for v in (value.tolist() if isinstance(value, Tensor) else value)]
 
 
-def check_video_chunks(per_video: Any, per_sample: Any, grid: Tensor | None) -> None:
-    """A processor's ``num_chunks_per_video`` ``[videos]`` against the video grid rows (chunks) per
-    sample ``[B]``: every sample holds whole videos (its chunk boundaries are video boundaries), and the
-    chunks add up to ``grid``'s rows. Reads both counts to the host (a few numbers, once a batch).
+def check_video_chunks(batch: Mapping[str, Any], counts: Mapping[str, Any]) -> None:
+    """The batch's ``num_chunks_per_video`` ``[videos]`` (a processor's; nothing to check without it)
+    against the video grid rows (chunks) per sample ``[B]`` (``counts["videos_per_sample"]``, or the
+    batch's ``n_videos_per_sample``): every sample holds whole videos (its chunk boundaries are video
+    boundaries), and the chunks add up to the rows of the batch's ``video_grid_thw``. Reads both counts
+    to the host (a few numbers, once a batch).
 
     Raises:
         ValueError: the chunks do not add up, or a video's chunks would be split between samples.
     """
+    per_video = batch.get("num_chunks_per_video")
+    per_sample = counts.get("videos_per_sample", batch.get("n_videos_per_sample"))
+    if per_video is None or per_sample is None:
+        return
+    grid = batch.get("video_grid_thw")
     videos, samples = _ints(per_video), _ints(per_sample)  # host reads of small counts, once a batch
     if grid is not None and sum(videos) != grid.shape[0]:
         raise ValueError(
