@@ -1,22 +1,26 @@
 """Pieces the built-in adapters share: grids, placeholder runs, dtype casts, refusing videos, the
-checks and encoder calls of fixed-size image rows, the calls of grid families' own encoders and
-``get_rope_index``, token ids and head settings from configs, and the check of audio features' masks.
+checks and encoder calls of fixed-size image rows (and :class:`ImageRowsAdapter`, the families made of
+them alone), the calls of grid families' own encoders and ``get_rope_index``, token ids and head
+settings from configs, and the check of audio features' masks.
 
 Private to ``ppmedia.adapters``; the public adapter protocol is in :mod:`ppmedia.adapters.base`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import abc
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 from ..producer.hostreads import HostReader
-from .base import config_get, config_value, inner_model
+from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = [
+    "ImageRowsAdapter",
+    "anyres_geometry",
     "as_tower_dtype",
     "check_audio_mask",
     "check_image_rows",
@@ -149,6 +153,27 @@ def unpadded_width(config: Any, head_width: int) -> int:
     return head_width if width is None else min(head_width, int(width))
 
 
+# -- LLaVA-NeXT-style anyres crops ------------------------------------------------------------------
+
+
+def anyres_geometry(config: Any, family: str) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """``(crop side in pixels, patches per crop side, pinpoints)`` of a LLaVA-NeXT-style anyres config
+    (``vision_config.image_size`` / ``patch_size``, ``image_grid_pinpoints``).
+
+    Raises:
+        AttributeError: one of them is unset (the message names all three, and ``family``'s geometry).
+    """
+    vision = config_get(config, "vision_config")
+    crop, patch = config_get(vision, "image_size"), config_get(vision, "patch_size")
+    pinpoints = config_get(config, "image_grid_pinpoints")
+    if crop is None or patch is None or pinpoints is None:
+        raise AttributeError(
+            f"{type(config).__name__} lacks vision_config.image_size, vision_config.patch_size or "
+            f"image_grid_pinpoints ({family}'s anyres geometry)"
+        )
+    return int(crop), int(crop) // int(patch), tuple(map(tuple, pinpoints))
+
+
 # -- audio features ----------------------------------------------------------------------------------
 
 
@@ -228,6 +253,65 @@ def pooled_image_features(model: torch.nn.Module, pixels: Tensor, expected: str,
     pixels = as_tower_dtype(pixels, getattr(inner, tower, None))
     features = inner.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
     return features.reshape(-1, features.shape[-1])
+
+
+class ImageRowsAdapter(VlmAdapter):
+    """A family whose media are image rows alone: ``chunk.pixel_values`` ``[rows, C, S, S]`` (complete
+    images, tiles, crops or frames) at the vision tower's size, each filling :meth:`tokens_per_row`
+    placeholder tokens of one image token, encoded by the model's own ``get_image_features`` (Aya
+    Vision's tiles, PaliGemma's images; Gemma 3, InternVL and Llama 4 take part of it).
+
+    A subclass implements :meth:`tokens_per_row` and names its rows, its image token's config fields
+    and its model classes in the class attributes below; it overrides what its family does otherwise.
+    """
+
+    #: the config fields holding the image placeholder id, tried in order (:func:`config_value`).
+    image_token_fields: ClassVar[tuple[str, ...]] = ("image_token_index", "image_token_id")
+    #: what a row is and where its size comes from, in :meth:`feature_counts`'s messages.
+    row_name: ClassVar[str] = "images"
+    row_note: ClassVar[str] = "complete images at vision_config.image_size"
+    #: what an image grid is called in the message refusing one, and a note after it.
+    grid_name: ClassVar[str] = "image grid"
+    grid_note: ClassVar[str] = ""
+    #: the model classes :meth:`encode` expects, named when the model has no ``get_image_features``.
+    expected_model: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def tokens_per_row(self, config: Any) -> int:
+        """Placeholder tokens (= feature rows) of one image row."""
+
+    def image_token_id(self, config: Any) -> int:
+        """The image placeholder id (the first of :attr:`image_token_fields` the config holds)."""
+        return int(config_value(config, *self.image_token_fields))
+
+    def media_per_sample(
+        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Rows per sample = image tokens / :meth:`tokens_per_row` (:func:`rows_from_tokens`: rounded up,
+        so a partial row counts one more, which the split or the merge's count check refuses); device
+        ops only. Videos (zeros): a family whose frames are rows counts them here too."""
+        return rows_from_tokens(input_ids, self.image_token_id(config), self.tokens_per_row(config))
+
+    def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
+        return {"image": input_ids == self.image_token_id(config)}
+
+    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
+        """``{"image": rows * tokens_per_row}``, from shapes only (:func:`tower_image_rows`).
+
+        Raises:
+            ValueError: videos or a grid in the chunk, rows not ``[rows, C, S, S]`` at the tower's size.
+            TypeError: pixels not floating point.
+        """
+        rows = tower_image_rows(chunk, config, self.name, rows=self.row_name, note=self.row_note, what=self.grid_name,
+                                grid_note=self.grid_note)
+        return {"image": rows * self.tokens_per_row(config)}
+
+    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
+        """The model's own ``get_image_features`` (:func:`pooled_image_features`): ``{"image": [rows *
+        tokens_per_row, text_hidden]}`` in row order."""
+        if chunk.pixel_values is None:
+            return {}
+        return {"image": pooled_image_features(model, chunk.pixel_values, self.expected_model)}
 
 
 # -- grid families' own encoders and positions --------------------------------------------------------
@@ -376,14 +460,21 @@ def _ints(value: Any) -> list[int]:
     return [int(v) for v in (value.tolist() if isinstance(value, Tensor) else value)]
 
 
-def check_video_chunks(per_video: Any, per_sample: Any, grid: Tensor | None) -> None:
-    """A processor's ``num_chunks_per_video`` ``[videos]`` against the video grid rows (chunks) per
-    sample ``[B]``: every sample holds whole videos (its chunk boundaries are video boundaries), and the
-    chunks add up to ``grid``'s rows. Reads both counts to the host (a few numbers, once a batch).
+def check_video_chunks(batch: Mapping[str, Any], counts: Mapping[str, Any]) -> None:
+    """The batch's ``num_chunks_per_video`` ``[videos]`` (a processor's; nothing to check without it)
+    against the video grid rows (chunks) per sample ``[B]`` (``counts["videos_per_sample"]``, or the
+    batch's ``n_videos_per_sample``): every sample holds whole videos (its chunk boundaries are video
+    boundaries), and the chunks add up to the rows of the batch's ``video_grid_thw``. Reads both counts
+    to the host (a few numbers, once a batch).
 
     Raises:
         ValueError: the chunks do not add up, or a video's chunks would be split between samples.
     """
+    per_video = batch.get("num_chunks_per_video")
+    per_sample = counts.get("videos_per_sample", batch.get("n_videos_per_sample"))
+    if per_video is None or per_sample is None:
+        return
+    grid = batch.get("video_grid_thw")
     videos, samples = _ints(per_video), _ints(per_sample)  # host reads of small counts, once a batch
     if grid is not None and sum(videos) != grid.shape[0]:
         raise ValueError(

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping
 
-import torch
 from torch import Tensor
 
-from ..chunk import VlmMediaChunk
-from ._helpers import pooled_image_features, rows_from_tokens, shape, tower_image_rows
-from .base import HostValues, VlmAdapter, config_get, config_value
+from ._helpers import ImageRowsAdapter, shape
+from .base import config_get, config_value
 
 __all__ = ["AyaVisionAdapter", "tokens_per_tile"]
 
@@ -51,11 +49,7 @@ def tokens_per_tile(config: Any) -> int:
     return (side // factor) ** 2
 
 
-def _image_token_id(config: Any) -> int:
-    return int(config_value(config, "image_token_index", "image_token_id"))
-
-
-class AyaVisionAdapter(VlmAdapter):
+class AyaVisionAdapter(ImageRowsAdapter):
     """Aya Vision adapter (``AyaVisionForConditionalGeneration``).
 
     Module paths used: ``model.model.get_image_features(pixel_values)`` (SigLIP tower, feature layer,
@@ -67,15 +61,15 @@ class AyaVisionAdapter(VlmAdapter):
     name: ClassVar[str] = "aya_vision"
     model_types: ClassVar[tuple[str, ...]] = ("aya_vision",)
     layout: ClassVar[str] = "tiles [tiles, C, S, S] (each image's tiles, then its thumbnail), <|IMG_PATCH|> tokens per tile fixed"
+    row_name: ClassVar[str] = "tiles"
+    row_note: ClassVar[str] = "tiles at vision_config.image_size"
+    expected_model: ClassVar[str] = "an AyaVisionForConditionalGeneration or AyaVisionModel"
+
+    def tokens_per_row(self, config: Any) -> int:
+        """:func:`tokens_per_tile`: a tile is a row (a sample's tiles are its patch tokens / this)."""
+        return tokens_per_tile(config)
 
     # -- token side -------------------------------------------------------------------------
-    def media_per_sample(
-        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Tiles per sample = patch tokens / tokens per tile (rounded up: a partial tile counts one
-        more, which the split or the merge's count check refuses); device ops only. No videos."""
-        return rows_from_tokens(input_ids, _image_token_id(config), tokens_per_tile(config))
-
     def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """Tiles per sample for :func:`ppmedia.split_media`.
 
@@ -91,24 +85,3 @@ class AyaVisionAdapter(VlmAdapter):
                 f"n_images_per_sample [B] to count tiles explicitly)"
             )
         return super().media_counts(batch, config)
-
-    def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
-        return {"image": input_ids == _image_token_id(config)}
-
-    # -- media side -------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
-        """``tiles * tokens_per_tile``, from shapes only.
-
-        Raises:
-            ValueError: videos or a grid in the chunk, tiles not ``[tiles, C, S, S]`` at the tower's size.
-            TypeError: pixels not floating point.
-        """
-        tiles = tower_image_rows(chunk, config, self.name, rows="tiles", note="tiles at vision_config.image_size")
-        return {"image": tiles * tokens_per_tile(config)}
-
-    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
-        """The model's own ``get_image_features``: ``{"image": [tiles * tokens_per_tile, text_hidden]}``."""
-        if chunk.pixel_values is None:
-            return {}
-        expected = "an AyaVisionForConditionalGeneration or AyaVisionModel"
-        return {"image": pooled_image_features(model, chunk.pixel_values, expected)}

@@ -557,14 +557,50 @@ class VlmAdapter(abc.ABC):
             ValueError: before the encoder runs, when the chunk does not fit its placeholders (see
                 :meth:`check_counts` and :meth:`feature_counts`).
         """
+        return self._merged(model, input_ids, inputs_embeds, chunk, with_outputs=False)[0]
+
+    def merge_with_outputs(
+        self,
+        model: torch.nn.Module,
+        input_ids: Tensor,
+        inputs_embeds: Tensor,
+        chunk: VlmMediaChunk | None,
+    ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        """:meth:`merge` for a :meth:`first_stage` that needs more of the microbatch's media than the
+        merged embeddings (Qwen3-VL's deepstack sets, Gemma 4's per-layer inputs).
+
+        The encoder runs through :meth:`encoder_outputs` (what the encoder spread hands back); of its
+        outputs, each modality's own entry is checked and scattered as :meth:`merge` does with
+        :meth:`encode`'s.
+
+        Returns:
+            ``(hidden, masks, outputs)``: the merged embeddings ``[b, S, hidden]`` (``inputs_embeds``
+            itself for a text-only microbatch), the placeholder masks ``{modality: [b, S] bool}`` and
+            everything :meth:`encoder_outputs` gave, by name (``{}`` for a text-only microbatch).
+
+        Raises:
+            ValueError: as :meth:`merge`.
+        """
+        return self._merged(model, input_ids, inputs_embeds, chunk, with_outputs=True)
+
+    def _merged(
+        self, model: torch.nn.Module, input_ids: Tensor, inputs_embeds: Tensor, chunk: VlmMediaChunk | None, *,
+        with_outputs: bool,
+    ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        """:meth:`merge`'s steps: ``(hidden, masks, outputs)``, the outputs :meth:`encode`'s or (with
+        ``with_outputs``) :meth:`encoder_outputs`'s."""
         if chunk is not None and chunk.extras is not None and not chunk.has_media:  # only per-sample inputs: text-only
             chunk = None
         masks, host = self.check_counts(input_ids, chunk, model.config)
         if chunk is None:
-            return inputs_embeds
-        features = self.encode(model, chunk, host)
+            return inputs_embeds, masks, {}
+        if with_outputs:
+            outputs = self.encoder_outputs(model, chunk, host)
+            features = {m: outputs[m] for m in masks if m in outputs}
+        else:
+            outputs = features = self.encode(model, chunk, host)
         self.check_features(features, masks, host, inputs_embeds.shape[-1], _microbatch_label(model))
-        return self.scatter(inputs_embeds, masks, features)
+        return self.scatter(inputs_embeds, masks, features), masks, outputs
 
     def check_features(
         self, features: Mapping[str, Tensor], masks: Mapping[str, Tensor], host: HostValues, hidden: int, where: str = ""
@@ -758,11 +794,17 @@ class VlmAdapter(abc.ABC):
         hidden = self.merge(model, input_ids, inputs_embeds, chunk)
         wire: dict[str, Tensor] = {}
         if any(spec.name == "position_ids" for spec in self.wire_tensors(model.config, 0)):
-            positions = self.position_ids(model, input_ids, chunk, attention_mask)
-            if positions is None:
-                raise ValueError(f"{type(self).__name__}.position_ids returned None for a microbatch")
-            wire["position_ids"] = positions.transpose(0, 1)  # [3, b, S] -> batch first
+            wire["position_ids"] = self._wire_positions(model, input_ids, chunk, attention_mask)
         return hidden, wire
+
+    def _wire_positions(
+        self, model: torch.nn.Module, input_ids: Tensor, chunk: VlmMediaChunk | None, attention_mask: Tensor
+    ) -> Tensor:
+        """:meth:`position_ids` ``[3, b, S]`` as they travel, batch first ``[b, 3, S]``."""
+        positions = self.position_ids(model, input_ids, chunk, attention_mask)
+        if positions is None:
+            raise ValueError(f"{type(self).__name__}.position_ids returned None for a microbatch")
+        return positions.transpose(0, 1)  # [3, b, S] -> batch first
 
     def decoder_kwargs(
         self,

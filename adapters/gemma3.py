@@ -34,21 +34,13 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import pooled_image_features, refuse_videos, rows_from_tokens
-from .base import HostValues, VlmAdapter, WireTensor, config_get, config_value
+from ._helpers import ImageRowsAdapter, refuse_videos
+from .base import HostValues, WireTensor, config_get, config_value
 
 __all__ = ["Gemma3Adapter"]
 
 
-def _image_token_id(config: Any) -> int:
-    return int(config_value(config, "image_token_id", "image_token_index"))
-
-
-def _tokens_per_image(config: Any) -> int:
-    return int(config_value(config, "mm_tokens_per_image"))
-
-
-class Gemma3Adapter(VlmAdapter):
+class Gemma3Adapter(ImageRowsAdapter):
     """Gemma 3 adapter (``Gemma3ForConditionalGeneration``).
 
     Module paths used: ``model.model.get_image_features(pixel_values)`` (``vision_tower`` and
@@ -64,25 +56,17 @@ class Gemma3Adapter(VlmAdapter):
         "complete images [rows, C, H, W], one row per image or pan-and-scan crop, "
         "mm_tokens_per_image tokens each; no grid"
     )
+    image_token_fields: ClassVar[tuple[str, ...]] = ("image_token_id", "image_token_index")
+    expected_model: ClassVar[str] = "a Gemma3ForConditionalGeneration or Gemma3Model"
+
+    def tokens_per_row(self, config: Any) -> int:
+        """``mm_tokens_per_image``: every row (an image or a pan-and-scan crop) is pooled to as many."""
+        return int(config_value(config, "mm_tokens_per_image"))
 
     # -- token side -------------------------------------------------------------------------
-    def media_per_sample(
-        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Rows per sample = image tokens / ``mm_tokens_per_image`` (images and crops together).
-
-        A sample whose image tokens are not a multiple of ``mm_tokens_per_image`` counts one row more
-        than it fully holds, so :func:`ppmedia.split_media` or the merge's count check refuses it. No
-        videos in this family: the second tensor is zeros.
-        """
-        return rows_from_tokens(input_ids, _image_token_id(config), _tokens_per_image(config))
-
-    def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
-        return {"image": input_ids == _image_token_id(config)}
-
     def token_type_ids(self, input_ids: Tensor, config: Any) -> Tensor:
         """``[b, S]`` int64: 1 at image tokens, 0 elsewhere (what ``Gemma3Processor`` returns)."""
-        return (input_ids == _image_token_id(config)).to(torch.int64)
+        return (input_ids == self.image_token_id(config)).to(torch.int64)
 
     # -- media side -------------------------------------------------------------------------
     def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
@@ -113,14 +97,7 @@ class Gemma3Adapter(VlmAdapter):
             )
         if not pixels.is_floating_point():
             raise TypeError(f"gemma3 pixel_values: dtype {pixels.dtype}; expected a floating dtype")
-        return {"image": pixels.shape[0] * _tokens_per_image(config)}
-
-    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
-        """The model's own ``get_image_features``: ``{"image": [rows * mm_tokens_per_image, text_hidden]}``."""
-        if chunk.pixel_values is None:
-            return {}
-        expected = "a Gemma3ForConditionalGeneration or Gemma3Model"
-        return {"image": pooled_image_features(model, chunk.pixel_values, expected)}
+        return {"image": pixels.shape[0] * self.tokens_per_row(config)}
 
     # -- every stage ------------------------------------------------------------------------
     def wire_tensors(self, config: Any, first_layer: int) -> tuple[WireTensor, ...]:

@@ -275,8 +275,7 @@ class Gemma4Adapter(VlmAdapter):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Merge (one host read), then the token types and the per-layer inputs of every layer."""
         config = model.config
-        hidden = self.merge(model, input_ids, inputs_embeds, chunk)
-        masks = self.placeholder_masks(input_ids, config)  # device ops only: merge made the host read
+        hidden, masks, _outputs = self.merge_with_outputs(model, input_ids, inputs_embeds, chunk)
         wire: dict[str, Tensor] = {}
         if _bidirectional(config):
             wire["mm_token_type_ids"] = self.mm_token_type_ids(input_ids, config)

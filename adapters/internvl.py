@@ -25,17 +25,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping
 
-import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import check_image_rows, pooled_image_features, refuse_grid, refuse_videos, rows_from_tokens
-from .base import HostValues, VlmAdapter, config_get, config_value
+from ._helpers import ImageRowsAdapter, check_image_rows, refuse_grid, refuse_videos
+from .base import HostValues, config_get, config_value
 
 __all__ = ["InternVLAdapter", "tokens_per_row"]
-
-_INTERNVL = "an InternVLForConditionalGeneration or InternVLModel"
-
 
 def _pair(value: Any) -> tuple[int, int]:
     if isinstance(value, (list, tuple)):
@@ -62,11 +58,7 @@ def tokens_per_row(config: Any) -> int:
     return int(tokens)
 
 
-def _image_token_id(config: Any) -> int:
-    return int(config_value(config, "image_token_id", "image_token_index"))
-
-
-class InternVLAdapter(VlmAdapter):
+class InternVLAdapter(ImageRowsAdapter):
     """InternVL adapter (``InternVLForConditionalGeneration``): InternVL 2.5 / 3 / 3.5 in transformers' format.
 
     Module path: ``model.model.get_image_features(pixel_values, vision_feature_layer=,
@@ -81,16 +73,14 @@ class InternVLAdapter(VlmAdapter):
         "rows [rows, C, S, S]: image tiles and video frames interleaved in prompt order, "
         "image_seq_length image tokens per row; no grid"
     )
+    image_token_fields: ClassVar[tuple[str, ...]] = ("image_token_id", "image_token_index")
+    expected_model: ClassVar[str] = "an InternVLForConditionalGeneration or InternVLModel"
+
+    def tokens_per_row(self, config: Any) -> int:
+        """:func:`tokens_per_row`: a row is a tile or a video frame (videos are rows of ``pixel_values``)."""
+        return tokens_per_row(config)
 
     # -- token side -------------------------------------------------------------------------
-    def media_per_sample(
-        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Rows (tiles and frames) per sample = image tokens / ``image_seq_length`` (device ops, no host
-        read); a partial row counts as one, so the split or the merge's count check refuses it. Videos
-        are rows of ``pixel_values`` too: the second tensor is zeros."""
-        return rows_from_tokens(input_ids, _image_token_id(config), tokens_per_row(config))
-
     def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """:meth:`VlmAdapter.media_counts`, after refusing an image processor's ``num_patches``.
 
@@ -109,9 +99,6 @@ class InternVLAdapter(VlmAdapter):
                 f"batch (or split with n_images_per_sample = rows per sample)"
             )
         return super().media_counts(batch, config)
-
-    def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
-        return {"image": input_ids == _image_token_id(config)}
 
     # -- media side -------------------------------------------------------------------------
     def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
@@ -132,9 +119,3 @@ class InternVLAdapter(VlmAdapter):
         channels = int(config_get(vision, "num_channels") or 3)
         check_image_rows(pixels, self.name, channels, h, w, rows="rows", note="tiles and frames at vision_config.image_size")
         return {"image": pixels.shape[0] * tokens_per_row(config)}
-
-    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
-        """The model's own ``get_image_features``: ``{"image": [rows * image_seq_length, text_hidden]}``."""
-        if chunk.pixel_values is None:
-            return {}
-        return {"image": pooled_image_features(model, chunk.pixel_values, _INTERNVL)}

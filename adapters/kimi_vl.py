@@ -149,10 +149,7 @@ class KimiVLAdapter(VlmAdapter):
         """As the base method (images and video chunks from the tokens and the batch's grids), after
         checking the batch's ``num_chunks_per_video`` (when present): no video split between samples."""
         counts = super().media_counts(batch, config)
-        per_video = batch.get("num_chunks_per_video")
-        per_sample = counts.get("videos_per_sample", batch.get("n_videos_per_sample"))
-        if per_video is not None and per_sample is not None:
-            check_video_chunks(per_video, per_sample, batch.get("video_grid_thw"))
+        check_video_chunks(batch, counts)
         return counts
 
     def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:

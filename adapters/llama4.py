@@ -26,14 +26,14 @@ scales itself; nothing but hidden states and mask crosses a boundary.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, rows_from_tokens, tower_image_rows
-from .base import HostValues, VlmAdapter, config_value
+from ._helpers import ImageRowsAdapter, as_tower_dtype
+from .base import HostValues, config_value
 
 __all__ = ["Llama4Adapter", "tokens_per_tile"]
 
@@ -56,11 +56,7 @@ def tokens_per_tile(config: Any) -> int:
     return int(tokens)
 
 
-def _patch_token_id(config: Any) -> int:
-    return int(config_value(config, "image_token_id", "image_token_index"))
-
-
-class Llama4Adapter(VlmAdapter):
+class Llama4Adapter(ImageRowsAdapter):
     """Llama 4 adapter (``Llama4ForConditionalGeneration``).
 
     Module paths: ``model.vision_model(pixel_values)`` (what ``get_image_features`` runs; its
@@ -76,36 +72,18 @@ class Llama4Adapter(VlmAdapter):
         "(S/patch)^2 * pixel_shuffle_ratio^2 <|patch|> tokens per tile; no grid"
     )
     language_model_path: ClassVar[str | None] = "language_model.model"
+    # the image placeholder is <|patch|> (config.image_token_id), one per feature row of a tile
+    image_token_fields: ClassVar[tuple[str, ...]] = ("image_token_id", "image_token_index")
+    row_name: ClassVar[str] = "tiles"
+    row_note: ClassVar[str] = "tiles at vision_config.image_size"
+    grid_name: ClassVar[str] = "per-image metadata"
+    grid_note: ClassVar[str] = " (the processor's aspect_ratios are not model inputs)"
 
-    # -- token side -------------------------------------------------------------------------
-    def media_per_sample(
-        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Tiles per sample = ``<|patch|>`` tokens / tokens per tile (device ops, no host read).
-
-        A sample whose patch tokens are not whole tiles counts one tile more than it holds, so
-        :func:`ppmedia.split_media` or the merge's count check refuses it. No videos: zeros.
-        """
-        return rows_from_tokens(input_ids, _patch_token_id(config), tokens_per_tile(config))
-
-    def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
-        return {"image": input_ids == _patch_token_id(config)}
+    def tokens_per_row(self, config: Any) -> int:
+        """:func:`tokens_per_tile`: a row is a tile (its ``<|patch|>`` tokens)."""
+        return tokens_per_tile(config)
 
     # -- media side -------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
-        """``{"image": tiles * tokens_per_tile}``, from shapes only.
-
-        Raises:
-            ValueError: videos or a per-image grid in the chunk, or ``pixel_values`` not ``[tiles, C, S, S]``
-                at the tower's channels and ``image_size``.
-            TypeError: ``pixel_values`` not floating point.
-        """
-        tiles = tower_image_rows(
-            chunk, config, self.name, rows="tiles", note="tiles at vision_config.image_size",
-            what="per-image metadata", grid_note=" (the processor's aspect_ratios are not model inputs)",
-        )
-        return {"image": tiles * tokens_per_tile(config)}
-
     def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
         """The vision model, then the projector on the flattened tile features, as the model's forward:
         ``{"image": [tiles * tokens, text_hidden]}`` in tile order."""

@@ -35,7 +35,7 @@ from torch import Tensor
 from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape as _untyped_grid_shape
 
 from ..chunk import VlmMediaChunk
-from ._helpers import as_tower_dtype, count_runs, images_from_runs, refuse_videos, shape
+from ._helpers import anyres_geometry, as_tower_dtype, count_runs, images_from_runs, refuse_videos, shape
 from .base import HostValues, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = ["LlavaNextAdapter", "image_tokens"]
@@ -48,17 +48,9 @@ _Geometry = tuple[int, int, tuple[tuple[int, int], ...], int]
 
 
 def _geometry(config: Any) -> _Geometry:
-    vision = config_get(config, "vision_config")
-    crop, patch = config_get(vision, "image_size"), config_get(vision, "patch_size")
-    pinpoints = config_get(config, "image_grid_pinpoints")
-    if crop is None or patch is None or pinpoints is None:
-        raise AttributeError(
-            f"{type(config).__name__} lacks vision_config.image_size, vision_config.patch_size or "
-            "image_grid_pinpoints (LLaVA-NeXT's anyres geometry)"
-        )
-    side = int(crop) // int(patch)
+    crop, side, pinpoints = anyres_geometry(config, "LLaVA-NeXT")
     full = config_get(config, "vision_feature_select_strategy") == "full"
-    return int(crop), side, tuple(map(tuple, pinpoints)), side * side + (1 if full else 0)
+    return crop, side, pinpoints, side * side + (1 if full else 0)
 
 
 def image_tokens(height: int, width: int, config: Any) -> int:

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ..chunk import VlmMediaChunk
 from ..producer.hostreads import HostReader
-from ._helpers import as_tower_dtype, count_runs, images_from_runs, shape
+from ._helpers import anyres_geometry, as_tower_dtype, count_runs, images_from_runs, shape
 from .base import HostValues, SampleInput, VlmAdapter, config_get, config_value, inner_model
 
 __all__ = ["LlavaOnevisionAdapter", "image_crops", "image_tokens", "video_tokens"]
@@ -61,19 +61,11 @@ _CLS_TOWERS = frozenset({"clip_vision_model"})
 
 
 def _geometry(config: Any) -> _Geometry:
-    vision = config_get(config, "vision_config")
-    crop, patch = config_get(vision, "image_size"), config_get(vision, "patch_size")
-    pinpoints = config_get(config, "image_grid_pinpoints")
-    if crop is None or patch is None or pinpoints is None:
-        raise AttributeError(
-            f"{type(config).__name__} lacks vision_config.image_size, vision_config.patch_size or "
-            "image_grid_pinpoints (LLaVA-OneVision's anyres geometry)"
-        )
+    crop, side, pinpoints = anyres_geometry(config, "LLaVA-OneVision")
     aspect = str(config_get(config, "vision_aspect_ratio") or "anyres_max_9")
-    side = int(crop) // int(patch)
-    positions = side * side + (1 if config_get(vision, "model_type") in _CLS_TOWERS else 0)
+    positions = side * side + (1 if config_get(config_get(config, "vision_config"), "model_type") in _CLS_TOWERS else 0)
     kept = positions - (1 if (config_get(config, "vision_feature_select_strategy") or "default") == "default" else 0)
-    return int(crop), side, tuple(map(tuple, pinpoints)), int(aspect.strip("anyres_max_")), kept
+    return crop, side, pinpoints, int(aspect.strip("anyres_max_")), kept
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -75,10 +75,7 @@ class MiniMaxM3VLAdapter(Qwen3VLAdapter):
                 chunks would be split between samples.
         """
         counts = super().media_counts(batch, config)
-        per_video = batch.get("num_chunks_per_video")
-        per_sample = counts.get("videos_per_sample", batch.get("n_videos_per_sample"))
-        if per_video is not None and per_sample is not None:
-            check_video_chunks(per_video, per_sample, batch.get("video_grid_thw"))
+        check_video_chunks(batch, counts)
         return counts
 
     # -- media side -------------------------------------------------------------------------

@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from ..chunk import VlmMediaChunk
-from ._helpers import pooled_image_features, rows_from_tokens, shape, tower_image_rows
-from .base import HostValues, SampleInput, VlmAdapter, config_get, config_value
+from ._helpers import ImageRowsAdapter, shape
+from .base import SampleInput, config_get, config_value
 
 __all__ = ["PaliGemmaAdapter", "tokens_per_image"]
 
@@ -47,11 +47,7 @@ def tokens_per_image(config: Any) -> int:
     return side * side
 
 
-def _image_token_id(config: Any) -> int:
-    return int(config_value(config, "image_token_index", "image_token_id"))
-
-
-class PaliGemmaAdapter(VlmAdapter):
+class PaliGemmaAdapter(ImageRowsAdapter):
     """PaliGemma / PaliGemma 2 adapter (``PaliGemmaForConditionalGeneration``).
 
     Module paths used: ``model.model.get_image_features(pixel_values)`` (SigLIP tower + linear
@@ -69,15 +65,13 @@ class PaliGemmaAdapter(VlmAdapter):
     )
     sample_inputs: ClassVar[tuple[SampleInput, ...]] = (SampleInput(_TYPES, ("b", "S"), every_stage=True),)
     prefix_lm_key: ClassVar[str | None] = _TYPES
+    expected_model: ClassVar[str] = "a PaliGemmaForConditionalGeneration or PaliGemmaModel"
+
+    def tokens_per_row(self, config: Any) -> int:
+        """:func:`tokens_per_image`: an image is a row (a sample's images are its image tokens / this)."""
+        return tokens_per_image(config)
 
     # -- token side -------------------------------------------------------------------------
-    def media_per_sample(
-        self, input_ids: Tensor, config: Any, *, media: Mapping[str, Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Images per sample = image tokens / tokens per image (rounded up: a partial image counts one
-        more, which the split or the merge's count check refuses); device ops only. No videos."""
-        return rows_from_tokens(input_ids, _image_token_id(config), tokens_per_image(config))
-
     def media_counts(self, batch: Mapping[str, Any], config: Any) -> dict[str, Any]:
         """Counts, and the batch's ``token_type_ids`` to stage with the samples.
 
@@ -92,27 +86,6 @@ class PaliGemmaAdapter(VlmAdapter):
                 f"token types: 0 on the bidirectional prefix, 1 on the causal suffix; all ones for a causal model)"
             )
         return super().media_counts(batch, config)
-
-    def placeholder_masks(self, input_ids: Tensor, config: Any) -> dict[str, Tensor]:
-        return {"image": input_ids == _image_token_id(config)}
-
-    # -- media side -------------------------------------------------------------------------
-    def feature_counts(self, chunk: VlmMediaChunk, config: Any, host: HostValues) -> dict[str, int]:
-        """``images * tokens_per_image``, from shapes only.
-
-        Raises:
-            ValueError: videos or a grid in the chunk, pixels not ``[images, C, S, S]`` at the tower's size.
-            TypeError: pixels not floating point.
-        """
-        images = tower_image_rows(chunk, config, self.name, rows="images", note="complete images at vision_config.image_size")
-        return {"image": images * tokens_per_image(config)}
-
-    def encode(self, model: torch.nn.Module, chunk: VlmMediaChunk, host: HostValues) -> dict[str, Tensor]:
-        """The model's own ``get_image_features``: ``{"image": [images * tokens_per_image, text_hidden]}``."""
-        if chunk.pixel_values is None:
-            return {}
-        expected = "a PaliGemmaForConditionalGeneration or PaliGemmaModel"
-        return {"image": pooled_image_features(model, chunk.pixel_values, expected)}
 
     # -- every stage ------------------------------------------------------------------------
     def decoder_kwargs(

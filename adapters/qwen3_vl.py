@@ -262,15 +262,10 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         chunk: VlmMediaChunk | None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Merge, positions, and each deepstack level scattered to the visual positions ``[b, S, H]``."""
-        config = model.config
-        masks, host = self.check_counts(input_ids, chunk, config)  # the one host read
-        hidden = inputs_embeds
-        outputs: dict[str, Tensor] = {}
-        if chunk is not None:
-            outputs = self.encoder_outputs(model, chunk, host)  # features and deepstack sets, by name
-            hidden = self.scatter(inputs_embeds, masks, {m: outputs[m] for m in masks if m in outputs})
-        wire = {"position_ids": self.position_ids(model, input_ids, chunk, attention_mask).transpose(0, 1)}
-        levels = _deepstack_levels(config)
+        # the one host read; outputs: the features and the deepstack sets, by name
+        hidden, masks, outputs = self.merge_with_outputs(model, input_ids, inputs_embeds, chunk)
+        wire = {"position_ids": self._wire_positions(model, input_ids, chunk, attention_mask)}
+        levels = _deepstack_levels(model.config)
         if levels:
             wire["visual_pos_mask"] = (masks["image"] | masks["video"]).to(torch.int64)
             for level in range(levels):
@@ -295,7 +290,7 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         stage's layers; the stage's layers are the full model's ``layers``, so entry ``j`` is level
         ``layers[j]``.
         """
-        kwargs: dict[str, Any] = {"position_ids": wire["position_ids"].transpose(0, 1)}
+        kwargs = super().decoder_kwargs(stage, layers, hidden, attention_mask, wire)  # the positions
         own = [i for i in layers if i < _deepstack_levels(stage.config)]
         if own:
             mask = wire["visual_pos_mask"].bool()

@@ -132,5 +132,5 @@ def data_source(ctx: dict[str, Any], args: argparse.Namespace) -> Any:
     """Where the steps' shares come from: ``--data`` through ``ppmedia.data``, else the stand-in."""
     if args.data:
         return DataSource(ctx, args)
-    _say(f"no --data: training the tiny {args.family} model on its 2 fixed stand-in batches")
+    say(f"no --data: training the tiny {args.family} model on its 2 fixed stand-in batches")
     return StandIn(ctx, args)

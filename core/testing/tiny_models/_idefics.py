@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 VOCAB_SIZE = 128
 PAD_TOKEN_ID = 0
@@ -67,16 +68,13 @@ _SUFFIX = (5, 3, 6, 4, 2, 7, 2, 4)
 
 
 def vision_kwargs() -> dict[str, Any]:
-    return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=CROP, patch_size=PATCH)
+    return tower_fields(image_size=CROP, patch_size=PATCH)
 
 
 def text_config() -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=PAD_TOKEN_ID, bos_token_id=1, eos_token_id=2,
-    )
+    return LlamaConfig(**text_fields(VOCAB_SIZE, PAD_TOKEN_ID, max_position_embeddings=512))
 
 
 def image_prompt(rows: int, cols: int) -> list[int]:

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -70,15 +71,11 @@ def build_config() -> Any:
     """The tiny ``AyaVisionConfig``."""
     from transformers import AyaVisionConfig, Cohere2Config, SiglipVisionConfig
 
-    vision = SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, vision_use_head=False,
-    )
-    text = Cohere2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, sliding_window=16,
-        layer_types=["sliding_attention", "full_attention"], pad_token_id=PAD_TOKEN_ID, bos_token_id=1, eos_token_id=2,
-    )
+    vision = SiglipVisionConfig(**tower_fields(image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, vision_use_head=False))
+    text = Cohere2Config(**text_fields(
+        VOCAB_SIZE, PAD_TOKEN_ID, max_position_embeddings=256, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    ))
     return AyaVisionConfig(
         vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID, downsample_factor=DOWNSAMPLE,
         vision_feature_select_strategy="full", vision_feature_layer=-1,

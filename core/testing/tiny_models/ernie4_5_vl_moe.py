@@ -37,6 +37,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import grid_tower_fields, text_fields
 
 __all__ = [
     "IMAGE_END_TOKEN_ID",
@@ -90,18 +91,13 @@ def build_config() -> Any:
     """The tiny ``Ernie4_5_VLMoeConfig``."""
     from transformers import Ernie4_5_VLMoeConfig
 
-    text = {
-        "vocab_size": _VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
-        "moe_intermediate_size": [32, 16], "moe_k": 2, "moe_num_experts": 4, "moe_num_shared_experts": 1,
-        "mlp_layer_types": ["dense", "sparse"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]},
-        "pad_token_id": PAD_TOKEN_ID, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
-    }
-    vision = {
-        "depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "patch_size": PATCH_SIZE,
-        "spatial_merge_size": MERGE, "temporal_merge_size": TEMPORAL_MERGE,
-    }
+    text = text_fields(
+        _VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, head_dim=16, max_position_embeddings=512,
+        moe_intermediate_size=[32, 16], moe_k=2, moe_num_experts=4, moe_num_shared_experts=1,
+        mlp_layer_types=["dense", "sparse"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]},
+    )
+    vision = grid_tower_fields(patch_size=PATCH_SIZE, spatial_merge_size=MERGE, temporal_merge_size=TEMPORAL_MERGE)
     return Ernie4_5_VLMoeConfig(
         text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
         image_start_token_id=IMAGE_START_TOKEN_ID, image_end_token_id=IMAGE_END_TOKEN_ID,

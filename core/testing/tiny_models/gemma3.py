@@ -46,6 +46,7 @@ from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Tex
 
 from . import seeded
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 __all__ = [
     "BOI_TOKEN_ID",
@@ -85,29 +86,11 @@ _SUFFIX = (4, 3, 6, 4, 0, 0, 2, 5)
 
 def build_config() -> Gemma3Config:
     """The tiny Gemma 3 config (SigLIP 32 wide, Gemma 3 text 64 wide, 2 layers each)."""
-    vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
-    )
-    text = Gemma3TextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
+    vision = SiglipVisionConfig(**tower_fields(image_size=IMAGE_SIZE, patch_size=PATCH_SIZE))
+    text = Gemma3TextConfig(**text_fields(
+        VOCAB_SIZE, PAD_TOKEN_ID, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
         max_position_embeddings=512,
-        pad_token_id=PAD_TOKEN_ID,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    ))
     return Gemma3Config(
         vision_config=vision,
         text_config=text,
@@ -174,12 +157,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward (with ``token_type_ids``)."""
-    return {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        "token_type_ids": batch["token_type_ids"],
-        "pixel_values": batch["pixel_values"],
-    }
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids", "pixel_values")}
 
 
 def build_processor(image_backend: str = "torchvision") -> Any:

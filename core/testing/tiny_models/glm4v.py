@@ -51,6 +51,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import grid_tower_fields, text_fields
 
 __all__ = [
     "IMAGE_END_TOKEN_ID",
@@ -123,23 +124,18 @@ MIXED_SAMPLES: tuple[tuple[Any, ...], ...] = (
 
 def text_config(**overrides: Any) -> dict[str, Any]:
     """The tiny text model's fields (``glm4v_text``), with ``overrides``."""
-    text = {
-        "vocab_size": _VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
-                            "mrope_section": [1, 1, 2]},
-        "pad_token_id": PAD_TOKEN_ID, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
-    }
+    text = text_fields(
+        _VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, head_dim=16, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2]},
+    )
     text.update(overrides)
     return text
 
 
 def vision_config() -> dict[str, Any]:
     """The tiny vision tower's fields (``glm4v_vision``)."""
-    return {
-        "depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
-        "patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL, "spatial_merge_size": MERGE, "image_size": 64,
-    }
+    return grid_tower_fields(out_hidden_size=64, patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE,
+                             image_size=64)
 
 
 def token_ids() -> dict[str, int]:

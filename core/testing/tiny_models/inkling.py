@@ -40,6 +40,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import text_fields
 
 __all__ = ["AUDIO_TOKEN_ID", "IMAGE_TOKEN_ID", "MODEL_TYPE", "PAD_TOKEN_ID", "SAMPLES", "build_batch",
            "build_config", "build_model", "build_processor", "reference_inputs"]
@@ -78,15 +79,12 @@ def build_config() -> Any:
     """The tiny :class:`~transformers.InklingConfig`."""
     from transformers import InklingConfig
 
-    text = {
-        "vocab_size": _VOCAB, "unpadded_vocab_size": _UNPADDED_VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "swa_num_attention_heads": 4,
-        "swa_num_key_value_heads": 2, "swa_head_dim": 8, "sliding_window_size": 4, "d_rel": 4, "rel_extent": 16,
-        "local_layer_ids": [0], "max_position_embeddings": 256, "intermediate_size": 64,
-        "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-        "mlp_layer_types": ["dense", "sparse"], "logits_mup_width_multiplier": 2.0,
-        "pad_token_id": PAD_TOKEN_ID, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
-    }
+    text = text_fields(
+        _VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, width=32, unpadded_vocab_size=_UNPADDED_VOCAB, head_dim=8,
+        swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=4, d_rel=4,
+        rel_extent=16, local_layer_ids=[0], max_position_embeddings=256, moe_intermediate_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, mlp_layer_types=["dense", "sparse"], logits_mup_width_multiplier=2.0,
+    )
     vision = {"text_hidden_size": 32, "patch_size": PATCH, "temporal_patch_size": TEMPORAL, "hidden_size": 16,
               "num_hidden_layers": 4, "num_attention_heads": 2}
     audio = {"n_mel_bins": MEL_BINS, "mel_vocab_size": MEL_VOCAB, "text_hidden_size": 32}

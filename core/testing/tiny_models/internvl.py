@@ -35,6 +35,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 __all__ = [
     "IMAGE_END_TOKEN_ID",
@@ -83,15 +84,8 @@ def build_config() -> Any:
     """The tiny ``InternVLConfig`` (InternViT 32 wide, 2 layers; Qwen2 64 wide, 2 layers)."""
     from transformers import InternVLConfig
 
-    vision = {
-        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-        "image_size": [IMAGE_SIZE, IMAGE_SIZE], "patch_size": [PATCH_SIZE, PATCH_SIZE],
-    }
-    text = {
-        "model_type": "qwen2", "vocab_size": _VOCAB, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-        "pad_token_id": PAD_TOKEN_ID, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
-    }
+    vision = tower_fields(image_size=[IMAGE_SIZE, IMAGE_SIZE], patch_size=[PATCH_SIZE, PATCH_SIZE])
+    text = text_fields(_VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, model_type="qwen2", max_position_embeddings=256)
     return InternVLConfig(
         vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID, image_seq_length=TOKENS_PER_ROW,
         downsample_ratio=0.5,

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import seeded
+from ._configs import text_fields, tower_fields
 
 __all__ = [
     "BOS_TOKEN_ID",
@@ -100,45 +101,16 @@ def build_config() -> Any:
     """
     from transformers import Kimi_K25Config
 
-    vision = {
-        "patch_size": PATCH_SIZE,
-        "pos_emb_height": 8,
-        "pos_emb_width": 8,
-        "pos_emb_time": 4,
-        "num_attention_heads": 2,
-        "num_hidden_layers": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "hidden_act": "gelu_pytorch_tanh",
-        "merge_kernel_size": list(MERGE),
-        "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
-    }
-    text = {
-        "model_type": "deepseek_v3",
-        "vocab_size": _VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "n_shared_experts": 1,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-        "kv_lora_rank": 16,
-        "q_lora_rank": None,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 16,
-        "max_position_embeddings": 64,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "pad_token_id": PAD_TOKEN_ID,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-    }
+    vision = tower_fields(
+        patch_size=PATCH_SIZE, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, hidden_act="gelu_pytorch_tanh",
+        merge_kernel_size=list(MERGE), rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
+    )
+    text = text_fields(
+        _VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, model_type="deepseek_v3", moe_intermediate_size=32,
+        num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     return Kimi_K25Config(
         vision_config=vision,
         text_config=text,

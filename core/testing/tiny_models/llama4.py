@@ -41,6 +41,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 __all__ = [
     "IMAGE_END_TOKEN_ID",
@@ -94,20 +95,16 @@ def build_config() -> Any:
     """The tiny ``Llama4Config``."""
     from transformers import Llama4Config
 
-    text = {
-        "vocab_size": _VOCAB, "hidden_size": 64, "intermediate_size": 32, "intermediate_size_mlp": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
-        "no_rope_layer_interval": 2, "attention_chunk_size": 8, "floor_scale": 4, "attn_scale": 0.5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "max_position_embeddings": 256,
-        "pad_token_id": PAD_TOKEN_ID, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
-    }
-    vision = {
-        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128,
-        "vision_output_dim": 64, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "pixel_shuffle_ratio": 0.5,
-        "projector_input_dim": 64, "projector_output_dim": 64,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
-    }
+    text = text_fields(
+        _VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, intermediate_size=32, intermediate_size_mlp=96, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2,
+        attention_chunk_size=8, floor_scale=4, attn_scale=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        max_position_embeddings=256,
+    )
+    vision = tower_fields(
+        intermediate_size=128, vision_output_dim=64, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, pixel_shuffle_ratio=0.5,
+        projector_input_dim=64, projector_output_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    )
     return Llama4Config(
         text_config=text, vision_config=vision, image_token_index=PATCH_TOKEN_ID,
         boi_token_index=IMAGE_START_TOKEN_ID, eoi_token_index=IMAGE_END_TOKEN_ID, pad_token_id=PAD_TOKEN_ID,

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 __all__ = [
     "IMAGE_SIZE",
@@ -65,15 +66,8 @@ def build_config() -> Any:
     """The tiny ``LlavaConfig`` (CLIP 32 wide, 2 layers; Llama 64 wide, 2 layers)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
-    vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32,
-    )
-    text = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        pad_token_id=PAD_TOKEN_ID, bos_token_id=1, eos_token_id=2,
-    )
+    vision = CLIPVisionConfig(**tower_fields(image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32))
+    text = LlamaConfig(**text_fields(VOCAB_SIZE, PAD_TOKEN_ID, max_position_embeddings=256))
     return LlavaConfig(
         vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID, vision_feature_layer=-2,
         vision_feature_select_strategy="default", image_seq_length=TOKENS_PER_IMAGE,

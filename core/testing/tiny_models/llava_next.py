@@ -45,6 +45,7 @@ from transformers.models.llava_next.modeling_llava_next import (
 
 from . import seeded
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 __all__ = [
     "IMAGES_PER_SAMPLE",
@@ -92,28 +93,8 @@ _SUFFIX = (5, 3, 6, 4, 0, 0, 2, 4)
 
 def build_config() -> LlavaNextConfig:
     """The tiny LLaVA-NeXT config (CLIP vision 32 wide, Llama text 64 wide, 2 layers each)."""
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=CROP_SIZE,
-        patch_size=PATCH_SIZE,
-        num_channels=3,
-        projection_dim=32,
-    )
-    text = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=PAD_TOKEN_ID,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    vision = CLIPVisionConfig(**tower_fields(image_size=CROP_SIZE, patch_size=PATCH_SIZE, num_channels=3, projection_dim=32))
+    text = LlamaConfig(**text_fields(VOCAB_SIZE, PAD_TOKEN_ID, max_position_embeddings=512))
     return LlavaNextConfig(
         vision_config=vision,
         text_config=text,
@@ -187,12 +168,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
-    return {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        "pixel_values": batch["pixel_values"],
-        "image_sizes": batch["image_sizes"],
-    }
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_sizes")}
 
 
 def build_processor(image_backend: str = "torchvision") -> Any:

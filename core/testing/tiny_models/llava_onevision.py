@@ -40,6 +40,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 __all__ = ["BASE_TOKENS", "FRAMES", "IMAGE_TOKEN_ID", "MODEL_TYPE", "SAMPLES", "VIDEO_TOKENS", "VIDEO_TOKEN_ID",
            "build_batch", "build_config", "build_model", "build_processor", "reference_inputs", "tiled_tokens"]
@@ -75,15 +76,8 @@ def build_config() -> Any:
     """The tiny ``LlavaOnevisionConfig``."""
     from transformers import LlavaOnevisionConfig, Qwen2Config, SiglipVisionConfig
 
-    vision = SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        image_size=CROP, patch_size=PATCH, vision_use_head=False,
-    )
-    text = Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        pad_token_id=PAD_TOKEN_ID, bos_token_id=1, eos_token_id=2,
-    )
+    vision = SiglipVisionConfig(**tower_fields(image_size=CROP, patch_size=PATCH, vision_use_head=False))
+    text = Qwen2Config(**text_fields(VOCAB_SIZE, PAD_TOKEN_ID, max_position_embeddings=512))
     return LlavaOnevisionConfig(
         vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID, video_token_index=VIDEO_TOKEN_ID,
         image_grid_pinpoints=[list(p) for p in PINPOINTS], vision_feature_layer=-1,

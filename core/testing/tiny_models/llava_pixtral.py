@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._configs import pixtral_tower_fields, text_fields
 from ._pixtral import PixtralLayout, pixtral_batch
 
 __all__ = ["ADAPTER", "LAYOUT", "MODEL_TYPE", "build_batch", "build_config", "build_model", "build_processor", "reference_inputs"]
@@ -49,15 +50,8 @@ def build_config() -> Any:
     """The tiny ``LlavaConfig`` with a ``PixtralVisionConfig`` tower and a ``MistralConfig`` text model."""
     from transformers import LlavaConfig, MistralConfig, PixtralVisionConfig
 
-    vision = PixtralVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
-        image_size=MAX_SIZE, patch_size=PATCH_SIZE,
-    )
-    text = MistralConfig(
-        vocab_size=LAYOUT.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        sliding_window=None, pad_token_id=LAYOUT.pad, bos_token_id=1, eos_token_id=2,
-    )
+    vision = PixtralVisionConfig(**pixtral_tower_fields(MAX_SIZE, PATCH_SIZE))
+    text = MistralConfig(**text_fields(LAYOUT.vocab, LAYOUT.pad, head_dim=16, max_position_embeddings=256, sliding_window=None))
     return LlavaConfig(
         vision_config=vision, text_config=text, image_token_id=LAYOUT.image, vision_feature_layer=-1,
         vision_feature_select_strategy="full", projector_hidden_act="gelu",

@@ -33,10 +33,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from . import seeded_distinct
-from ._batch import right_padded
+from ._configs import text_fields, tower_fields
+from ._qwen import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    IMAGE_TOKEN_ID,
+    PAD_TOKEN_ID,
+    VIDEO_TOKEN_ID,
+    VISION_END_TOKEN_ID,
+    VISION_START_TOKEN_ID,
+    VOCAB,
+    grid_batch,
+)
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -56,15 +66,6 @@ __all__ = [
 
 MODEL_TYPE = "minimax_m3_vl"
 
-PAD_TOKEN_ID = 0
-BOS_TOKEN_ID = 1
-EOS_TOKEN_ID = 2
-VISION_START_TOKEN_ID = 3
-VISION_END_TOKEN_ID = 4
-IMAGE_TOKEN_ID = 5
-VIDEO_TOKEN_ID = 6
-_FIRST_TEXT_ID = 10
-_VOCAB = 128
 PATCH_SIZE = 8
 TEMPORAL = 2
 MERGE = 2
@@ -87,20 +88,16 @@ def build_config() -> Any:
     """The tiny ``MiniMaxM3VLConfig``."""
     from transformers import MiniMaxM3VLConfig
 
-    text = {
-        "vocab_size": _VOCAB, "hidden_size": 64, "intermediate_size": 32, "dense_intermediate_size": 128,
-        "shared_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "index_n_heads": 2, "index_head_dim": 8, "index_block_size": 4, "index_topk_blocks": 2,
-        "index_local_blocks": 1, "layer_types": ["minimax_m3_sparse"] * 2, "mlp_layer_types": ["dense", "sparse"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
-        "max_position_embeddings": 256, "pad_token_id": PAD_TOKEN_ID, "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-    }
-    vision = {
-        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL, "spatial_merge_size": MERGE, "image_size": 64,
-    }
+    text = text_fields(
+        VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, intermediate_size=32, dense_intermediate_size=128,
+        shared_intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2, index_n_heads=2,
+        index_head_dim=8, index_block_size=4, index_topk_blocks=2, index_local_blocks=1,
+        layer_types=["minimax_m3_sparse"] * 2, mlp_layer_types=["dense", "sparse"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+        max_position_embeddings=256,
+    )
+    vision = tower_fields(num_attention_heads=4, patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL,
+                          spatial_merge_size=MERGE, image_size=64)
     return MiniMaxM3VLConfig(
         text_config=text, vision_config=vision, image_token_index=IMAGE_TOKEN_ID,
         video_token_index=VIDEO_TOKEN_ID, projector_hidden_size=64,
@@ -114,56 +111,15 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     return seeded_distinct(MiniMaxM3SparseForConditionalGeneration, build_config(), seed)
 
 
-def _block(token: int, tokens: int) -> list[int]:
-    return [VISION_START_TOKEN_ID] + [token] * tokens + [VISION_END_TOKEN_ID]
-
-
 def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Any]:
     """The batch of the module docstring: ``input_ids`` / ``attention_mask`` ``[8, S]``, ``pixel_values``
     ``[patches, 384]``, ``image_grid_thw`` ``[7, 3]``, ``pixel_values_videos`` ``[patches, 384]``,
     ``video_grid_thw`` ``[7, 3]`` (chunks), ``num_chunks_per_video`` ``[4]``.
 
     ``text_only_first``: samples 4 and 5 first."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def text(n: int) -> list[int]:
-        return torch.randint(_FIRST_TEXT_ID, _VOCAB, (n,), generator=gen).tolist()
-
-    rows: list[list[int]] = []
-    grids: dict[str, list[tuple[int, int, int]]] = {"image": [], "video": []}
-    chunks_per_video: list[int] = []
     samples = SAMPLES[4:6] + SAMPLES[:4] + SAMPLES[6:] if text_only_first else SAMPLES
-    for sample in samples:
-        ids = [BOS_TOKEN_ID]
-        for part in sample:
-            if isinstance(part, int):
-                ids += text(part)
-            elif part[0] == "image":
-                t, h, w = part[1]
-                grids["image"].append((t, h, w))
-                ids += _block(IMAGE_TOKEN_ID, t * h * w // MERGE**2)
-            else:
-                chunks_per_video.append(len(part[1]))
-                for t, h, w in part[1]:
-                    grids["video"].append((t, h, w))
-                    for _ in range(t):  # one timestamped block per temporal step
-                        ids += text(2) + _block(VIDEO_TOKEN_ID, h * w // MERGE**2)
-        rows.append(ids + [EOS_TOKEN_ID])
-    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID)
-
-    def pixels(kind: str) -> Tensor:
-        n = sum(t * h * w for t, h, w in grids[kind])
-        return torch.randn((n, PATCH_DIM), generator=gen)
-
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "pixel_values": pixels("image"),
-        "image_grid_thw": torch.tensor(grids["image"], dtype=torch.int64),
-        "pixel_values_videos": pixels("video"),
-        "video_grid_thw": torch.tensor(grids["video"], dtype=torch.int64),
-        "num_chunks_per_video": torch.tensor(chunks_per_video, dtype=torch.int64),
-    }
+    return grid_batch(samples, seed, family=MODEL_TYPE, patch_dim=PATCH_DIM, merge=MERGE, video_steps=True,
+                      chunk_counts=True)
 
 
 def reference_inputs(batch: dict[str, Any]) -> dict[str, Any]:
@@ -197,6 +153,6 @@ def build_processor(image_backend: str = "torchvision") -> Any:
     ids = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": BOS_TOKEN_ID, "<|im_end|>": EOS_TOKEN_ID,
            names.VISION_START_TOKEN: VISION_START_TOKEN_ID, names.VISION_END_TOKEN: VISION_END_TOKEN_ID,
            names.IMAGE_TOKEN: IMAGE_TOKEN_ID, names.VIDEO_TOKEN: VIDEO_TOKEN_ID}
-    tokenizer = qwen_tokenizer(_VOCAB, ids, image=names.IMAGE_TOKEN, video=names.VIDEO_TOKEN)
+    tokenizer = qwen_tokenizer(VOCAB, ids, image=names.IMAGE_TOKEN, video=names.VIDEO_TOKEN)
     return qwen_processor("MiniMaxM3VLProcessor", tokenizer=tokenizer, images=images, videos=videos,
                           media={"image": names.IMAGE_TOKEN, "video": names.VIDEO_TOKEN})

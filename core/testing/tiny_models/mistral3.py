@@ -31,11 +31,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
 
 from . import seeded
+from ._configs import pixtral_tower_fields, text_fields
 from ._pixtral import PixtralLayout, pixtral_batch
 from ._pixtral import image_ids as _image_ids
 
@@ -88,29 +88,8 @@ _SUFFIX = (4, 3, 6, 4, 0, 0, 2, 5)
 
 def build_config() -> Mistral3Config:
     """The tiny Mistral 3 config (Pixtral 32 wide, Mistral text 64 wide, 2 layers each)."""
-    vision = PixtralVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        head_dim=8,
-        image_size=MAX_SIZE,
-        patch_size=PATCH_SIZE,
-    )
-    text = MistralConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_window=None,
-        pad_token_id=PAD_TOKEN_ID,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    vision = PixtralVisionConfig(**pixtral_tower_fields(MAX_SIZE, PATCH_SIZE))
+    text = MistralConfig(**text_fields(VOCAB_SIZE, PAD_TOKEN_ID, head_dim=16, max_position_embeddings=512, sliding_window=None))
     return Mistral3Config(
         vision_config=vision,
         text_config=text,
@@ -153,12 +132,7 @@ def build_batch(seed: int = 0) -> dict[str, Tensor]:
 
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward."""
-    return {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        "pixel_values": batch["pixel_values"],
-        "image_sizes": batch["image_sizes"],
-    }
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_sizes")}
 
 
 def build_processor(image_backend: str = "torchvision") -> Any:

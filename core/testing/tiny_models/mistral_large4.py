@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from . import seeded_distinct
+from ._configs import pixtral_tower_fields, text_fields
 from ._pixtral import PixtralLayout, pixtral_batch
 
 __all__ = [
@@ -88,34 +89,13 @@ def text_config(**overrides: Any) -> dict[str, Any]:
     """The tiny text config (hidden 64, 4 layers: see the module docstring); ``overrides`` replace keys
     (e.g. ``num_hidden_layers`` with matching ``indexer_types`` / ``kv_source_layers`` /
     ``no_rope_layers``)."""
-    config: dict[str, Any] = {
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "n_shared_experts": 1,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 16,
-        "index_topk": 4,
-        "index_head_dim": 16,
-        "index_n_heads": 2,
-        "first_k_dense_replace": 1,
-        "indexer_types": ["full", "full", "shared", "full"],
-        "kv_source_layers": [0, 1, 0, 1],
-        "no_rope_layers": [1, 0, 1, 0],
-        "max_position_embeddings": 256,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
-        "pad_token_id": PAD_TOKEN_ID,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
+    config = text_fields(
+        VOCAB_SIZE, PAD_TOKEN_ID, moe_intermediate_size=32, num_hidden_layers=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        index_topk=4, index_head_dim=16, index_n_heads=2, first_k_dense_replace=1,
+        indexer_types=["full", "full", "shared", "full"], kv_source_layers=[0, 1, 0, 1], no_rope_layers=[1, 0, 1, 0],
+        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    )
     config.update(overrides)
     return config
 
@@ -125,10 +105,7 @@ def build_config(**text_overrides: Any) -> Any:
     :func:`text_config`)."""
     from transformers import MistralLarge4Config, PixtralVisionConfig
 
-    vision = PixtralVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
-        image_size=MAX_SIZE, patch_size=PATCH_SIZE,
-    )
+    vision = PixtralVisionConfig(**pixtral_tower_fields(MAX_SIZE, PATCH_SIZE))
     return MistralLarge4Config(
         vision_config=vision, text_config=text_config(**text_overrides), image_token_index=IMAGE_TOKEN_ID,
         spatial_merge_size=MERGE, vision_feature_layer=-1,

@@ -31,15 +31,12 @@ def build_config() -> Any:
     """The tiny ``Mistral3Config`` with a ``Mistral4Config`` text model."""
     from transformers import Mistral3Config, Mistral4Config, PixtralVisionConfig
 
+    from ._configs import pixtral_tower_fields, text_fields
     from .mistral3 import IMAGE_TOKEN_ID, MAX_SIZE, MERGE, PAD_TOKEN_ID, PATCH_SIZE, VOCAB_SIZE
 
-    vision = PixtralVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
-        image_size=MAX_SIZE, patch_size=PATCH_SIZE,
-    )
-    text = Mistral4Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+    vision = PixtralVisionConfig(**pixtral_tower_fields(MAX_SIZE, PATCH_SIZE))
+    text = Mistral4Config(**text_fields(
+        VOCAB_SIZE, PAD_TOKEN_ID, moe_intermediate_size=32, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
         # the released model's YaRN + Llama-4 query scaling, over a 16-token original window: the
@@ -49,8 +46,7 @@ def build_config() -> Any:
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
             "llama_4_scaling_beta": 0.1, "max_position_embeddings": 256,
         },
-        pad_token_id=PAD_TOKEN_ID, bos_token_id=1, eos_token_id=2,
-    )
+    ))
     return Mistral3Config(
         vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID, spatial_merge_size=MERGE,
         vision_feature_layer=-1,

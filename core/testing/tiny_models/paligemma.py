@@ -33,6 +33,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -65,16 +66,11 @@ def build_config() -> Any:
     """The tiny ``PaliGemmaConfig`` (SigLIP 32 wide; Gemma 2 64 wide, sliding window 16, soft-capping)."""
     from transformers import Gemma2Config, PaliGemmaConfig, SiglipVisionConfig
 
-    vision = SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
-    )
-    text = Gemma2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=16, max_position_embeddings=256,
-        final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
-        pad_token_id=PAD_TOKEN_ID, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
-    )
+    vision = SiglipVisionConfig(**tower_fields(image_size=IMAGE_SIZE, patch_size=PATCH_SIZE))
+    text = Gemma2Config(**text_fields(
+        VOCAB_SIZE, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+        max_position_embeddings=256, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+    ))
     return PaliGemmaConfig(
         vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID, projection_dim=64, hidden_size=64,
         vocab_size=VOCAB_SIZE,

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 __all__ = [
     "AUDIO_TOKEN_ID",
@@ -77,9 +78,9 @@ TALL: tuple[tuple[Any, ...], ...] = ((("image", (3, 1, 0, 0)), 2), (4,), (1, ("i
 
 
 def _vision(image_size: int, patch_size: int, layers: int) -> dict[str, Any]:
-    return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2 if layers > 1 else 1,
-                image_size=image_size, patch_size=patch_size, crop_size=image_size, feature_layer=-2 if layers > 1 else -1,
-                image_token_id=IMAGE_TOKEN_ID)
+    return tower_fields(num_hidden_layers=layers, num_attention_heads=2 if layers > 1 else 1, image_size=image_size,
+                        patch_size=patch_size, crop_size=image_size, feature_layer=-2 if layers > 1 else -1,
+                        image_token_id=IMAGE_TOKEN_ID)
 
 
 def build_config(image_size: int = CROP, patch_size: int = PATCH, vision_layers: int = 2) -> Any:
@@ -89,9 +90,8 @@ def build_config(image_size: int = CROP, patch_size: int = PATCH, vision_layers:
     from transformers import Phi4MultimodalConfig
 
     config = Phi4MultimodalConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=PAD_TOKEN_ID, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
-        max_position_embeddings=1024, original_max_position_embeddings=1024, embd_pdrop=0.0, tie_word_embeddings=False,
+        **text_fields(VOCAB_SIZE, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, max_position_embeddings=1024,
+                      original_max_position_embeddings=1024, embd_pdrop=0.0, tie_word_embeddings=False),
         vision_config=_vision(image_size, patch_size, vision_layers),
         audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
                           audio_token_id=AUDIO_TOKEN_ID, input_size=MEL, nemo_conv_channels=16, time_reduction=8,

@@ -39,6 +39,18 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import grid_tower_fields, text_fields
+from ._qwen import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    FIRST_TEXT_ID,
+    IMAGE_TOKEN_ID,
+    PAD_TOKEN_ID,
+    VIDEO_TOKEN_ID,
+    VISION_END_TOKEN_ID,
+    VISION_START_TOKEN_ID,
+    VOCAB,
+)
 
 __all__ = [
     "AUDIO_END_TOKEN_ID",
@@ -66,18 +78,9 @@ __all__ = [
 
 MODEL_TYPE = "qwen2_5_omni_thinker"
 
-PAD_TOKEN_ID = 0
-BOS_TOKEN_ID = 1
-EOS_TOKEN_ID = 2
-VISION_START_TOKEN_ID = 3
-VISION_END_TOKEN_ID = 4
-IMAGE_TOKEN_ID = 5
-VIDEO_TOKEN_ID = 6
 AUDIO_TOKEN_ID = 7
 AUDIO_START_TOKEN_ID = 8
 AUDIO_END_TOKEN_ID = 9
-_FIRST_TEXT_ID = 10
-_VOCAB = 128
 
 PATCH = 4
 TEMPORAL = 2
@@ -120,17 +123,14 @@ def build_config() -> Any:
     """The tiny :class:`~transformers.Qwen2_5OmniThinkerConfig`."""
     from transformers import Qwen2_5OmniThinkerConfig
 
-    text = {
-        "vocab_size": _VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1]},
-        "pad_token_id": PAD_TOKEN_ID, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
-    }
-    vision = {
-        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3,
-        "patch_size": PATCH, "temporal_patch_size": TEMPORAL, "spatial_merge_size": MERGE, "window_size": 16,
-        "out_hidden_size": 32, "fullatt_block_indexes": [1],
-    }
+    text = text_fields(
+        VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, width=32, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1]},
+    )
+    vision = grid_tower_fields(
+        in_channels=3, patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE, window_size=16,
+        out_hidden_size=32, fullatt_block_indexes=[1],
+    )
     audio = {
         "num_mel_bins": MEL_BINS, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32,
         "d_model": 16, "output_dim": 32, "n_window": 100, "max_source_positions": 1500,
@@ -169,7 +169,7 @@ def _tokens(samples: tuple[tuple[Any, ...], ...], gen: torch.Generator, *, inter
     clip_tokens = clip_tokens or audio_tokens
 
     def text(n: int) -> list[int]:
-        return torch.randint(_FIRST_TEXT_ID, _VOCAB, (n,), generator=gen).tolist()
+        return torch.randint(FIRST_TEXT_ID, VOCAB, (n,), generator=gen).tolist()
 
     rows, media = [], {"image": [], "video": [], "audio": []}  # type: ignore[var-annotated]
     for sample in samples:
@@ -263,7 +263,7 @@ OMNI_MEDIA: dict[str, str] = {
 }
 
 
-def omni_tokenizer(vocab_size: int = _VOCAB, ids: dict[str, int] | None = None) -> Any:
+def omni_tokenizer(vocab_size: int = VOCAB, ids: dict[str, int] | None = None) -> Any:
     """The Omni processors' tokenizer: :data:`TOKENS` at the tiny ids, and the token attributes their
     processors read (``image_token``, ``audio_bos_token``, ...)."""
     from ._processors import qwen_tokenizer

@@ -36,7 +36,20 @@ import torch
 from torch import Tensor
 
 from . import seeded
-from ._batch import right_padded
+from ._configs import grid_tower_fields, text_fields
+from ._qwen import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    IMAGE_TOKEN_ID,
+    PAD_TOKEN_ID,
+    PROCESSOR_TOKEN_IDS,
+    VIDEO_TOKEN_ID,
+    VISION_END_TOKEN_ID,
+    VISION_START_TOKEN_ID,
+    VOCAB,
+    grid_batch,
+    grid_reference_inputs,
+)
 
 __all__ = [
     "BOS_TOKEN_ID",
@@ -58,16 +71,6 @@ __all__ = [
 ]
 
 MODEL_TYPE = "qwen2_5_vl"
-
-PAD_TOKEN_ID = 0
-BOS_TOKEN_ID = 1
-EOS_TOKEN_ID = 2
-VISION_START_TOKEN_ID = 3
-VISION_END_TOKEN_ID = 4
-IMAGE_TOKEN_ID = 5
-VIDEO_TOKEN_ID = 6
-_FIRST_TEXT_ID = 10
-_VOCAB = 128
 
 CHANNELS = 3
 PATCH_SIZE = 4
@@ -94,34 +97,16 @@ def build_config() -> Any:
     """The tiny :class:`~transformers.Qwen2_5_VLConfig` (text hidden 64, vision hidden 32)."""
     from transformers import Qwen2_5_VLConfig
 
-    text_config = {
-        "vocab_size": _VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        # mrope_section sums to head_dim / 2 = 64 / 4 / 2 = 8.
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
-        "pad_token_id": PAD_TOKEN_ID,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-    }
-    vision_config = {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "in_channels": CHANNELS,
-        "patch_size": PATCH_SIZE,
-        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
-        "spatial_merge_size": MERGE,
+    # mrope_section sums to head_dim / 2 = 64 / 4 / 2 = 8.
+    text_config = text_fields(
+        VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
+    )
+    vision_config = grid_tower_fields(
+        in_channels=CHANNELS, patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, spatial_merge_size=MERGE,
         # 16 pixels = 2 merged units of 2 x 4-pixel patches: the 8x8 image spans several windows.
-        "window_size": 16,
-        "out_hidden_size": 64,
-        "fullatt_block_indexes": [1],
-    }
+        window_size=16, out_hidden_size=64, fullatt_block_indexes=[1],
+    )
     return Qwen2_5_VLConfig(
         text_config=text_config,
         vision_config=vision_config,
@@ -139,50 +124,13 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     return seeded(Qwen2_5_VLForConditionalGeneration, build_config(), seed)
 
 
-def _tokens(grid: tuple[int, int, int]) -> int:
-    t, h, w = grid
-    return t * h * w // (MERGE * MERGE)
-
-
 def build_batch(seed: int = 0) -> dict[str, Tensor]:
     """The processor-style batch described in the module docstring, drawn from ``seed``.
 
     Keys: ``input_ids`` / ``attention_mask`` ``[8, SEQ_LEN]``, ``pixel_values`` ``[148, 96]``,
     ``image_grid_thw`` ``[7, 3]``, ``pixel_values_videos`` ``[64, 96]``, ``video_grid_thw`` ``[3, 3]``.
     """
-    gen = torch.Generator().manual_seed(seed)
-    rows: list[list[int]] = []
-    image_grids: list[tuple[int, int, int]] = []
-    video_grids: list[tuple[int, int, int]] = []
-    for sample in SAMPLES:
-        ids = [BOS_TOKEN_ID]
-        for part in sample:
-            if isinstance(part, int):
-                ids += torch.randint(_FIRST_TEXT_ID, _VOCAB, (part,), generator=gen).tolist()
-                continue
-            kind, grid = part
-            token = IMAGE_TOKEN_ID if kind == "image" else VIDEO_TOKEN_ID
-            (image_grids if kind == "image" else video_grids).append(grid)
-            ids += [VISION_START_TOKEN_ID] + [token] * _tokens(grid) + [VISION_END_TOKEN_ID]
-        ids.append(EOS_TOKEN_ID)
-        rows.append(ids)
-    longest = max(len(ids) for ids in rows)
-    if longest != SEQ_LEN:  # keeps the documented layout honest
-        raise AssertionError(f"tiny qwen2_5_vl batch is {longest} tokens long, documented {SEQ_LEN}")
-    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID, SEQ_LEN)
-
-    def pixels(grids: list[tuple[int, int, int]]) -> Tensor:
-        n = sum(t * h * w for t, h, w in grids)
-        return torch.randn((n, PATCH_DIM), generator=gen, dtype=torch.float32)
-
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "pixel_values": pixels(image_grids),
-        "image_grid_thw": torch.tensor(image_grids, dtype=torch.long),
-        "pixel_values_videos": pixels(video_grids),
-        "video_grid_thw": torch.tensor(video_grids, dtype=torch.long),
-    }
+    return grid_batch(SAMPLES, seed, family=MODEL_TYPE, patch_dim=PATCH_DIM, merge=MERGE, video_steps=False, seq_len=SEQ_LEN)
 
 
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
@@ -191,27 +139,12 @@ def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     Adds ``mm_token_type_ids`` (text 0, image 1, video 2): without it the model silently falls back to
     1-D positions instead of mrope.
     """
-    ids = batch["input_ids"]
-    mm_token_type_ids = (ids == IMAGE_TOKEN_ID).long() + 2 * (ids == VIDEO_TOKEN_ID).long()
-    return {
-        "input_ids": ids,
-        "attention_mask": batch["attention_mask"],
-        "pixel_values": batch["pixel_values"],
-        "image_grid_thw": batch["image_grid_thw"],
-        "pixel_values_videos": batch["pixel_values_videos"],
-        "video_grid_thw": batch["video_grid_thw"],
-        "mm_token_type_ids": mm_token_type_ids,
-        "use_cache": False,
-    }
+    return grid_reference_inputs(batch)
 
 
 #: the tiny processor's image and video sizes: 8 to 32 pixels a side (multiples of patch x merge = 8).
 MIN_PIXELS = 8 * 8
 MAX_PIXELS = 32 * 32
-
-#: the processor's Qwen tokens (:data:`~ppmedia.testing.tiny_models._processors.QWEN_TOKENS`) at the tiny ids
-_PROCESSOR_TOKEN_IDS = (PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, VISION_START_TOKEN_ID, VISION_END_TOKEN_ID, IMAGE_TOKEN_ID,
-                        VIDEO_TOKEN_ID)
 
 
 def build_processor(image_backend: str = "torchvision") -> Any:
@@ -221,6 +154,6 @@ def build_processor(image_backend: str = "torchvision") -> Any:
     ``EOS_TOKEN_ID``, ``<|endoftext|>`` ``PAD_TOKEN_ID``); a chatml chat template."""
     from ._processors import qwen_vl_processor
 
-    return qwen_vl_processor("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", image_backend, vocab_size=_VOCAB,
-                             token_ids=_PROCESSOR_TOKEN_IDS, sizes=(PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE),
+    return qwen_vl_processor("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", image_backend, vocab_size=VOCAB,
+                             token_ids=PROCESSOR_TOKEN_IDS, sizes=(PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE),
                              pixels=(MIN_PIXELS, MAX_PIXELS))

@@ -22,6 +22,8 @@ import torch
 
 from . import seeded_distinct
 from . import qwen2_5_omni as _omni
+from ._configs import grid_tower_fields, text_fields
+from ._qwen import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB
 from .qwen2_5_omni import (  # noqa: F401  (the same token ids and batch layout)
     AUDIO_END_TOKEN_ID,
     AUDIO_START_TOKEN_ID,
@@ -86,18 +88,15 @@ def build_config() -> Any:
     """The tiny :class:`~transformers.Qwen3OmniMoeThinkerConfig`."""
     from transformers import Qwen3OmniMoeThinkerConfig
 
-    text = {
-        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1], "interleaved": True},
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 1,
-        "pad_token_id": PAD_TOKEN_ID, "bos_token_id": _omni.BOS_TOKEN_ID, "eos_token_id": _omni.EOS_TOKEN_ID,
-    }
-    vision = {
-        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3,
-        "patch_size": _omni.PATCH, "temporal_patch_size": _omni.TEMPORAL, "spatial_merge_size": _omni.MERGE,
-        "out_hidden_size": 32, "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1],
-    }
+    text = text_fields(
+        VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, width=32, head_dim=8, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1], "interleaved": True},
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+    )
+    vision = grid_tower_fields(
+        in_channels=3, patch_size=_omni.PATCH, temporal_patch_size=_omni.TEMPORAL, spatial_merge_size=_omni.MERGE,
+        out_hidden_size=32, num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
+    )
     audio = {
         "num_mel_bins": MEL_BINS, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32,
         "d_model": 16, "output_dim": 32, "n_window": N_WINDOW, "n_window_infer": 400, "conv_chunksize": 500,

@@ -37,7 +37,20 @@ import torch
 from torch import Tensor
 
 from . import seeded
-from ._batch import right_padded
+from ._configs import grid_tower_fields, text_fields
+from ._qwen import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    IMAGE_TOKEN_ID,
+    PAD_TOKEN_ID,
+    PROCESSOR_TOKEN_IDS,
+    VIDEO_TOKEN_ID,
+    VISION_END_TOKEN_ID,
+    VISION_START_TOKEN_ID,
+    VOCAB,
+    grid_batch,
+    grid_reference_inputs,
+)
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -60,17 +73,6 @@ __all__ = [
 
 MODEL_TYPE = "qwen3_vl"
 
-PAD_TOKEN_ID = 0
-BOS_TOKEN_ID = 1
-EOS_TOKEN_ID = 2
-VISION_START_TOKEN_ID = 3
-VISION_END_TOKEN_ID = 4
-IMAGE_TOKEN_ID = 5
-VIDEO_TOKEN_ID = 6
-_FIRST_TEXT_ID = 10
-_VOCAB = 128
-_TIMESTAMP_TOKENS = 2
-
 CHANNELS = 3
 PATCH_SIZE = 16
 TEMPORAL_PATCH_SIZE = 2
@@ -92,39 +94,21 @@ SAMPLES: tuple[tuple[Any, ...], ...] = (
 
 def text_config(num_layers: int = 2) -> dict[str, Any]:
     """The tiny text config (hidden 32, ``num_layers`` layers, interleaved mrope ``[2, 1, 1]``)."""
-    return {
-        "vocab_size": _VOCAB,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "max_position_embeddings": 512,
-        # mrope_section sums to head_dim / 2 = 4
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1],
-                            "mrope_interleaved": True},
-        "pad_token_id": PAD_TOKEN_ID,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-    }
+    # mrope_section sums to head_dim / 2 = 4
+    return text_fields(
+        VOCAB, PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, width=32, num_hidden_layers=num_layers, head_dim=8,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    )
 
 
 def vision_config(deepstack_levels: int = 2) -> dict[str, Any]:
     """The tiny vision config (hidden 32, patch 16); one deepstack set after each of the first
     ``deepstack_levels`` blocks (depth ``max(2, deepstack_levels)``; 0: no deepstack key)."""
-    config: dict[str, Any] = {
-        "depth": max(2, deepstack_levels),
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 4,
-        "in_channels": CHANNELS,
-        "patch_size": PATCH_SIZE,
-        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
-        "spatial_merge_size": MERGE,
-        "out_hidden_size": 32,
-        "num_position_embeddings": 64,
-    }
+    config = grid_tower_fields(
+        depth=max(2, deepstack_levels), num_heads=4, in_channels=CHANNELS, patch_size=PATCH_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE, spatial_merge_size=MERGE, out_hidden_size=32, num_position_embeddings=64,
+    )
     if deepstack_levels:
         config["deepstack_visual_indexes"] = list(range(deepstack_levels))
     return config
@@ -192,10 +176,6 @@ def build_variant(model_type: str, seed: int = 0, *, num_layers: int = 2, deepst
     return seeded(getattr(transformers, model_name), config, seed)
 
 
-def _block(token: int, h: int, w: int) -> list[int]:
-    return [VISION_START_TOKEN_ID] + [token] * (h * w // (MERGE * MERGE)) + [VISION_END_TOKEN_ID]
-
-
 def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Tensor]:
     """The processor-style batch described in the module docstring, drawn from ``seed``.
 
@@ -205,72 +185,19 @@ def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Te
     Keys: ``input_ids`` / ``attention_mask`` ``[8, SEQ_LEN]``, ``pixel_values`` ``[148, 1536]``,
     ``image_grid_thw`` ``[7, 3]``, ``pixel_values_videos`` ``[76, 1536]``, ``video_grid_thw`` ``[4, 3]``.
     """
-    gen = torch.Generator().manual_seed(seed)
-
-    def text(n: int) -> list[int]:
-        return torch.randint(_FIRST_TEXT_ID, _VOCAB, (n,), generator=gen).tolist()
-
-    rows: list[list[int]] = []
-    grids: dict[str, list[tuple[int, int, int]]] = {"image": [], "video": []}
     samples = SAMPLES[4:6] + SAMPLES[:4] + SAMPLES[6:] if text_only_first else SAMPLES
-    for sample in samples:
-        ids = [BOS_TOKEN_ID]
-        for part in sample:
-            if isinstance(part, int):
-                ids += text(part)
-                continue
-            kind, (t, h, w) = part
-            grids[kind].append((t, h, w))
-            if kind == "image":
-                ids += _block(IMAGE_TOKEN_ID, h, w)
-            else:
-                for _step in range(t):  # one timestamped block per temporal step
-                    ids += text(_TIMESTAMP_TOKENS) + _block(VIDEO_TOKEN_ID, h, w)
-        ids.append(EOS_TOKEN_ID)
-        rows.append(ids)
-    longest = max(len(ids) for ids in rows)
-    if longest != SEQ_LEN:  # keeps the documented layout honest
-        raise AssertionError(f"tiny qwen3_vl batch is {longest} tokens long, documented {SEQ_LEN}")
-    input_ids, attention_mask = right_padded(rows, PAD_TOKEN_ID, SEQ_LEN)
-
-    def pixels(kind: str) -> Tensor:
-        n = sum(t * h * w for t, h, w in grids[kind])
-        return torch.randn((n, PATCH_DIM), generator=gen, dtype=torch.float32)
-
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "pixel_values": pixels("image"),
-        "image_grid_thw": torch.tensor(grids["image"], dtype=torch.long),
-        "pixel_values_videos": pixels("video"),
-        "video_grid_thw": torch.tensor(grids["video"], dtype=torch.long),
-    }
+    return grid_batch(samples, seed, family=MODEL_TYPE, patch_dim=PATCH_DIM, merge=MERGE, video_steps=True, seq_len=SEQ_LEN)
 
 
 def reference_inputs(batch: dict[str, Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's own full-batch forward on ``batch`` (adds ``mm_token_type_ids``:
     text 0, image 1, video 2, which its position computation requires)."""
-    ids = batch["input_ids"]
-    mm_token_type_ids = (ids == IMAGE_TOKEN_ID).long() + 2 * (ids == VIDEO_TOKEN_ID).long()
-    return {
-        "input_ids": ids,
-        "attention_mask": batch["attention_mask"],
-        "pixel_values": batch["pixel_values"],
-        "image_grid_thw": batch["image_grid_thw"],
-        "pixel_values_videos": batch["pixel_values_videos"],
-        "video_grid_thw": batch["video_grid_thw"],
-        "mm_token_type_ids": mm_token_type_ids,
-        "use_cache": False,
-    }
+    return grid_reference_inputs(batch)
 
 
 #: the tiny processor's image and video frame sizes: 32 to 96 pixels a side (multiples of patch x merge = 32).
 MIN_PIXELS = 32 * 32
 MAX_PIXELS = 96 * 64
-
-#: the processor's Qwen tokens (:data:`~ppmedia.testing.tiny_models._processors.QWEN_TOKENS`) at the tiny ids
-_PROCESSOR_TOKEN_IDS = (PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, VISION_START_TOKEN_ID, VISION_END_TOKEN_ID, IMAGE_TOKEN_ID,
-                        VIDEO_TOKEN_ID)
 
 
 def build_processor(image_backend: str = "torchvision") -> Any:
@@ -281,8 +208,8 @@ def build_processor(image_backend: str = "torchvision") -> Any:
     words outside the vocabulary, so two unknown-token ids)."""
     from ._processors import qwen_vl_processor
 
-    return qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", image_backend, vocab_size=_VOCAB,
-                             token_ids=_PROCESSOR_TOKEN_IDS, sizes=(PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE),
+    return qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", image_backend, vocab_size=VOCAB,
+                             token_ids=PROCESSOR_TOKEN_IDS, sizes=(PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE),
                              pixels=(MIN_PIXELS, MAX_PIXELS),
                              media={"image": "<|vision_start|><|image_pad|><|vision_end|>", "video": "<|video_pad|>"},
                              vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>")

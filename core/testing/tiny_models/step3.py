@@ -48,6 +48,7 @@ from torch import Tensor
 
 from . import seeded
 from ._batch import right_padded
+from ._configs import text_fields
 
 __all__ = [
     "CROP_GRIDS",
@@ -114,20 +115,11 @@ def build_config() -> Any:
             "max_position_embeddings": (GLOBAL_SIZE // VISION_PATCH) ** 2,
             "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
         },
-        text_config={
-            "vocab_size": _VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 256,
-            "pad_token_id": PAD_TOKEN_ID,
-            "sliding_window": 64,  # required by the mask code even without sliding layers
-            "layer_types": ["full_attention", "full_attention"],
-            "mlp_layer_types": ["dense", "dense"],
-        },
+        text_config=text_fields(
+            _VOCAB, PAD_TOKEN_ID, None, None, head_dim=16, max_position_embeddings=256,
+            sliding_window=64,  # required by the mask code even without sliding layers
+            layer_types=["full_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+        ),
         image_token_id=IMAGE_TOKEN_ID,
     )
 

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from . import seeded_distinct
 from ._batch import right_padded
+from ._configs import text_fields, tower_fields
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -84,11 +85,9 @@ def build_config() -> Any:
     """The tiny ``VideoLlama3Config``."""
     from transformers import VideoLlama3Config
 
-    text = dict(model_type="qwen2", vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e4}, pad_token_id=PAD_TOKEN_ID,
-                bos_token_id=IM_START_TOKEN_ID, eos_token_id=IM_END_TOKEN_ID)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=PATCH)
+    text = text_fields(VOCAB_SIZE, PAD_TOKEN_ID, IM_START_TOKEN_ID, IM_END_TOKEN_ID, model_type="qwen2",
+                       max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    vision = tower_fields(patch_size=PATCH)
     return VideoLlama3Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID,
                              video_token_id=VIDEO_TOKEN_ID)
 
