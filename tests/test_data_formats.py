@@ -105,6 +105,39 @@ def test_video_decoded_with_pyav_frames_sampled_by_the_processor(world):
     assert torch.equal(sample["mm_token_type_ids"][0] == 2, sample["input_ids"][0] == tiny.VIDEO_TOKEN_ID)
 
 
+def _inline_style(record, folder):
+    """The messages style with each image inside its turn, the way Qwen's and TRL's users write them:
+    ``{"type": "image", "image": PATH}``, the second image of a record as an ``image_url`` with a
+    ``file://`` URL."""
+    images = record.get("images") or ([record["image"]] if "image" in record else [])
+    roles = {"human": "user", "gpt": "assistant"}
+    turns = []
+    for turn in record["conversations"]:
+        text = turn["value"]
+        parts = []
+        while "<image>\n" in text:
+            text = text.replace("<image>\n", "", 1)
+            k = len([p for t in turns for p in t["content"] if p["type"] != "text"]) + len(parts)
+            parts.append({"type": "image", "image": images[k]} if k == 0 else
+                         {"type": "image_url", "image_url": {"url": "file://" + str(folder / images[k])}})
+        turns.append({"role": roles[turn["from"]], "content": parts + [{"type": "text", "text": text}]})
+    return {"messages": turns}
+
+
+def test_inline_media_give_the_same_samples(world):
+    path = fx.write_jsonl(str(world["root"] / "inline.jsonl"), [_inline_style(r, world["root"]) for r in world["records"]])
+    inline, llava = data.open_dataset(path), data.open_dataset(world["jsonl"])
+    assert inline[2].media == llava[2].media  # relative and file:// paths resolve alike
+    for i in range(6):
+        _same(world["proc"](llava[i]), world["proc"](inline[i]))
+    video = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "clip.mp4"},
+                                                       {"type": "audio", "audio": "file:///data/a%20b.wav"}]},
+                          {"role": "assistant", "content": "w1"}]}
+    record = data.parse_record(video, "v.jsonl:1", ["/data"])
+    assert record.media == {"video": ["/data/clip.mp4"], "audio": ["/data/a b.wav"]}
+    assert record.messages[0]["content"] == [{"type": "video"}, {"type": "audio"}]
+
+
 def _bad(world, name, lines):
     path = world["root"] / name
     path.write_text("\n".join(lines) + "\n")
@@ -125,6 +158,15 @@ OPEN_CASES = {
         {"from": "human", "value": "<image> w1"}, {"from": "gpt", "value": "w1"}]}), "1 <image> tag\\(s\\) in the turns but 2 image"),
     "role": (json.dumps({"conversations": [{"from": "robot", "value": "w1"}, {"from": "gpt", "value": "w1"}]}), "turn 0: role .robot."),
     "no_reply": (json.dumps({"conversations": [{"from": "human", "value": "w1"}]}), "no assistant turn"),
+    "inline_and_list": (json.dumps({"images": ["img1_0.png"], "messages": [
+        {"role": "user", "content": [{"type": "image", "image": "img2_0.png"}]}, {"role": "assistant", "content": "w1"}]}),
+        "turn 0 holds its image inline and the record has a top-level 'images' list: give the media one way"),
+    "inline_and_tag": (json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "img2_0.png"}, {"type": "text", "text": "<image> w2"}]},
+        {"role": "assistant", "content": "w1"}]}), "turn 0 has an image slot without a file .* give the media one way"),
+    "remote_url": (json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.org/a.png"}}]},
+        {"role": "assistant", "content": "w1"}]}), "turn 0: 'https://example.org/a.png' is a URL, not a local file"),
 }
 
 
@@ -138,6 +180,39 @@ def test_bad_record_found_when_opened(world, case, caplog):
         ds = data.open_dataset(path, skip_bad_samples=True)
     assert len(ds) == 3 and [w for w, _ in ds.skipped] == [f"{path}:3"]
     assert [r.message for r in caplog.records if f"{path}:3" in r.message] and len(caplog.records) == 1
+
+
+RECORD = {"conversations": [{"from": "human", "value": "caf\u00e9 w1"}, {"from": "gpt", "value": "w2"}]}
+TEXT = json.dumps(RECORD, ensure_ascii=False)
+
+ENCODINGS = {  # file name, its bytes, the error
+    "latin1_line": ("latin1.jsonl", (TEXT + "\n" + TEXT + "\n").encode() + TEXT.encode("latin-1") + b"\n",
+                    ":3: not UTF-8: byte 0xe9 at column 51 \\(Latin-1 or another 8-bit encoding\\?\\); JSON and "
+                    "JSON Lines files must be UTF-8"),
+    "utf16": ("utf16.jsonl", (TEXT + "\n").encode("utf-16"), ":1: UTF-16 text \\(byte-order mark ff fe\\); JSON and "
+              "JSON Lines files must be UTF-8"),
+    "utf16_no_mark": ("utf16.json", ("[" + TEXT + "]").encode("utf-16-be"), ":1: NUL bytes \\(UTF-16 or UTF-32 text\\?\\)"),
+    "latin1_list": ("latin1.json", ("[\n" + TEXT + ",\n" + TEXT + "\n]").encode("latin-1"), ":2: not UTF-8: byte 0xe9"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENCODINGS))
+def test_text_that_is_not_utf8_is_one_error_naming_file_and_line(world, case):
+    name, raw, problem = ENCODINGS[case]
+    path = world["root"] / name
+    path.write_bytes(raw)
+    with pytest.raises(data.DataError, match=f"^{path}{problem}"):
+        data.open_dataset(str(path))
+    if case == "latin1_line":  # one bad line of JSON Lines is one bad record: skipped like one
+        ds = data.open_dataset(str(path), skip_bad_samples=True)
+        assert len(ds) == 2 and [w for w, _ in ds.skipped] == [f"{path}:3"]
+
+
+def test_a_utf8_byte_order_mark_is_read(world):
+    path = world["root"] / "bom.jsonl"
+    path.write_bytes(("\ufeff" + TEXT + "\n" + TEXT + "\n").encode())
+    ds = data.open_dataset(str(path))
+    assert len(ds) == 2 and ds[0].messages[0]["content"] == [{"type": "text", "text": "caf\u00e9 w1"}]
 
 
 def _undecodable(world):

@@ -3,7 +3,8 @@
 ==============  ==========================================================================
 ``records``     one record in one form (LLaVA or messages style): turns, media by kind
 ``sources``     :func:`open_dataset`: JSON / JSON Lines / ``datasets``, checked when opened
-``media``       reading images (PIL), videos (PyAV), audio (soundfile); counted opens
+``media``       reading images (PIL) and audio (soundfile); counted opens
+``video``       videos as the processor samples them: its metadata, only the kept frames (PyAV)
 ``labels``      assistant-only labels from the chat template (markers or sentinel rendering)
 ``processor``   :class:`SampleProcessor`: the model's processor on one record, lengths
 ``batching``    :func:`collate_samples`: padded token rows, media in sample order

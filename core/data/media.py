@@ -1,4 +1,4 @@
-"""Reading media for the processor: images with PIL, videos with PyAV, audio with soundfile.
+"""Reading media for the processor: images with PIL, audio with soundfile (videos: :mod:`.video`).
 
 Every file is opened through :func:`open_media_file`, and ``OPENED`` counts the files this process
 opened, so a test (or you) can check that a rank which does not encode media reads none.
@@ -7,14 +7,13 @@ opened, so a test (or you) can check that a rank which does not encode media rea
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
 from typing import IO, Any
 
 import numpy as np
 
 from .errors import DataError
 
-__all__ = ["OPENED", "Video", "load_audio", "load_image", "load_video", "media_reads", "open_media_file"]
+__all__ = ["OPENED", "load_audio", "load_image", "media_reads", "open_media_file"]
 
 #: media files opened by this process (one entry per open: the path)
 OPENED: list[str] = []
@@ -66,31 +65,6 @@ def load_image(item: Any, where: str) -> Any:
             return image.convert("RGB")
     except (OSError, SyntaxError, ValueError) as e:
         raise DataError(where, f"image {_name(item)!r} cannot be read: {e}") from None
-
-
-@dataclass
-class Video:
-    """A decoded video: ``frames`` ``[T, H, W, 3]`` uint8 (every frame) and its frame rate."""
-
-    frames: np.ndarray
-    fps: float
-
-
-def load_video(item: Any, where: str) -> Video:
-    """Every frame of ``item``'s first video stream, decoded with PyAV (the processor samples the
-    frames its family expects from these and the frame rate)."""
-    import av
-
-    try:
-        with open_media_file(item) as f, av.open(f) as container:
-            stream = container.streams.video[0]
-            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
-            rate = float(stream.average_rate) if stream.average_rate else 0.0
-    except (OSError, IndexError, av.error.FFmpegError) as e:
-        raise DataError(where, f"video {_name(item)!r} cannot be read: {e}") from None
-    if not frames:
-        raise DataError(where, f"video {_name(item)!r} has no frames")
-    return Video(np.stack(frames), rate or 1.0)
 
 
 def load_audio(item: Any, where: str, sampling_rate: int) -> np.ndarray:

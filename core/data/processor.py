@@ -10,8 +10,9 @@ from torch import Tensor
 from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
 from .errors import DataError
 from .labels import align, label_token_mask, render
-from .media import load_audio, load_image, load_video
+from .media import _name, load_audio, load_image
 from .records import Record
+from .video import FrameSampler, Video, audio_slots, read_video, without_sampling
 
 __all__ = ["TOKEN_KEYS", "SampleProcessor", "TooLong"]
 
@@ -61,25 +62,46 @@ class SampleProcessor:
         self.truncate = truncate
         self.processor_kwargs = dict(processor_kwargs or {})
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._sampler: FrameSampler | None = None
+
+    def _audio_rate(self, where: str) -> int:
+        extractor = getattr(self.processor, "feature_extractor", None)
+        if extractor is None:
+            raise DataError(where, "the record holds audio but the processor has no feature extractor")
+        return int(extractor.sampling_rate)
+
+    def _videos(self, record: Record) -> list[Video]:
+        """The record's videos: the frames the processor keeps, their metadata, and (when the processor
+        reads the videos' audio, ``load_audio_from_video``) their audio tracks."""
+        items = record.media.get("video", [])
+        if not items:
+            return []
+        if self._sampler is None:
+            if getattr(self.processor, "video_processor", None) is None:
+                raise DataError(record.where, "the record holds a video but the processor has no video processor")
+            self._sampler = FrameSampler(self.processor, self.processor_kwargs)
+        rate = self._audio_rate(record.where) if self._sampler.audio_from_video else None
+        videos = [read_video(item, record.where, self._sampler, audio_rate=rate) for item in items]
+        for item, video in zip(items, videos):
+            if video.audio is not None and not video.audio.size:
+                raise DataError(record.where, f"video {_name(item)!r} has no audio track, and the processor takes each "
+                                              "video's (load_audio_from_video)")
+        return videos
 
     def _media_kwargs(self, record: Record) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
         where = record.where
         if record.media.get("image"):
             kwargs["images"] = [load_image(item, where) for item in record.media["image"]]
-        if record.media.get("video"):
-            from transformers.video_utils import VideoMetadata
-
-            videos = [load_video(item, where) for item in record.media["video"]]
+        videos = self._videos(record)
+        if videos:
             kwargs["videos"] = [v.frames for v in videos]
-            kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v.frames), fps=v.fps, height=v.frames.shape[1],
-                                                      width=v.frames.shape[2], duration=len(v.frames) / v.fps) for v in videos]
-        if record.media.get("audio"):
-            extractor = getattr(self.processor, "feature_extractor", None)
-            if extractor is None:
-                raise DataError(where, "the record holds audio but the processor has no feature extractor")
-            rate = int(extractor.sampling_rate)
-            kwargs["audio"] = [load_audio(item, where, rate) for item in record.media["audio"]]
+            kwargs["video_metadata"] = [v.metadata for v in videos]
+        clips = [load_audio(item, where, self._audio_rate(where)) for item in record.media.get("audio", [])]
+        if any(v.audio is not None for v in videos):
+            kwargs["audio"], kwargs["audio_from_video_indices"] = audio_slots(record.messages, clips, [v.audio for v in videos])
+        elif clips:
+            kwargs["audio"] = clips
         return kwargs
 
     def _labels(self, text: str, spans: list[tuple[int, int]], markers: bool, ids: list[int], where: str) -> Tensor:
@@ -99,9 +121,10 @@ class SampleProcessor:
         unreadable media file, a template that refuses the turns, or a processor error."""
         text, spans, markers = render(self.processor, record.messages, record.where)
         kwargs = self._media_kwargs(record)
+        call = without_sampling(self.processor_kwargs) if "videos" in kwargs else self.processor_kwargs
         try:
-            out = self.processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs, **self.processor_kwargs)
-        except (ValueError, TypeError, RuntimeError, IndexError) as e:
+            out = self.processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs, **call)
+        except Exception as e:  # the processor's own complaint about this record, whatever its type
             raise DataError(record.where, f"the processor refuses this record ({type(e).__name__}: {e})") from None
         sample = {k: v for k, v in out.items() if isinstance(v, Tensor)}
         ids = sample["input_ids"][0].tolist()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -71,19 +72,53 @@ def _json_list(path: str, text: str) -> list[tuple[str, Any]]:
         raise DataError(f"{path}:{e.lineno}", f"not valid JSON: {e.msg} (column {e.colno})") from None
 
 
+#: byte-order marks of the encodings JSON files come in besides UTF-8 (UTF-32's first: FF FE 00 00)
+_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+         (codecs.BOM_UTF16_BE, "UTF-16"))
+_EXPECTED = "JSON and JSON Lines files must be UTF-8: re-encode the file (e.g. iconv -t UTF-8)"
+
+
+def _wide_text(path: str, raw: bytes) -> None:
+    """:class:`DataError` for UTF-16 or UTF-32 text (a byte-order mark, or NUL bytes)."""
+    for bom, name in _BOMS:
+        if raw.startswith(bom):
+            raise DataError(f"{path}:1", f"{name} text (byte-order mark {bom.hex(' ')}); {_EXPECTED}")
+    nul = raw.find(b"\0", 0, 4096)
+    if nul >= 0:
+        line = raw.count(b"\n", 0, nul) + 1
+        raise DataError(f"{path}:{line}", f"NUL bytes (UTF-16 or UTF-32 text?); {_EXPECTED}")
+
+
+def _not_utf8(path: str, raw: bytes, at: int) -> DataError:
+    """The error for the byte at offset ``at`` of ``raw``, which starts no UTF-8 character."""
+    line, column = raw.count(b"\n", 0, at) + 1, at - raw.rfind(b"\n", 0, at)
+    return DataError(f"{path}:{line}", f"not UTF-8: byte 0x{raw[at]:02x} at column {column} (Latin-1 or another "
+                                       f"8-bit encoding?); {_EXPECTED}")
+
+
 def _json_rows(path: str) -> list[tuple[str, Any]]:
-    """``(FILE:LINE, record)`` per record; in JSON Lines a line that does not parse is a
-    :class:`DataError` in place of its record (raised or skipped by the checks)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json") or text.lstrip().startswith("["):
-        return _json_list(path, text)
+    """``(FILE:LINE, record)`` per record; in JSON Lines a line that does not parse (or is not UTF-8)
+    is a :class:`DataError` in place of its record (raised or skipped by the checks)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    _wide_text(path, raw)
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
+    if path.endswith(".json") or raw.lstrip().startswith(b"["):
+        try:
+            return _json_list(path, raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, raw, e.start) from None
     rows: list[tuple[str, Any]] = []
-    for n, line in enumerate(text.splitlines(), 1):
+    offset = 0
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        start, offset = offset, offset + len(line) + 1
         if not line.strip():
             continue
         try:
-            rows.append((f"{path}:{n}", json.loads(line)))
+            rows.append((f"{path}:{n}", json.loads(line.decode("utf-8"))))
+        except UnicodeDecodeError as e:
+            rows.append((f"{path}:{n}", _not_utf8(path, raw, start + e.start)))
         except json.JSONDecodeError as e:
             rows.append((f"{path}:{n}", DataError(f"{path}:{n}", f"not valid JSON: {e.msg} (column {e.colno})")))
     return rows

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack | --video]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -32,6 +32,9 @@ Measures, in one process with ``torch.set_num_threads(1)``:
    ``--tp-memory``, with section 8 beside it).
 12. packing (``--pack`` alone; see ``pack_bench.py``): a length-skewed dataset one epoch padded and one
    packed, the padding fractions and the label tokens per second side by side.
+13. video reading (``--video`` alone; see ``video_bench.py``): a 60 s 30 fps clip read for a processor
+   that samples 2 frames a second, against decoding only the kept frames, and today's
+   decode-everything reader beside it.
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -68,6 +71,7 @@ import fsdp_memory_bench  # noqa: E402
 import tp_memory_bench  # noqa: E402
 import model_bench  # noqa: E402
 import pack_bench  # noqa: E402
+import video_bench  # noqa: E402
 import stage0_bench  # noqa: E402
 import staging_bench  # noqa: E402
 from reference import load_reference  # noqa: E402
@@ -135,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage0", action="store_true", help="run only the encoder-spread benchmark (section 9)")
     parser.add_argument("--data", action="store_true", help="run only the data benchmark (section 10)")
     parser.add_argument("--pack", action="store_true", help="run only the packing benchmark (section 12)")
+    parser.add_argument("--video", action="store_true", help="run only the video-reading benchmark (section 13)")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="section 9: draw its predicted and measured timelines here (SVG)")
     args = parser.parse_args(argv)
@@ -152,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_data(args, None)
     if args.pack:
         return _run_pack(args, None)
+    if args.video:
+        return _run_video(args, None)
 
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -269,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     pack_result = _run_pack(args, targets)
     print()
 
+    # -- 13: video reading -------------------------------------------------------------------------
+    video_result = _run_video(args, targets)
+    print()
+
     # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
@@ -310,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp_memory": tp_memory,
 
         "pack": pack_result,
+        "video": video_result,
         "environment": env,
         "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
         "elapsed_s": round(elapsed, 1),
@@ -453,6 +465,18 @@ def _run_pack(args: argparse.Namespace, targets: list[dict[str, Any]] | None) ->
                     "measured": round(result["P"], 3), "met": result["P"] <= pack_bench.GOAL_P})
     targets.append({"target": f"pack: label tokens per second packed / padded >= {pack_bench.GOAL_R}",
                     "measured": round(result["R"], 2), "met": result["R"] >= pack_bench.GOAL_R})
+    return result
+
+
+def _run_video(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 13; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    result = video_bench.run(repeats=3 if args.quick else 7)
+    print(video_bench.report(result))
+    if targets is None:
+        _write_out(args, {"video": result})
+        return 0
+    targets.append({"target": f"video-read: ppmedia / decoding only the kept frames <= {video_bench.GOAL_R}",
+                    "measured": round(result["R"], 2), "met": result["R"] <= video_bench.GOAL_R and result["same_frames"]})
     return result
 
 
