@@ -136,12 +136,24 @@ from .schedules import (
 from .stages import StageModule, build_stage_modules, refuse_router_loss, static_stage_args
 from .step_inputs import presplit_batch
 from .surgery import default_layer_split, find_language_model, find_merge_module
+from .expert_parallel import (EP_FAMILIES, AllToAllDispatcher, TokenDispatcher, apply_expert_parallel,
+                              check_expert_parallel, expert_parallel_problem, is_expert_shard,
+                              reduce_expert_parallel_gradients, routed_expert_count)
 from .tensor_parallel import (TP_STYLES, apply_tensor_parallel, check_tensor_parallel, reduce_tensor_parallel_gradients,
                               tensor_parallel_plan)
 from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
 from .trace import StepTracer
 
 __all__ = [
+    "EP_FAMILIES",
+    "AllToAllDispatcher",
+    "TokenDispatcher",
+    "apply_expert_parallel",
+    "check_expert_parallel",
+    "expert_parallel_problem",
+    "is_expert_shard",
+    "reduce_expert_parallel_gradients",
+    "routed_expert_count",
     "BatchMismatchError",
     "CHECKPOINT_INFO",
     "ENCODER_MODES",

@@ -56,7 +56,7 @@ def init_distributed(backend: str = "gloo", *, timeout: timedelta = timedelta(se
     return dist.get_rank(), dist.get_world_size()
 
 
-def pipeline_mesh(pp: int, dp: int = 1, tp: int = 1, *, device_type: str = "cpu") -> Any:
+def pipeline_mesh(pp: int, dp: int = 1, tp: int = 1, *, ep: int = 1, device_type: str = "cpu") -> Any:
     """The ``(dp, pp, tp)`` ``DeviceMesh`` of ``world = pp x dp x tp`` ranks (dim names ``"dp"``,
     ``"pp"``, ``"tp"``; ``rank = (dp_rank * pp + pp_rank) * tp + tp_rank``). Collective: every rank
     calls it, after ``init_process_group``. The one layout of ppmedia's training paths
@@ -66,6 +66,11 @@ def pipeline_mesh(pp: int, dp: int = 1, tp: int = 1, *, device_type: str = "cpu"
 
     Args:
         pp, dp, tp: pipeline ranks, data-parallel replicas, tensor-parallel ranks per stage.
+        ep: expert-parallel ranks carved out of ``dp`` (it must divide ``dp``; the world stays
+            ``pp x dp x tp``). With ``ep > 1`` the mesh is ``(edp, ep, pp, tp)`` with ``dp`` the
+            flattened ``(edp, ep)`` (``dp_rank = edp_rank * ep + ep_rank``: the ranks above are
+            unchanged): ``mesh["ep"]`` is that of :func:`~ppmedia.pipeline.apply_expert_parallel`,
+            ``mesh["edp"]`` the group of :func:`~ppmedia.pipeline.reduce_expert_parallel_gradients`.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
 
     ``mesh["pp"].get_group()`` is the pipeline group of :func:`~ppmedia.pipeline.make_pipeline_stages`,
@@ -73,16 +78,23 @@ def pipeline_mesh(pp: int, dp: int = 1, tp: int = 1, *, device_type: str = "cpu"
     :func:`~ppmedia.pipeline.all_reduce_gradients`), ``mesh["tp"]`` that of :func:`~ppmedia.pipeline.apply_tensor_parallel`.
 
     Raises:
-        ValueError: a size below 1, or ``pp * dp * tp`` is not the world size.
+        ValueError: a size below 1, ``ep`` does not divide ``dp``, or ``pp * dp * tp`` is not the world size.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    sizes = {"pp": pp, "dp": dp, "tp": tp}
+    sizes = {"pp": pp, "dp": dp, "tp": tp, "ep": ep}
     bad = {k: v for k, v in sizes.items() if int(v) < 1}
     if bad:
         raise ValueError(f"pipeline_mesh: sizes {bad}; expected each >= 1")
     world = dist.get_world_size()
     if pp * dp * tp != world:
         raise ValueError(f"pipeline_mesh: pp {pp} x dp {dp} x tp {tp} = {pp * dp * tp}; the world has {world} ranks")
-    return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    if dp % ep:
+        raise ValueError(f"pipeline_mesh: --ep {ep} does not divide --dp {dp} (the expert-parallel ranks are carved "
+                         f"out of the data-parallel ones)")
+    if ep == 1:
+        return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(device_type, (dp // ep, ep, pp, tp), mesh_dim_names=("edp", "ep", "pp", "tp"))
+    mesh["edp", "ep"]._flatten("dp")
+    return mesh

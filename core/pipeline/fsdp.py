@@ -230,6 +230,14 @@ def _keep_gradients_uniform(stage: Any, module: nn.Module) -> None:
     stage.perform_reduce_grad = uniform_then_reduce
 
 
+def _expert_shards(module: nn.Module) -> set[nn.Parameter]:
+    """Expert shards (:func:`~ppmedia.pipeline.apply_expert_parallel`): left out of FSDP2 (already
+    split over ``ep``; their gradients summed over ``edp`` by ``reduce_expert_parallel_gradients``)."""
+    from .expert_parallel import is_expert_shard
+
+    return {p for p in module.parameters() if is_expert_shard(p)}
+
+
 def _spread_vision(module: nn.Module, mesh: Any) -> set[nn.Parameter]:
     """With the encoder spread (``make_pipeline_stages(..., encoder="spread")``): the first stage's
     vision parameters, which stay whole (:meth:`~ppmedia.pipeline.EncoderSpread.shard_over`)."""
@@ -306,9 +314,10 @@ def apply_fsdp(
     _untie_across_modules(modules)
     for module in modules:
         for layer in module.stage_language_model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=layer_policy, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer, mesh=mesh, mp_policy=layer_policy, reshard_after_forward=reshard_after_forward,
+                        ignored_params=_expert_shards(layer) or None)
         fully_shard(module, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward,
-                    ignored_params=_spread_vision(module, mesh) or None)
+                    ignored_params=(_spread_vision(module, mesh) | _expert_shards(module)) or None)
         for sub in module.modules():
             if isinstance(sub, FSDPModule):
                 # a sum over replicas (the loss is a share of the global mean), as plain sums on the wire

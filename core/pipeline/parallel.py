@@ -108,7 +108,9 @@ def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> Non
     global batch's gradient (no division by the number of replicas).
 
     Tensor-parallel stages (:func:`~ppmedia.pipeline.apply_tensor_parallel`, without FSDP2): a
-    ``DTensor`` parameter's local shard is summed (every replica holds the same shard).
+    ``DTensor`` parameter's local shard is summed (every replica holds the same shard). Expert shards
+    (:func:`~ppmedia.pipeline.apply_expert_parallel`) are left out: the ``dp`` replicas hold different
+    experts; :func:`~ppmedia.pipeline.reduce_expert_parallel_gradients` sums them over ``edp``.
 
     Raises:
         TypeError: a stage is sharded with FSDP2: :func:`~ppmedia.pipeline.apply_fsdp` stages have
@@ -122,8 +124,12 @@ def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> Non
             "all_reduce_gradients: the stages are sharded with FSDP2 (DTensor parameters), whose "
             "gradients are already summed over the data-parallel mesh; call it only on replicated stages"
         )
+    from .expert_parallel import is_expert_shard
+
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for param in _unique_trainable(modules):
+        if is_expert_shard(param):  # summed over edp only (reduce_expert_parallel_gradients)
+            continue
         by_dtype.setdefault(param.dtype, []).append(param)
     for dtype in sorted(by_dtype, key=str):
         _sum_flat(by_dtype[dtype], group, dist)

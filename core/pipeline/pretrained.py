@@ -420,6 +420,7 @@ def stages_from_pretrained(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     tp_mesh: Any = None,
+    ep_mesh: Any = None,
 ) -> list[StageModule]:
     """This rank's pipeline stages, loaded from the Hugging Face checkpoint in ``path`` alone.
 
@@ -440,6 +441,10 @@ def stages_from_pretrained(
             back tensor-parallel over it, each rank having read only its shards of the split
             tensors (do not call :func:`~ppmedia.pipeline.apply_tensor_parallel` again; FSDP2 may
             follow). Call it on every rank of the mesh. ``None``: whole stages.
+        ep_mesh: the expert-parallel ``DeviceMesh`` (``pipeline_mesh(..., ep=)["ep"]``): the routed
+            experts come back sharded over it (:func:`~ppmedia.pipeline.apply_expert_parallel`), each
+            rank having read only its experts' rows (fused on disk: a slice; per-expert files: only
+            its experts' tensors). Do not apply expert parallelism again.
 
     Returns:
         The :class:`StageModule` objects in the order of ``stages``, in eval mode; ``module.tied``
@@ -468,6 +473,10 @@ def stages_from_pretrained(
         for module in modules:
             module.tied = tied  # which head is tied (kept whole) decides the plan
         apply_tensor_parallel(modules, tp_mesh)
+    if ep_mesh is not None:  # meta DTensors Shard(0) over ep: the loader reads only this rank's experts
+        from .expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(modules, ep_mesh)
     device = torch.device(device)
     _load_tensors(model, checkpoint, plan, names, dtype, device)
     for name, carrier in plan.carriers.items():  # tie_weights: the target is the source's tensor

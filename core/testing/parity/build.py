@@ -79,9 +79,10 @@ def _stages(
         assert checkpoint is not None
         dtype = torch.bfloat16 if scenario.dtype == "bfloat16" else None
         tp_mesh = g.mesh["tp"] if scenario.tp > 1 else None  # tensor-parallel as loaded: each rank its shards
+        ep_mesh = g.mesh["ep"] if scenario.ep > 1 else None  # expert-parallel as loaded: each rank its experts
         with _counted_reads() as read:
             modules = stages_from_pretrained(checkpoint, n_stages, stages=indices, layers_per_stage=layers_per_stage,
-                                             dtype=dtype, tp_mesh=tp_mesh)
+                                             dtype=dtype, tp_mesh=tp_mesh, ep_mesh=ep_mesh)
         modules[0].__dict__[_READ_ATTRIBUTE] = read[0]
         stages = make_pipeline_stages(modules, n_stages, indices, "cpu", group=g.pp_group, static_microbatch=static)
         return stages, list(modules[0].tied)
@@ -206,6 +207,14 @@ def _build(
         from ...pipeline import apply_tensor_parallel
 
         apply_tensor_parallel(stages, g.mesh["tp"])
+    if scenario.ep > 1 and not scenario.pretrained:  # stages_from_pretrained(ep_mesh=) made them so
+        from ...pipeline import apply_expert_parallel
+
+        apply_expert_parallel(stages, g.mesh["ep"])
+    if scenario.ep > 1 and scenario.fault == "ep_order":
+        from ...pipeline.expert_parallel import set_expert_fault
+
+        set_expert_fault([st.submod for st in stages], "ep_order")
     if scenario.fsdp:
         from ...pipeline import apply_fsdp
 

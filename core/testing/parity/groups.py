@@ -28,27 +28,28 @@ class _Groups:
     dp_group: Any
     mesh: Any = None  # the (dp, pp, tp) DeviceMesh, when dp > 1 or tp > 1
     tp_rank: int = 0
+    ep: int = 1  # expert-parallel ranks carved out of dp (mesh (edp, ep, pp, tp) with dp flattened)
 
 
 _GROUP_CACHE: dict[tuple[int, ...], _Groups] = {}
 
 
-def _groups(world: int, rank: int, dp: int, tp: int = 1) -> _Groups:
+def _groups(world: int, rank: int, dp: int, tp: int = 1, ep: int = 1) -> _Groups:
     """The pipeline and data-parallel groups of a ``dp x (world // (dp * tp)) x tp`` layout, from
     :func:`~ppmedia.pipeline.pipeline_mesh` (created once per layout: ``new_group`` is collective, so
     every rank creates every group in the same order); ``dp = tp = 1``: the world is the pipeline."""
-    if (world, dp, tp) in _GROUP_CACHE:
-        return _GROUP_CACHE[(world, dp, tp)]
+    if (world, dp, tp, ep) in _GROUP_CACHE:
+        return _GROUP_CACHE[(world, dp, tp, ep)]
     pp = world // (dp * tp)
     if dp == 1 and tp == 1:
         groups = _Groups(pp, 1, rank, 0, None, None)
     else:
         from ...pipeline import pipeline_mesh
 
-        mesh = pipeline_mesh(pp, dp, tp)  # rank = (d * pp + p) * tp + t
+        mesh = pipeline_mesh(pp, dp, tp, ep=ep)  # rank = (d * pp + p) * tp + t, d = edp * ep + e
         groups = _Groups(pp, dp, (rank // tp) % pp, rank // (tp * pp), mesh["pp"].get_group(), mesh["dp"].get_group(),
-                         mesh, rank % tp)
-    _GROUP_CACHE[(world, dp, tp)] = groups
+                         mesh, rank % tp, ep)
+    _GROUP_CACHE[(world, dp, tp, ep)] = groups
     return groups
 
 

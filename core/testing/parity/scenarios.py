@@ -32,7 +32,11 @@ __all__ = [
 #: ``packed_positions`` (with ``/packed`` only): the stages get positions over the whole packed row
 #: (1-D ``0 .. S-1``; mrope: the family's rope index of the row), not per sample.
 #: ``packed_leak`` (with ``/packed`` only): in row 0 the mask lets sample 2 attend sample 1 (one boundary).
-FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies", "unreduced_tower", "packed_positions", "packed_leak")
+#: ``ep_order`` (with ``/epN``): the experts' results are combined at the unsorted (token, k) positions
+#: (tokens get other pairs' outputs back). ``ep_averaged`` (with ``/epN``): the expert shards' gradients
+#: are averaged over the ``ep`` peers (which hold different experts) instead of summed over ``edp``.
+FAULTS: tuple[str, ...] = ("bare_module", "wrong_batch", "stale_copies", "unreduced_tower", "packed_positions", "packed_leak",
+                           "ep_order", "ep_averaged")
 #: the packing faults (planted bugs of :mod:`ppmedia.packing`)
 PACKED_FAULTS: tuple[str, ...] = ("packed_positions", "packed_leak")
 #: samples per packed row of a ``/packed`` scenario (consecutive samples: the media keep their order)
@@ -105,6 +109,8 @@ class Scenario:
             ``schedule.step(**ppmedia.microbatch_inputs(staged, ...).step_kwargs())``, each
             microbatch's media its own ``media`` keyword input) instead of staging the media on the
             first stage (``stage_media``).
+        ep: expert-parallel ranks carved out of ``dp`` (token ``epN``): the routed experts sharded with
+            :func:`~ppmedia.pipeline.apply_expert_parallel`, their gradients summed over ``edp``.
         packed: the pipeline runs the batch packed, :data:`PACKED_PER_ROW` consecutive samples a row
             (token ``/packed``: :func:`ppmedia.testing.packed.pack_batch`, stages marked with
             :func:`ppmedia.packing.enable_packing`); the reference still runs the unpacked batch.
@@ -128,6 +134,7 @@ class Scenario:
     tp: int = 1
     presplit: bool = False
     packed: bool = False
+    ep: int = 1
 
     def __post_init__(self) -> None:
         from ...pipeline import schedule_layout
@@ -142,6 +149,8 @@ class Scenario:
             raise ValueError(f"scenario fault: got {self.fault!r}; expected None or one of {', '.join(FAULTS)}")
         if self.dp < 1 or self.tp < 1:
             raise ValueError(f"scenario dp/tp: got {self.dp}/{self.tp}; expected >= 1")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"scenario ep: got ep{self.ep} with dp{self.dp}; expected ep dividing dp")
         if self.dtype not in _DTYPES:
             raise ValueError(f"scenario dtype: got {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
         if self.layers is not None:
@@ -166,6 +175,7 @@ def _scenario_name(sc: "Scenario | ScenarioResult") -> str:
     parts = [sc.schedule, sc.shapes] + ([sc.fault] if sc.fault else [])
     parts += [f"dp{sc.dp}"] if sc.dp != 1 else []
     parts += [f"tp{sc.tp}"] if getattr(sc, "tp", 1) != 1 else []
+    parts += [f"ep{sc.ep}"] if getattr(sc, "ep", 1) != 1 else []
     parts += ["fsdp"] * sc.fsdp
     parts += [f"mb{sc.microbatches}"] if sc.microbatches is not None else []
     parts += ["ckpt"] * sc.checkpointing + ["bf16"] * (sc.dtype == "bfloat16") + ["clip"] * sc.clip
@@ -206,6 +216,8 @@ def parse_scenarios(specs: Iterable[str | Scenario]) -> list[Scenario]:
                 kwargs["dp"] = int(token[2:])
             elif token.startswith("tp") and token[2:].isdigit():
                 kwargs["tp"] = int(token[2:])
+            elif token.startswith("ep") and token[2:].isdigit():
+                kwargs["ep"] = int(token[2:])
             elif token in ("ckpt", "clip"):
                 kwargs["checkpointing" if token == "ckpt" else "clip"] = True
             elif token == "bf16":

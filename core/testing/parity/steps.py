@@ -66,6 +66,11 @@ def _pipeline_step(built: _Built, scenario: Scenario, g: _Groups, local: dict[st
     sync_tied_gradients(built.modules, built.tied, group=g.pp_group)
     if g.dp > 1 and not scenario.fsdp:  # FSDP2 has reduce-scattered them over the dp mesh
         all_reduce_gradients(built.modules, group=g.dp_group)
+    if scenario.ep > 1:  # expert shards: summed over the edp ranks holding them (the planted bug: averaged over ep)
+        from ...pipeline import reduce_expert_parallel_gradients
+
+        averaged = g.mesh["ep"].get_group() if scenario.fault == "ep_averaged" else None
+        reduce_expert_parallel_gradients(built.modules, g.mesh["edp"].get_group(), average_over=averaged)
     return losses, time.perf_counter() - t0, staged
 
 

@@ -38,7 +38,7 @@ def _run_scenario(
 
     n = scenario.microbatches or job.n_microbatches
     adapter, config = get_adapter(pristine), pristine.config
-    g = _groups(world, rank, scenario.dp, scenario.tp)
+    g = _groups(world, rank, scenario.dp, scenario.tp, scenario.ep)
     built = _build(scenario, job, g, pristine, tiny_module, checkpoint)
     loaded = _loaded(built, scenario, g, checkpoint)
     probe = _Probe(built)
