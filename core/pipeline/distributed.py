@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -97,4 +98,6 @@ def pipeline_mesh(pp: int, dp: int = 1, tp: int = 1, *, ep: int = 1, device_type
         return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     mesh = init_device_mesh(device_type, (dp // ep, ep, pp, tp), mesh_dim_names=("edp", "ep", "pp", "tp"))
     mesh["edp", "ep"]._flatten("dp")
+    # mesh["dp"] (a flattened dim sliced from the root) is how every training path reads the replicas
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
     return mesh

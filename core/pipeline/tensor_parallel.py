@@ -65,8 +65,9 @@ _GROUP = "_ppmedia_tp_group"
 
 
 def tensor_parallel_plan(config: Any, adapter: VlmAdapter | None = None) -> dict[str, str]:
-    """The language model's plan ``{module path: style}``: the text config's ``base_model_tp_plan``,
-    else ``adapter.tp_plan(config)``, without the entries of MoE routed experts (``mlp.experts``:
+    """The language model's plan ``{module path: style}``: the text config's ``base_model_tp_plan``
+    (plus the ``replicated_with_grad_allreduce`` entries of ``adapter.tp_plan(config)`` it lacks:
+    Qwen3-VL-MoE's per-head ``q_norm`` / ``k_norm``), else ``adapter.tp_plan(config)``, without the entries of MoE routed experts (``mlp.experts``:
     transformers' ``packed_colwise`` / ``moe_tp_experts`` styles). Those experts stay whole on every
     ``tp`` rank: their input is the replicated hidden state, so each rank routes and computes every
     token and gets the experts' whole gradient (no reduction over ``tp``); shared experts and dense
@@ -77,12 +78,15 @@ def tensor_parallel_plan(config: Any, adapter: VlmAdapter | None = None) -> dict
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     plan = getattr(text, "base_model_tp_plan", None)
-    if not plan:
-        if adapter is None:
-            from ..registry import get_adapter
+    if adapter is None:
+        from ..registry import get_adapter
 
-            adapter = get_adapter(config)
+        adapter = get_adapter(config)
+    if not plan:
         plan = adapter.tp_plan(config)
+    else:  # the adapter's per-head norms the transformers plan lacks (Qwen3-VL-MoE's q_norm / k_norm)
+        own = adapter.tp_plan(config) or {}
+        plan = {**plan, **{k: s for k, s in own.items() if s == "replicated_with_grad_allreduce" and k not in plan}}
     if not plan:
         raise ValueError(
             f"tensor parallelism: {type(text).__name__} has no base_model_tp_plan and "

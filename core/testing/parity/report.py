@@ -163,6 +163,7 @@ class ScenarioResult:
     #: elements held (local shards), and with ``tp > 1`` the export round trip's largest difference.
     loaded: list[dict[str, Any]] = field(default_factory=list)
     packed: bool = False
+    ep: int = 1
 
     @property
     def name(self) -> str:
@@ -413,6 +414,7 @@ def _merge_scenario(family: str, views: list[dict[str, Any]]) -> ScenarioResult:
         tp=sc.get("tp", 1),
         presplit=sc.get("presplit", False),
         packed=sc.get("packed", False),
+        ep=sc.get("ep", 1),
         stage_indices=[list(v["stage_indices"]) for v in views if v["dp_rank"] == 0 and not v.get("tp_rank")],
         loaded=[dict(v.get("loaded") or {}) for v in views],
     )
