@@ -42,14 +42,15 @@ def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _writes_files(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether this rank writes: with DTensors (FSDP2, tensor parallelism) only the rank at coordinate
-    0 of their mesh."""
+    """Whether this rank writes: with DTensors (FSDP2, tensor parallelism, expert shards) only the rank
+    at coordinate 0 of every mesh they are on (with ``tp`` and ``ep`` both: the ``tp``-0, ``ep``-0 rank)."""
     from torch.distributed.tensor import DTensor
 
-    for tensor in tensors:
-        if isinstance(tensor, DTensor):
-            coordinate = tensor.device_mesh.get_coordinate()
-            return coordinate is not None and all(c == 0 for c in coordinate)
+    meshes = {id(t.device_mesh): t.device_mesh for t in tensors if isinstance(t, DTensor)}
+    for mesh in meshes.values():
+        coordinate = mesh.get_coordinate()
+        if coordinate is None or any(c != 0 for c in coordinate):
+            return False
     return True
 
 

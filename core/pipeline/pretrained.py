@@ -40,10 +40,11 @@ naming the tensor and the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -326,12 +327,41 @@ def _load_tensors(
         dtype_plan=model._get_dtype_plan(dtype),
         weight_mapping=names.mapping,
     )
-    with open_tensors(checkpoint, plan.load) as slices, _no_progress_bars():
+    with open_tensors(checkpoint, plan.load) as slices, _no_progress_bars(), _transpose_to_local_shards():
         try:
             info, _ = convert_and_load_state_dict_in_model(model, slices, load_config)
         except _read_errors() as exc:  # a slice read past a damaged file's data
             raise ValueError(f"{checkpoint.directory}: reading the tensors failed: {type(exc).__name__}: {exc}") from exc
     _check_loaded(checkpoint, plan, names, info)
+
+
+@contextlib.contextmanager
+def _transpose_to_local_shards() -> Iterator[None]:
+    """transformers 5.23's ``Transpose(check_dims=True)`` (Qwen3-VL-MoE's experts) decides whether to
+    transpose by comparing the tensor read with the parameter's GLOBAL shape; for a ``DTensor`` sharded
+    on read (expert shards) the tensor read is the local shard, so it would transpose a tensor already
+    in place. While ppmedia loads, such a parameter is compared with its local shard's shape."""
+    from torch.distributed.tensor import DTensor
+    from transformers.core_model_loading import Transpose
+
+    original = Transpose.convert
+
+    def convert(self: Any, input_dict: Any, source_patterns: Any, target_patterns: Any, **kwargs: Any) -> Any:
+        param = kwargs["model"].get_parameter(kwargs["full_layer_name"]) if self.check_dims else None
+        if isinstance(param, DTensor):
+            target = self.get_target_pattern(input_dict, source_patterns, target_patterns)
+            tensors = next(iter(input_dict.values()))
+            tensor = tensors[0] if isinstance(tensors, list) else tensors
+            if tensor.shape == param.to_local().shape:
+                return {target: tensor}
+            return {target: torch.transpose(tensor, self.dim0, self.dim1).contiguous()}
+        return original(self, input_dict, source_patterns, target_patterns, **kwargs)
+
+    Transpose.convert = convert  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Transpose.convert = original  # type: ignore[method-assign]
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:

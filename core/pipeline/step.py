@@ -89,6 +89,10 @@ class PipelineParts:
             (:func:`~ppmedia.pipeline.reduce_tensor_parallel_gradients`), and the losses and counts
             are taken from its rank 0 only (every ``tp`` peer of a last stage holds the same loss).
             ``None``: no tensor parallelism.
+        expert_parallel: the stages' routed experts are sharded over ``ep``
+            (:func:`~ppmedia.pipeline.apply_expert_parallel`): :func:`train_step` sums the expert
+            shards' gradients over ``edp_group`` (``pipeline_mesh(..., ep=)["edp"].get_group()``), the
+            ranks holding the same experts (:func:`~ppmedia.pipeline.reduce_expert_parallel_gradients`).
     """
 
     schedule: Any
@@ -105,6 +109,8 @@ class PipelineParts:
     guard: Any = None
     presplit: bool = False
     tp_group: Any = None
+    expert_parallel: bool = False
+    edp_group: Any = None
 
 
 def batch_to(batch: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -262,6 +268,10 @@ def train_step(parts: PipelineParts, share: ReplicaShare, step: int | None = Non
     sync_tied_gradients(parts.modules, parts.tied, group=parts.pp_group)
     if not parts.sharded:  # FSDP2 reduce-scattered the sums over the replicas already
         all_reduce_gradients(parts.modules, group=parts.dp_group)
+    if parts.expert_parallel:  # expert shards: over the edp ranks holding the same experts (FSDP2 ignores them)
+        from .expert_parallel import reduce_expert_parallel_gradients
+
+        reduce_expert_parallel_gradients(parts.modules, parts.edp_group)
     norm = float(clip_grad_norm(parts.modules, parts.max_grad_norm, tied=parts.tied, group=parts.pp_group))
     loss, fraction = _global_sums(parts, share, losses)
     skip = parts.guard is not None and parts.guard.should_skip(-1 if step is None else step, loss, norm)

@@ -28,18 +28,21 @@ def model_dtype(args: argparse.Namespace) -> torch.dtype:
     return pipeline.checkpoint_dtype(args.model) if args.model else torch.float32
 
 
-def stage_modules(args: argparse.Namespace, n_stages: int, indices: list[int], device: torch.device) -> list[Any]:
+def stage_modules(args: argparse.Namespace, n_stages: int, indices: list[int], device: torch.device,
+                  ep_mesh: Any = None) -> list[Any]:
     """This rank's stage modules: from ``--model`` only these stages (built on meta, loaded from only
-    the shards that hold them), else the tiny family's seeded model cut (the same weights everywhere)."""
+    the shards that hold them; with ``ep_mesh`` only this rank's experts), else the tiny family's
+    seeded model cut (the same weights everywhere)."""
     dtype, layers = model_dtype(args), args.layers_per_stage
     if args.model:
         return pipeline.stages_from_pretrained(args.model, n_stages, stages=indices, layers_per_stage=layers,
-                                               dtype=dtype, device=device)
+                                               dtype=dtype, device=device, ep_mesh=ep_mesh)
     model = tiny_models.load(args.family).build_model(args.seed).to(device=device, dtype=dtype)
     return pipeline.build_stage_modules(model, n_stages, stages=indices, layers_per_stage=layers)
 
 
-def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any, device: torch.device) -> list[Any]:
+def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any, device: torch.device,
+                 ep_mesh: Any = None) -> list[Any]:
     """This rank's ``PipelineStage`` objects. ``--encoder spread``: with ``--model``, a rank without
     stage 0 also loads the checkpoint's vision side alone (``pipeline.vision_from_pretrained``); the
     tiny family's are cut from its full model, which gives such a rank its copy of the vision side."""
@@ -48,13 +51,13 @@ def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any, device: 
     if args.encoder == "spread" and args.model:
         vision = None if 0 in indices else pipeline.vision_from_pretrained(args.model, dtype=model_dtype(args),
                                                                           device=device)
-        return pipeline.make_pipeline_stages(stage_modules(args, n_stages, indices, device), n_stages, indices,
+        return pipeline.make_pipeline_stages(stage_modules(args, n_stages, indices, device, ep_mesh), n_stages, indices,
                                              device, group=pp_group, encoder="spread", vision=vision)
     if args.encoder == "spread":
         model = tiny_models.load(args.family).build_model(args.seed).to(device=device, dtype=model_dtype(args))
         return pipeline.make_pipeline_stages(model, n_stages, indices, device, group=pp_group, encoder="spread",
                                              layers_per_stage=args.layers_per_stage)
-    modules = stage_modules(args, n_stages, indices, device)
+    modules = stage_modules(args, n_stages, indices, device, ep_mesh)
     return pipeline.make_pipeline_stages(modules, n_stages, indices, device, group=pp_group)
 
 
@@ -63,12 +66,17 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     schedule and the optimizers (:class:`pipeline.PipelineParts` under ``ctx["parts"]``), and where
     the steps' batches come from (``ctx["source"]``)."""
     device, _ = pipeline.resolve_device(args.device)
-    mesh = pipeline.pipeline_mesh(args.pp, args.dp, args.tp, device_type=device.type)  # rank = (d*pp + p)*tp + t
+    # rank = (d*pp + p)*tp + t; with --ep, d = edp*ep + e
+    mesh = pipeline.pipeline_mesh(args.pp, args.dp, args.tp, ep=args.ep, device_type=device.type)
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
-    stages = build_stages(args, pp_rank, pp_group, device)
+    ep_mesh = mesh["ep"] if args.ep > 1 else None
+    # --model: sharded on meta, only this rank's experts read (the tp plan applies first: experts stay out of it)
+    stages = build_stages(args, pp_rank, pp_group, device, ep_mesh if args.tp == 1 else None)
     if args.tp > 1:  # before FSDP2 and the optimizers: DTensor shards over tp
         pipeline.apply_tensor_parallel(stages, mesh["tp"])
+    if ep_mesh is not None and (args.tp > 1 or not args.model):  # the routed experts over ep, before FSDP2
+        pipeline.apply_expert_parallel(stages, ep_mesh)
     modules = [stage.submod for stage in stages]
     spread = pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None
     if spread is not None and args.data:  # the loader reads media on stage 0's rank: it sends each rank its shares
@@ -92,6 +100,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         tracer=pipeline.StepTracer(stages, spread) if args.trace else None,
         guard=pipeline.NonFiniteGuard(args.skip_nonfinite), presplit=args.presplit,
         tp_group=mesh["tp"].get_group() if args.tp > 1 else None,
+        expert_parallel=ep_mesh is not None, edp_group=mesh["edp"].get_group() if ep_mesh is not None else None,
     )
     ctx = {"parts": parts, "config": modules[0].config, "adapter": modules[0].adapter, "device": device,
            "dtype": model_dtype(args), "pp_rank": pp_rank, "dp_rank": dp_rank, "modules": modules,
@@ -177,7 +186,7 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
             progress.update(record)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
             pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
-                "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "fsdp": args.fsdp,
+                "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "ep": args.ep, "fsdp": args.fsdp,
                 "data": source.state_dict()},
                 run_id=ctx["run_id"])
     if progress is not None:
@@ -207,9 +216,9 @@ def export(ctx: dict[str, Any], args: argparse.Namespace) -> None:
     """``--export``: the stages as a Hugging Face checkpoint in their dtype, and ``--model``'s processor
     files, so that ``AutoProcessor`` and ``AutoModelForImageTextToText`` load it."""
     parts = ctx["parts"]
-    if args.fsdp or ctx["dp_rank"] == 0:
-        # each pipeline rank writes its stages' shards (FSDP2 / --tp: every replica or tp peer gathers,
-        # the first writes)
+    if args.fsdp or ctx["dp_rank"] < args.ep:  # dp_rank < ep: the first edp replica (all its ep peers)
+        # each pipeline rank writes its stages' shards (FSDP2 / --tp / --ep: every replica, tp or ep peer
+        # gathers, the first writes)
         pipeline.save_pretrained_stages(parts.modules, args.export, group=parts.pp_group)
     if args.model and dist.get_rank() == 0:
         copied = pipeline.copy_processor_files(args.model, args.export)
@@ -224,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     pipeline.init_distributed(backend, timeout=timedelta(seconds=60))  # torchrun's ranks, or one process
     where: dict[str, Any] = {"step": None}
     try:
-        if dist.get_world_size() != args.pp * args.dp * args.tp:
+        if dist.get_world_size() != args.pp * args.dp * args.tp:  # --ep is carved out of --dp
             raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp x --tp = "
                              f"{args.pp * args.dp * args.tp}")
         run(args, where)

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pp", type=int, default=2, help="pipeline ranks")
     add("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp x tp)")
     add("--tp", type=int, default=1, help="tensor-parallel ranks per stage (pipeline.apply_tensor_parallel)")
+    add("--ep", type=int, default=1,
+        help="expert-parallel ranks carved out of --dp (it must divide --dp): the routed experts sharded over them")
     add("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
     add("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
     add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
@@ -97,7 +99,7 @@ def bad_option(args: argparse.Namespace) -> str | None:
     """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
     problem = pipeline.option_problem(
         {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
-        positive=("--pp", "--dp", "--tp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
+        positive=("--pp", "--dp", "--tp", "--ep", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
                   "--max-grad-norm"),
         non_negative=("--lr", "--weight-decay", "--warmup-steps", "--workers", "--save-every", "--eval-every",
                       "--skip-nonfinite", "--pack-across-batches"),
@@ -152,9 +154,36 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.tp > 1 and untested:
         parser.error(f"--tp {args.tp} with {', '.join(untested)}: not supported (docs/tensor-parallel.md); "
                      f"drop one of them")
+    if args.ep > 1:
+        problem = _expert_parallel_problem(args)
+        if problem:
+            parser.error(problem)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                      f"use --device cpu")
+
+
+#: options that do not go with --ep yet, and why (docs/expert-parallel.md)
+EP_REFUSED: dict[str, str] = {
+    "--bf16": "FSDP2's mixed precision casts the parameters it shards, not the expert shards it leaves out",
+}
+
+
+def _expert_parallel_problem(args: argparse.Namespace) -> str | None:
+    """``--ep``: it divides ``--dp``, goes with the other options, and the model has routed experts
+    (only its config is read)."""
+    if args.dp % args.ep:
+        return f"--ep {args.ep} does not divide --dp {args.dp}: the expert-parallel ranks are carved out of the replicas"
+    for flag, why in EP_REFUSED.items():
+        if getattr(args, flag[2:].replace("-", "_")):
+            return f"--ep {args.ep} with {flag}: not supported ({why})"
+    if args.model:
+        from ..pipeline.pretrained import load_pretrained_config
+
+        config = load_pretrained_config(args.model)
+    else:
+        config = tiny_models.load(args.family).build_config()
+    return pipeline.expert_parallel_problem(config, args.ep)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import qwen3_vl
 
-__all__ = ["ADAPTER", "MODEL_TYPE", "build_batch", "build_config", "build_model", "reference_inputs"]
+__all__ = ["ADAPTER", "MODEL_TYPE", "build_batch", "build_config", "build_model", "build_processor", "reference_inputs"]
 
 #: the built-in adapter serving this tiny model (the Qwen3-VL adapter serves the MoE variant)
 ADAPTER = "qwen3_vl"
@@ -35,3 +35,8 @@ def build_config() -> Any:
 def build_batch(seed: int = 0, *, text_only_first: bool = False) -> dict[str, Tensor]:
     """Qwen3-VL's mixed image + video batch (:func:`ppmedia.testing.tiny_models.qwen3_vl.build_batch`)."""
     return qwen3_vl.build_batch(seed, text_only_first=text_only_first)
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """Qwen3-VL's tiny processor (:func:`ppmedia.testing.tiny_models.qwen3_vl.build_processor`): the tokens fit."""
+    return qwen3_vl.build_processor(image_backend)
