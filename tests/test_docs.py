@@ -654,6 +654,17 @@ NOT_RUN: dict[str, NotRun] = {
         "--loss-log tp.jsonl --save-dir ckpt --save-every 1 --export tp-export",
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp --steps 2 "
         "--resume ckpt/step1 --loss-log fsdp.jsonl --export fsdp-export"]},
+    **{command_key(line): NotRun(
+        "run once already: tests/test_expert_parallel_mp.py runs the page's three lines as written and checks them",
+        "test_train_with_ep_gives_the_models_losses_resumes_without_ep_and_exports: every step's loss and gradient "
+        "norm against the model's own AdamW run, the checkpoint resumed without --ep, the export reloaded",
+        _run_as_written_by("test_expert_parallel_mp", "documented_ep_lines")) for line in [
+        "python -m ppmedia.testing.datasets moe-ckpt moe-data --family ppmedia.testing.tiny_models.qwen3_vl_moe --samples 8",
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --model moe-ckpt --data moe-data/train.jsonl --pp 2 "
+        "--dp 2 --ep 2 --batch-size 4 --max-length 64 --steps 2 --no-shuffle --save-dir ckpt --save-every 1 "
+        "--loss-log ep.jsonl --export ep-export",
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --model moe-ckpt --data moe-data/train.jsonl --pp 2 "
+        "--dp 2 --batch-size 4 --max-length 64 --steps 2 --no-shuffle --resume ckpt/step1 --loss-log plain.jsonl"]},
     **{command_key(line): _FSDP_DCP for line in [
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp "
         "--steps 6 --save-dir ckpt --save-every 2 --eval-every 2 --loss-log straight.jsonl",

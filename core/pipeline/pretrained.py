@@ -357,11 +357,11 @@ def _transpose_to_local_shards() -> Iterator[None]:
             return {target: torch.transpose(tensor, self.dim0, self.dim1).contiguous()}
         return original(self, input_dict, source_patterns, target_patterns, **kwargs)
 
-    Transpose.convert = convert  # type: ignore[method-assign]
+    Transpose.convert = convert
     try:
         yield
     finally:
-        Transpose.convert = original  # type: ignore[method-assign]
+        Transpose.convert = original
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:

@@ -135,7 +135,8 @@ def resume(ctx: dict[str, Any], args: argparse.Namespace) -> int:
     ctx["run_id"] = info.get("run_id")
     extra = info["extra"]
     ctx["source"].load_state_dict(extra.get("data") or {}, int(info["step"]))
-    say(f"resumed from {path} (saved at pp={extra.get('pp')} x dp={extra.get('dp')} x tp={extra.get('tp', 1)}, "
+    ep = f" x ep={extra['ep']}" if extra.get("ep", 1) > 1 else ""
+    say(f"resumed from {path} (saved at pp={extra.get('pp')} x dp={extra.get('dp')} x tp={extra.get('tp', 1)}{ep}, "
          f"fsdp={extra.get('fsdp')}): continuing at step {info['step']}")
     if info["hyperparameters_changed"]:
         say(f"optimizer settings of this run apply from step {info['step']}: {'; '.join(info['hyperparameters_changed'])}")

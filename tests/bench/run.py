@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack | --video]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack | --video | --ep-memory]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -35,6 +35,8 @@ Measures, in one process with ``torch.set_num_threads(1)``:
 13. video reading (``--video`` alone; see ``video_bench.py``): a 60 s 30 fps clip read for a processor
    that samples 2 frames a second, against decoding only the kept frames, and today's
    decode-everything reader beside it.
+14. expert-parallel memory (``--ep-memory`` alone; see ``ep_memory_bench.py``): pp=2 x dp=2 with ep=2
+   against without on a Qwen3-VL-MoE whose experts hold most parameters, and the all-to-all bytes of a step.
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -69,6 +71,7 @@ import data_bench  # noqa: E402
 import load_memory_bench  # noqa: E402
 import fsdp_memory_bench  # noqa: E402
 import tp_memory_bench  # noqa: E402
+import ep_memory_bench  # noqa: E402
 import model_bench  # noqa: E402
 import pack_bench  # noqa: E402
 import video_bench  # noqa: E402
@@ -136,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsdp-memory", action="store_true", help="run only the FSDP2 memory benchmark (section 8)")
     parser.add_argument("--tp-memory", action="store_true",
                         help="run only the tensor-parallel memory benchmark (section 11), section 8 beside it")
+    parser.add_argument("--ep-memory", action="store_true",
+                        help="run only the expert-parallel memory benchmark (section 14)")
     parser.add_argument("--stage0", action="store_true", help="run only the encoder-spread benchmark (section 9)")
     parser.add_argument("--data", action="store_true", help="run only the data benchmark (section 10)")
     parser.add_argument("--pack", action="store_true", help="run only the packing benchmark (section 12)")
@@ -151,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_fsdp_memory(args, None)
     if args.tp_memory:
         return _run_tp_memory(args, None)
+    if args.ep_memory:
+        return _run_ep_memory(args, None)
     if args.stage0:
         return _run_stage0(args, None)
     if args.data:
@@ -280,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     video_result = _run_video(args, targets)
     print()
 
+    # -- 14: expert-parallel memory ------------------------------------------------------------------
+    ep_memory = _run_ep_memory(args, targets)
+    print()
+
     # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
@@ -319,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "fsdp_memory": fsdp_memory,
         "data": data_result,
         "tp_memory": tp_memory,
+        "ep_memory": ep_memory,
 
         "pack": pack_result,
         "video": video_result,
@@ -431,6 +443,18 @@ def _run_tp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | Non
         _write_out(args, {"tp_memory": result, "fsdp_memory": fsdp})
         return 0
     targets.append({"target": f"tp-memory: pp=2 x tp=2, largest rank / one process <= {result['target']}",
+                    "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
+    return result
+
+
+def _run_ep_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 14; alone (``targets`` None) it writes ``--out`` and returns 0."""
+    result = ep_memory_bench.run()
+    print(ep_memory_bench.report(result))
+    if targets is None:
+        _write_out(args, {"ep_memory": result})
+        return 0
+    targets.append({"target": f"ep-memory: pp=2 x dp=2, largest rank with ep2 / without <= {result['target']}",
                     "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
     return result
 
