@@ -275,7 +275,7 @@ def _shard_module(module: nn.Module, mesh: Any, dispatcher: Any) -> int:
     from torch.distributed.tensor import DTensor, Shard
 
     size, rank = mesh.size(), mesh.get_local_rank()
-    n = int(module.num_experts)  # type: ignore[arg-type]
+    n = int(module.num_experts)
     per = n // size
     state = ExpertDispatch(module, mesh.get_group(), size, rank, n, dispatcher)
     dropped = 0
@@ -292,7 +292,7 @@ def _shard_module(module: nn.Module, mesh: Any, dispatcher: Any) -> int:
     return dropped
 
 
-def _ernie_block_forward(self: nn.Module, hidden_states: Tensor, moe_mm_token_type_ids: Tensor | None = None) -> Any:
+def _ernie_block_forward(self: Any, hidden_states: Tensor, moe_mm_token_type_ids: Tensor | None = None) -> Any:
     """ERNIE 4.5 VL's MoE block with both expert groups called on every rank (a rank without vision
     tokens calls the vision group with none): the exchanges of the ``ep`` peers must pair up. Same
     outputs as the model's own block (the text group gets every token when there are no vision ones)."""
@@ -315,7 +315,7 @@ def _patch_blocks(module: nn.Module) -> None:
     for sub in module.modules():
         if type(sub).__name__ == "Ernie4_5_VLMoeMoeBlock" and not getattr(sub, "_ppmedia_ep_block", False):
             sub.__dict__["_ppmedia_ep_block"] = True
-            sub.forward = _ernie_block_forward.__get__(sub)  # type: ignore[method-assign]
+            sub.forward = _ernie_block_forward.__get__(sub)
 
 
 def apply_expert_parallel(stages: Sequence[Any], mesh: Any, *,
@@ -357,7 +357,7 @@ def apply_expert_parallel(stages: Sequence[Any], mesh: Any, *,
             if _STATE in sub.__dict__:
                 raise ValueError("apply_expert_parallel: the stages are expert-parallel already")
             if _is_routed_experts(sub):
-                if int(sub.num_experts) % size:  # type: ignore[arg-type]
+                if int(sub.num_experts) % size:
                     raise ValueError(f"--ep {size}: {type(sub).__name__} has {sub.num_experts} experts, not "
                                      f"divisible by {size}")
                 _shard_module(sub, mesh, dispatcher)

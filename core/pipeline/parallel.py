@@ -124,11 +124,9 @@ def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> Non
             "all_reduce_gradients: the stages are sharded with FSDP2 (DTensor parameters), whose "
             "gradients are already summed over the data-parallel mesh; call it only on replicated stages"
         )
-    from .expert_parallel import is_expert_shard
-
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for param in _unique_trainable(modules):
-        if is_expert_shard(param):  # summed over edp only (reduce_expert_parallel_gradients)
+        if _is_dtensor(param) and param.device_mesh.mesh_dim_names == ("ep",):  # expert shard: summed over edp only (reduce_expert_parallel_gradients)
             continue
         by_dtype.setdefault(param.dtype, []).append(param)
     for dtype in sorted(by_dtype, key=str):
