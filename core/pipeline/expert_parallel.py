@@ -275,7 +275,7 @@ def _shard_module(module: nn.Module, mesh: Any, dispatcher: Any) -> int:
     from torch.distributed.tensor import DTensor, Shard
 
     size, rank = mesh.size(), mesh.get_local_rank()
-    n = int(module.num_experts)
+    n = int(module.num_experts)  # type: ignore[arg-type]
     per = n // size
     state = ExpertDispatch(module, mesh.get_group(), size, rank, n, dispatcher)
     dropped = 0

@@ -126,7 +126,7 @@ def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> Non
         )
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for param in _unique_trainable(modules):
-        if _is_dtensor(param) and param.device_mesh.mesh_dim_names == ("ep",):  # expert shard: summed over edp only (reduce_expert_parallel_gradients)
+        if _is_dtensor(param) and param.device_mesh.mesh_dim_names == ("ep",):  # type: ignore[attr-defined]  # expert shard: summed over edp only (reduce_expert_parallel_gradients)
             continue
         by_dtype.setdefault(param.dtype, []).append(param)
     for dtype in sorted(by_dtype, key=str):
