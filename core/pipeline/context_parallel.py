@@ -184,7 +184,7 @@ def enable_context_parallel(modules: Iterable[Any], shard: ContextShard) -> None
         module.context = shard if shard.size > 1 else None
 
 
-def _stage_text_configs(module: nn.Module) -> list[Any]:
+def _stage_text_configs(module: Any) -> list[Any]:
     """The (shallow-copied) text configs of the stage's language model and its layers' attention."""
     found: dict[int, Any] = {}
     for sub in module.stage_language_model.modules():

@@ -119,7 +119,7 @@ class GatheredCore(torch.autograd.Function):
     vectors; backward rebuilds the mask and the scores and differentiates them."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: CpMask, window: int | None,  # type: ignore[override]
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: CpMask, window: int | None,
                 scaling: float | None, softcap: float | None = None) -> Tensor:
         ctx.save_for_backward(q, k, v)
         ctx.cp_mask, ctx.window, ctx.scaling, ctx.softcap = mask, window, scaling, softcap
@@ -127,11 +127,11 @@ class GatheredCore(torch.autograd.Function):
             return _core(q, k, v, mask, window, scaling, softcap)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> Any:
         q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = _core(*inputs, ctx.cp_mask, ctx.window, ctx.scaling, ctx.softcap)
+            out = _core(inputs[0], inputs[1], inputs[2], ctx.cp_mask, ctx.window, ctx.scaling, ctx.softcap)
             grads = torch.autograd.grad(out, inputs, grad)
         return (*grads, None, None, None, None)
 
