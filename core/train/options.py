@@ -10,6 +10,7 @@ import torch
 
 from .. import pipeline
 from ..testing import tiny_models
+from . import composition
 
 #: the stand-in run's length when neither --steps nor --epochs is given.
 DEFAULT_STEPS = 4
@@ -147,11 +148,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
     if args.bf16 and not args.fsdp:
         parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
-    untested = [flag for flag, on in (("--encoder spread", args.encoder == "spread"), ("--data", args.data),
-                                      ("--presplit", args.presplit)) if on]
-    if args.tp > 1 and untested:
-        parser.error(f"--tp {args.tp} with {', '.join(untested)}: not supported (docs/tensor-parallel.md); "
-                     f"drop one of them")
+    problem = composition.refusal(args)  # a refused pair of features (composition.py's table)
+    if problem:
+        parser.error(problem)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                      f"use --device cpu")
