@@ -122,6 +122,20 @@ def bad_option(args: argparse.Namespace) -> str | None:
     return problem
 
 
+def _batch_problem(batch_size: int, dp: int, microbatches: int, *, packed: bool) -> str | None:
+    """Why ``--batch-size`` cannot be cut into ``--dp`` equal shares of ``--microbatches`` equal
+    microbatches (one line), or ``None``. Packed rows (``--pack``) are made a multiple of the
+    microbatches, so then only the replicas' shares must be equal."""
+    if batch_size % dp:
+        return (f"--batch-size {batch_size} does not split over --dp {dp} replicas: expected a multiple of {dp}")
+    share = batch_size // dp
+    if not packed and share % microbatches:
+        return (f"--batch-size {batch_size} gives {share} samples per replica (--dp {dp}), which do not divide into "
+                f"--microbatches {microbatches} equal microbatches (every microbatch of a step has the same rows): "
+                f"expected a --batch-size that is a multiple of --dp x --microbatches = {dp * microbatches}")
+    return None
+
+
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Combinations of flags that cannot work: one ``parser.error`` (exit 2) before anything starts."""
     problem = bad_option(args)
@@ -142,6 +156,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("give --epochs or --steps")
     if args.pack and not args.data:
         parser.error("--pack packs the samples of --data: give --model and --data")
+    if args.data:
+        problem = _batch_problem(args.batch_size, args.dp, args.microbatches, packed=args.pack)
+        if problem:
+            parser.error(problem)
     if args.pack_across_batches and not args.pack:
         parser.error("--pack-across-batches N pools batches for --pack: give --pack too")
     if args.resume == "auto" and not args.save_dir:
