@@ -108,3 +108,19 @@ def test_declaring_a_pair_twice_or_an_unknown_feature_is_refused():
         composition.works("--data", "--pack", "tests/x.py::test_y")
     with pytest.raises(ValueError, match="unknown feature --nope"):
         composition.refused("--data", "--nope", "no")
+
+
+def test_the_spawned_runs_hold_the_pairs_they_prove(tmp_path):
+    """A cell proven by tests/test_composition_mp.py: one of the scenarios its test reads turns both
+    features on (parsed as train.py parses them)."""
+    from test_composition_mp import SCENARIOS_OF, _scenarios
+
+    for path in ("ckpt", "tp/step2", "data"):
+        (tmp_path / path).mkdir(parents=True)
+    for name in ("train.jsonl", "with_bad.jsonl", "eval.jsonl"):
+        (tmp_path / "data" / name).write_text("")
+    on = {name: composition.active(parse_args(argv)) for name, argv in _scenarios(tmp_path)}
+    for a, b, cell in composition.pairs():
+        if cell.proof and cell.proof.startswith("tests/test_composition_mp.py::"):
+            test = cell.proof.split("::")[1]
+            assert any(a in on[s] and b in on[s] for s in SCENARIOS_OF[test]), (a, b, test, on)
