@@ -164,7 +164,7 @@ class ReplicaLoader:
         self.pp_group, self.reads_media, self.dp_group = pp_group, reads_media, dp_group
         if tp_group is not None and not reads_media:
             raise ValueError("tp_group goes with reads_media=True: stage 0's tp peers share the rows they read")
-        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        self.tp_group: Any = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         #: whether this rank reads and processes (stage 0's rank, its tp rank 0)
         self.reads = reads_media and (self.tp_group is None or dist.get_rank(self.tp_group) == 0)
         self.epoch, self.next_sample, self.skipped = 0, 0, len(dataset.skipped)
