@@ -373,9 +373,12 @@ def best_layer_split(
     Every split when there are at most ``limit`` of them, else a local search from the uniform split
     (moving one layer between two stages while the step gets shorter).
     """
-    from ..pipeline import default_layer_split, schedule_layout
+    from ..pipeline import default_layer_split, layer_split_problem, schedule_layout
 
     n_stages = schedule_layout(schedule).n_stages(n_ranks)
+    problem = layer_split_problem(n_stages, num_layers)
+    if problem:  # no split gives every stage something to run
+        raise ValueError(problem)
 
     def run(layers: Sequence[int]) -> StepPrediction:
         return predict_step(schedule, costs, loads, n_ranks=n_ranks, layers_per_stage=layers, encoder=encoder)
@@ -384,8 +387,9 @@ def best_layer_split(
         return (round(p.step_time, 12), max(p.layers_per_stage) - min(p.layers_per_stage))
 
     uniform = default_layer_split(num_layers, n_stages)
-    if math.comb(num_layers + n_stages - 1, n_stages - 1) <= limit:
-        return min((run(c) for c in _compositions(num_layers, n_stages)), key=key)
+    if math.comb(num_layers + n_stages - 1, n_stages - 1) <= limit:  # a middle stage with no layer holds nothing
+        return min((run(c) for c in _compositions(num_layers, n_stages)
+                    if layer_split_problem(n_stages, num_layers, c) is None), key=key)
     best = run(uniform)
     improved = True
     while improved:
@@ -396,6 +400,8 @@ def best_layer_split(
             layers = list(best.layers_per_stage)
             layers[a] -= 1
             layers[b] += 1
+            if layer_split_problem(n_stages, num_layers, layers) is not None:
+                continue
             trial = run(layers)
             if key(trial) < key(best):
                 best, improved = trial, True
