@@ -104,9 +104,11 @@ class DataSource:
 
     def shares(self, start: int) -> Iterator[pipeline.ReplicaShare]:
         for share in self._shares(self.loader, None):
-            if not self.args.no_batch_check:  # the pipeline ranks of a replica must hold the same rows
-                pipeline.check_batch_agreement({"input_ids": share.input_ids, "attention_mask": share.attention_mask,
-                                                "labels": share.labels}, group=self.ctx["parts"].pp_group)
+            if not self.args.no_batch_check:  # the pipeline (and tp) ranks of a replica must hold the same rows
+                rows = {"input_ids": share.input_ids, "attention_mask": share.attention_mask, "labels": share.labels}
+                for group in (self.ctx["parts"].pp_group, self.ctx["parts"].tp_group):
+                    if group is not None:
+                        pipeline.check_batch_agreement(rows, group=group)
             yield share
 
     def held_out(self) -> list[pipeline.ReplicaShare]:
