@@ -43,6 +43,15 @@ def _argv(flag: str, tmp: pathlib.Path) -> list[str]:
     }[flag]
 
 
+def _config_dir(folder: pathlib.Path) -> pathlib.Path:
+    """A ``--model`` folder whose config.json is the tiny Qwen2.5-VL's (the options read it; nothing is built)."""
+    from ppmedia.testing import tiny_models
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_models.load("qwen2_5_vl").build_config().save_pretrained(folder)
+    return folder
+
+
 def _merged(*argvs: list[str]) -> list[str]:
     """The command lines joined, each option once (``--model`` and ``--data`` may come twice)."""
     out: list[str] = []
@@ -86,6 +95,7 @@ def test_every_pair_has_a_cell_and_every_proof_names_a_test():
 
 
 def test_each_feature_is_seen_on_its_command_line(tmp_path):
+    _config_dir(tmp_path)
     for flag in composition.FEATURES:
         if not _parser_knows(flag):
             continue  # declared for a feature not on this branch (its cells say so)
@@ -97,6 +107,7 @@ def test_each_feature_is_seen_on_its_command_line(tmp_path):
 def test_a_refused_pair_is_one_line_and_exit_2(a, b, tmp_path, capsys):
     if not (_parser_knows(a) and _parser_knows(b)):
         pytest.skip(f"{a} or {b} is not an option on this branch")
+    _config_dir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         parse_args(_merged(_argv(a, tmp_path), _argv(b, tmp_path)))
     assert exit_info.value.code == 2
@@ -111,3 +122,20 @@ def test_declaring_a_pair_twice_or_an_unknown_feature_is_refused():
         composition.works("--data", "--pack", "tests/x.py::test_y")
     with pytest.raises(ValueError, match="unknown feature --nope"):
         composition.refused("--data", "--nope", "no")
+
+
+def test_the_spawned_runs_hold_the_pairs_they_prove(tmp_path):
+    """A cell proven by tests/test_composition_mp.py: one of the scenarios its test reads turns both
+    features on (parsed as train.py parses them)."""
+    from test_composition_mp import SCENARIOS_OF, _scenarios
+
+    _config_dir(tmp_path / "ckpt")
+    for path in ("tp/step2", "data"):
+        (tmp_path / path).mkdir(parents=True)
+    for name in ("train.jsonl", "with_bad.jsonl", "eval.jsonl"):
+        (tmp_path / "data" / name).write_text("")
+    on = {name: composition.active(parse_args(argv)) for name, argv in _scenarios(tmp_path)}
+    for a, b, cell in composition.pairs():
+        if cell.proof and cell.proof.startswith("tests/test_composition_mp.py::"):
+            test = cell.proof.split("::")[1]
+            assert any(a in on[s] and b in on[s] for s in SCENARIOS_OF[test]), (a, b, test, on)

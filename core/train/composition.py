@@ -29,6 +29,7 @@ __all__ = [
     "markdown",
     "pairs",
     "pending",
+    "proven_together",
     "refusal",
     "refused",
     "works",
@@ -103,6 +104,15 @@ def refused(a: str, b: str, reason: str) -> None:
 def pending(a: str, b: str, reason: str) -> None:
     """``a`` with ``b`` is not proven yet (allowed to run), for ``reason``."""
     _declare(a, b, Cell("pending", reason))
+
+
+def proven_together(flags: tuple[str, ...], proof: str) -> None:
+    """Every pair of ``flags`` not declared yet works, proven by ``proof``: one run with all of them on
+    whose losses are the model's own."""
+    for i, a in enumerate(flags):
+        for b in flags[i + 1:]:
+            if frozenset((a, b)) not in _CELLS:
+                works(a, b, proof)
 
 
 def fallback(flag: str, reason: str) -> None:
@@ -192,7 +202,7 @@ feature("--resume", lambda a: bool(a.resume))
 DATA = "tests/test_train_data.py::"
 STACK = "tests/test_stack_mp.py::"
 RESUMED = DATA + "test_shuffled_run_resumed_at_another_layout_continues_identically"
-UNPROVEN = "not proven together yet"
+MP = "tests/test_composition_mp.py::"
 
 works("--data", "--pack", "tests/test_pack_data.py::test_pack_logs_the_unpacked_losses_step_for_step")
 works("--data", "--presplit", RESUMED)
@@ -208,24 +218,19 @@ works("--fsdp", "--tp", STACK + "test_tensor_parallel_stages_match_the_full_batc
 works("--fsdp", "--encoder spread", STACK + "test_the_encoder_spread_with_data_parallel_replicas")
 works("--presplit", "--encoder spread", STACK + "test_presplit_microbatches_match_the_staging_path_and_the_model")
 works("--pack", "--fsdp", STACK + "test_packed_rows_at_pp2_x_dp2_with_fsdp2")
-_TP_SHARED = ("the tensor-parallel ranks of a replica do not yet share its --data rows")
-refused("--tp", "--data", _TP_SHARED)
-refused("--tp", "--presplit", "pre-split microbatches are not yet encoded once per tp group")
-refused("--tp", "--encoder spread", "the spread's encoding ranks are pipeline ranks; a tp group would encode "
-        "each share tp times")
+refused("--tp", "--encoder spread", "both split the same vision work: --tp gives stage 0's microbatch k to its tp "
+        "rank k % tp, --encoder spread gives microbatches to the pipeline ranks; combined, every tp column would "
+        "encode its share again (tp times the tower's work), so it is not built")
 for _flag, _issue in (("--ep", 35), ("--lora-rank", 36), ("--cp", 41)):
     fallback(_flag, f"{_flag} is being built (issue {_issue}); not on this branch yet")
-for _a, _b in (("--pack", "--presplit"), ("--pack", "--bf16"), ("--pack", "--tp"), ("--pack", "--encoder spread"),
-               ("--pack", "--activation-checkpointing"), ("--pack", "--freeze"), ("--pack", "--eval-data"),
-               ("--pack", "--resume"), ("--data", "--bf16"), ("--data", "--activation-checkpointing"),
-               ("--data", "--freeze"), ("--presplit", "--bf16"), ("--presplit", "--activation-checkpointing"),
-               ("--presplit", "--freeze"), ("--presplit", "--eval-data"), ("--fsdp", "--activation-checkpointing"),
-               ("--fsdp", "--freeze"), ("--fsdp", "--eval-data"), ("--bf16", "--tp"), ("--bf16", "--encoder spread"),
-               ("--bf16", "--activation-checkpointing"), ("--bf16", "--freeze"), ("--bf16", "--eval-data"),
-               ("--bf16", "--resume"), ("--tp", "--activation-checkpointing"), ("--tp", "--freeze"),
-               ("--tp", "--eval-data"), ("--tp", "--resume"), ("--encoder spread", "--activation-checkpointing"),
-               ("--encoder spread", "--freeze"), ("--encoder spread", "--eval-data"), ("--encoder spread", "--resume"),
-               ("--activation-checkpointing", "--freeze"), ("--activation-checkpointing", "--eval-data"),
-               ("--activation-checkpointing", "--resume"), ("--freeze", "--eval-data"), ("--freeze", "--resume"),
-               ("--eval-data", "--resume")):
-    pending(_a, _b, UNPROVEN)
+# one spawn of 4 processes, several features a run (tests/test_composition_mp.py, SCENARIOS)
+proven_together(("--data", "--pack", "--tp", "--activation-checkpointing", "--freeze", "--eval-data"),
+                MP + "test_tp_with_data_pack_eval_checkpointing_and_freeze_gives_the_models_losses")
+proven_together(("--data", "--tp", "--presplit", "--resume", "--freeze", "--eval-data"),
+                MP + "test_tp_presplit_resumed_from_the_tp_checkpoint_continues_as_the_model")
+proven_together(("--data", "--fsdp", "--encoder spread", "--presplit", "--pack", "--activation-checkpointing",
+                 "--freeze", "--eval-data", "--resume"),
+                MP + "test_the_tp_checkpoint_resumes_at_pp2_dp2_fsdp_with_the_spread_presplit_and_pack")
+proven_together(("--bf16", "--data", "--fsdp", "--tp", "--encoder spread", "--pack", "--presplit",
+                 "--activation-checkpointing", "--freeze", "--eval-data", "--resume"),
+                MP + "test_bf16_compositions_stay_within_the_bf16_tolerance")
