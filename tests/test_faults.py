@@ -177,6 +177,24 @@ def test_train_options_are_refused_with_one_line_before_anything_starts(argv, sa
     assert err.strip().splitlines()[-1].startswith("train.py: error: ") or "error:" in err.splitlines()[-1]
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--batch-size", "3"], "--batch-size 3 gives 3 samples per replica (--dp 1), which do not divide into "
+                            "--microbatches 2 equal microbatches"),
+    (["--batch-size", "8", "--microbatches", "3"], "a multiple of --dp x --microbatches = 3"),
+    (["--batch-size", "6", "--dp", "4", "--pp", "1"], "--batch-size 6 does not split over --dp 4 replicas"),
+])
+def test_a_batch_that_does_not_divide_into_microbatches_is_refused(argv, says, tmp_path, capsys):
+    """Failed before the fix: ``--batch-size 3`` with the default 2 microbatches started and failed
+    inside torch's schedule (microbatches of 2 and 1 rows); ``--pack`` makes rows a multiple itself."""
+    (tmp_path / "data.jsonl").write_text("")
+    common = ["--model", str(tmp_path), "--data", str(tmp_path / "data.jsonl"), "--epochs", "1"]
+    with pytest.raises(SystemExit) as exit_:
+        _train_script().parse_args(common + argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err and ": error: --" in err.strip().splitlines()[-1], err
+    assert _train_script().parse_args(common + ["--batch-size", "3", "--pack"]).pack  # packed rows: refused nowhere
+
+
 def test_train_export_to_an_existing_file_is_refused_before_training(tmp_path, capsys):
     target = tmp_path / "trained.safetensors"
     target.write_text("x")

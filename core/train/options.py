@@ -11,6 +11,7 @@ import torch
 from .. import pipeline
 from ..pipeline.pretrained import load_pretrained_config
 from ..testing import tiny_models
+from . import composition
 
 #: the stand-in run's length when neither --steps nor --epochs is given.
 DEFAULT_STEPS = 4
@@ -173,6 +174,20 @@ def layer_split_option_problem(args: argparse.Namespace) -> str | None:
                                         split_option="--layers-per-stage", model=model, fix=fix)
 
 
+def _batch_problem(batch_size: int, dp: int, microbatches: int, *, packed: bool) -> str | None:
+    """Why ``--batch-size`` cannot be cut into ``--dp`` equal shares of ``--microbatches`` equal
+    microbatches (one line), or ``None``. Packed rows (``--pack``) are made a multiple of the
+    microbatches, so then only the replicas' shares must be equal."""
+    if batch_size % dp:
+        return (f"--batch-size {batch_size} does not split over --dp {dp} replicas: expected a multiple of {dp}")
+    share = batch_size // dp
+    if not packed and share % microbatches:
+        return (f"--batch-size {batch_size} gives {share} samples per replica (--dp {dp}), which do not divide into "
+                f"--microbatches {microbatches} equal microbatches (every microbatch of a step has the same rows): "
+                f"expected a --batch-size that is a multiple of --dp x --microbatches = {dp * microbatches}")
+    return None
+
+
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Combinations of flags that cannot work: one ``parser.error`` (exit 2) before anything starts."""
     problem = bad_option(args)
@@ -193,17 +208,19 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("give --epochs or --steps")
     if args.pack and not args.data:
         parser.error("--pack packs the samples of --data: give --model and --data")
+    if args.data:
+        problem = _batch_problem(args.batch_size, args.dp, args.microbatches, packed=args.pack)
+        if problem:
+            parser.error(problem)
     if args.pack_across_batches and not args.pack:
         parser.error("--pack-across-batches N pools batches for --pack: give --pack too")
     if args.resume == "auto" and not args.save_dir:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
     if args.bf16 and not args.fsdp:
         parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
-    untested = [flag for flag, on in (("--encoder spread", args.encoder == "spread"), ("--data", args.data),
-                                      ("--presplit", args.presplit)) if on]
-    if args.tp > 1 and untested:
-        parser.error(f"--tp {args.tp} with {', '.join(untested)}: not supported (docs/tensor-parallel.md); "
-                     f"drop one of them")
+    problem = composition.refusal(args)  # a refused pair of features (composition.py's table)
+    if problem:
+        parser.error(problem)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                      f"use --device cpu")
