@@ -519,7 +519,7 @@ def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = Fals
 
     arms = analysis["arms"]
     lines = [f"9. encoder spread: 2-process {SCHEDULE} pipelines, vision-heavy tiny Qwen2.5-VL (B={BATCH}, n={N_MICROBATCHES}, "
-             f"{TEXT_LAYERS} decoder layers, vision per microbatch about one stage's decoder work: measured below); "
+             f"{TEXT_LAYERS} decoder layers, images sized to {TARGET_RATIO[0]}-{TARGET_RATIO[1]} stages of decoder work per microbatch: measured below); "
              f"{results['pairs']} alternated repetitions per arm"]
     rows = [(arm, ARMS[arm][0], "+".join(map(str, ARMS[arm][1])), f"{a['median_s'] * 1e3:.1f}", f"{a['ratio']:.3f}",
              f"{a['predicted_s'] * 1e3:.1f}", f"{a['predicted_ratio']:.3f}", f"{a['predicted_ratio'] - a['ratio']:+.3f}")
