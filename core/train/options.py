@@ -144,8 +144,8 @@ def model_config_problem(args: argparse.Namespace) -> str | None:
     transformers cannot read, a ``model_type`` contradicting its ``architectures``, a quantized
     checkpoint (``ppmedia.pipeline.pretrained.load_pretrained_config``), a config asking for the MoE routers'
     loss (:func:`ppmedia.pipeline.refuse_router_loss`)."""
-    if not args.model or not os.path.isdir(args.model):
-        return None
+    if not args.model or not os.path.isfile(os.path.join(args.model, "config.json")):
+        return None  # no folder, or no config.json in it: the loader names what is missing
     try:
         pipeline.refuse_router_loss(load_pretrained_config(args.model))
     except (ValueError, TypeError) as exc:
