@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pp", type=int, default=2, help="pipeline ranks")
     add("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp x tp)")
     add("--tp", type=int, default=1, help="tensor-parallel ranks per stage (pipeline.apply_tensor_parallel)")
+    add("--cp", type=int, default=1,
+        help="context-parallel ranks per stage: each holds a share of every row's sequence (docs/context-parallel.md)")
     add("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
     add("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
     add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
@@ -99,7 +101,7 @@ def bad_option(args: argparse.Namespace) -> str | None:
     """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
     problem = pipeline.option_problem(
         {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
-        positive=("--pp", "--dp", "--tp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
+        positive=("--pp", "--dp", "--tp", "--cp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
                   "--max-grad-norm"),
         non_negative=("--lr", "--weight-decay", "--warmup-steps", "--workers", "--save-every", "--eval-every",
                       "--skip-nonfinite", "--pack-across-batches"),
@@ -221,9 +223,48 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     problem = composition.refusal(args)  # a refused pair of features (composition.py's table)
     if problem:
         parser.error(problem)
+    if args.cp > 1:
+        problem = context_option_problem(args)
+        if problem:
+            parser.error(problem)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                      f"use --device cpu")
+
+
+#: options refused with --cp > 1, and why (docs/context-parallel.md)
+CP_REFUSED: tuple[tuple[str, str, str], ...] = (
+    ("--fsdp", "fsdp", "FSDP2 reduce-scatters over the dp mesh only; the cp ranks' gradients are summed by "
+     "an all-reduce of whole gradients, which sharded parameters do not have"),
+    ("--tp", "tp", "the gathered attention takes whole heads; tensor-parallel heads with cp are not tested"),
+    ("--encoder spread", "encoder", "the spread's features are made for whole rows on stage 0's rank; "
+     "under cp every cp rank of stage 0 encodes its rows' media itself"),
+    ("--activation-checkpointing", "activation_checkpointing", "a layer recomputed in the backward runs "
+     "outside the stage's forward, where the microbatch's cp mask is not set"),
+    ("--lora-rank", "lora_rank", "LoRA adapters with cp are not tested"),
+    ("--ep", "ep", "expert parallelism is carved out of the dp ranks; with cp it is not tested"),
+)
+
+
+def context_option_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--cp N`` cannot run with these options or this family, in one line, or ``None``."""
+    for flag, key, why in CP_REFUSED:
+        value = getattr(args, key, None)
+        on = value == "spread" if key == "encoder" else (value not in (None, False, 0, 1) if key in ("tp", "ep") else bool(value))
+        if on:
+            return f"--cp {args.cp} with {flag}: not supported ({why})"
+    if args.model:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.model)
+    else:
+        from ..testing import tiny_models
+
+        config = tiny_models.load(args.family).build_config()
+    from ..registry import get_adapter
+
+    problem = pipeline.context_problem(config, get_adapter(config))
+    return None if problem is None else f"--cp {args.cp}: the decoder cannot be sharded: {problem}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
