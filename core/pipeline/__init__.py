@@ -61,6 +61,7 @@ The package, one module per concern (every public name is importable from ``ppme
 
 ==================  ===========================================================================
 ``surgery``         cutting the model's module tree per stage (kept layers, shallow copies)
+``layer_split``     the decoder layers over the stages checked before any stage is built (:func:`layer_split_problem`)
 ``stages``          :class:`StageModule`, :func:`build_stage_modules` (the stage cutter)
 ``rank_stages``     :func:`make_pipeline_stages`: a rank's ``PipelineStage`` objects, the encoder spread on them
 ``schedules``       schedules by torch's name, their stage placement, :func:`build_schedule`
@@ -138,7 +139,8 @@ from .schedules import (
 )
 from .stages import StageModule, build_stage_modules, refuse_router_loss, static_stage_args
 from .step_inputs import presplit_batch
-from .surgery import default_layer_split, find_language_model, find_merge_module
+from .layer_split import default_layer_split, layer_split_problem, max_stages, refuse_empty_stages
+from .surgery import find_language_model, find_merge_module
 from .tensor_parallel import (TP_STYLES, apply_tensor_parallel, check_tensor_parallel, reduce_tensor_parallel_gradients,
                               tensor_parallel_plan)
 from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
@@ -214,12 +216,14 @@ __all__ = [
     "interleave_encoders",
     "is_sharded",
     "latest_checkpoint",
+    "layer_split_problem",
     "learning_rate",
     "load_checkpoint",
     "loader_shares",
     "local_length",
     "make_labels",
     "make_pipeline_stages",
+    "max_stages",
     "model_part",
     "new_run_id",
     "no_decay",
@@ -230,6 +234,7 @@ __all__ = [
     "presplit_batch",
     "reduce_context_gradients",
     "reduce_tensor_parallel_gradients",
+    "refuse_empty_stages",
     "refuse_router_loss",
     "register_cp_attention",
     "reshards_after_forward",
