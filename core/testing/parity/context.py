@@ -54,7 +54,7 @@ CP_SCENARIOS: tuple[CpScenario, ...] = (
 N_MICROBATCHES = 2
 
 
-def _straddles(ids: torch.Tensor, mask: torch.Tensor, shard: Any) -> bool:
+def _straddles(ids: torch.Tensor, mask: set[int], shard: Any) -> bool:
     """Whether a run of placeholder tokens crosses from one cp rank's chunk into another's."""
     from ...pipeline.context_parallel import padded_length
 
