@@ -97,8 +97,8 @@ def test_pp2_cp2_trains_as_the_model_and_resumes_without_cp(tmp_path):
 
 
 @pytest.mark.parametrize("extra, reason", [
-    (["--fsdp", "--dp", "2"], "--cp 2 with --fsdp: not supported"),
-    (["--activation-checkpointing"], "--cp 2 with --activation-checkpointing: not supported"),
+    (["--fsdp", "--dp", "2"], "--fsdp with --cp 2: FSDP2 reduce-scatters over the dp mesh only"),
+    (["--activation-checkpointing"], "--cp 2 with --activation-checkpointing: a layer recomputed"),
     (["--family", "gemma4"], "--cp 2: the decoder cannot be sharded: gemma4:"),
 ])
 def test_cp_refusals_exit_2_before_anything_starts(extra, reason, capsys):

@@ -232,27 +232,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                      f"use --device cpu")
 
 
-#: options refused with --cp > 1, and why (docs/context-parallel.md)
-CP_REFUSED: tuple[tuple[str, str, str], ...] = (
-    ("--fsdp", "fsdp", "FSDP2 reduce-scatters over the dp mesh only; the cp ranks' gradients are summed by "
-     "an all-reduce of whole gradients, which sharded parameters do not have"),
-    ("--tp", "tp", "the gathered attention takes whole heads; tensor-parallel heads with cp are not tested"),
-    ("--encoder spread", "encoder", "the spread's features are made for whole rows on stage 0's rank; "
-     "under cp every cp rank of stage 0 encodes its rows' media itself"),
-    ("--activation-checkpointing", "activation_checkpointing", "a layer recomputed in the backward runs "
-     "outside the stage's forward, where the microbatch's cp mask is not set"),
-    ("--lora-rank", "lora_rank", "LoRA adapters with cp are not tested"),
-    ("--ep", "ep", "expert parallelism is carved out of the dp ranks; with cp it is not tested"),
-)
-
-
 def context_option_problem(args: argparse.Namespace) -> str | None:
-    """Why ``--cp N`` cannot run with these options or this family, in one line, or ``None``."""
-    for flag, key, why in CP_REFUSED:
-        value = getattr(args, key, None)
-        on = value == "spread" if key == "encoder" else (value not in (None, False, 0, 1) if key in ("tp", "ep") else bool(value))
-        if on:
-            return f"--cp {args.cp} with {flag}: not supported ({why})"
+    """Why ``--cp N`` cannot run with this family, in one line, or ``None`` (the options it does not go
+    with are refused by the composition table, :mod:`.composition`)."""
     if args.model:
         from transformers import AutoConfig
 
