@@ -10,6 +10,7 @@ import torch
 
 from .. import pipeline
 from ..testing import tiny_models
+from .lora_options import add_lora_options, lora_problem
 
 #: the stand-in run's length when neither --steps nor --epochs is given.
 DEFAULT_STEPS = 4
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="feed the schedule pre-split microbatches (each one's media its own keyword input) instead of "
              "staging the media on stage 0")
     add("--trace", metavar="FILE.svg", help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
+    add_lora_options(parser)
     return parser
 
 
@@ -152,6 +154,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.tp > 1 and untested:
         parser.error(f"--tp {args.tp} with {', '.join(untested)}: not supported (docs/tensor-parallel.md); "
                      f"drop one of them")
+    problem = lora_problem(args)
+    if problem:
+        parser.error(problem)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                      f"use --device cpu")
