@@ -169,17 +169,32 @@ def initial_lora_weight(key: str, shape: Sequence[int], seed: int) -> torch.Tens
     return out
 
 
-def _peft_config(settings: LoraSettings, targets: Iterable[str], base_model: str | None = None) -> Any:
+def _peft_config(settings: LoraSettings, targets: Iterable[str], base_model: str | None = None, *,
+                 init: bool = True) -> Any:
+    """PEFT's ``LoraConfig`` of ``settings`` over ``targets`` (``init``: PEFT's own initialisation, as
+    written to files; ``False`` in memory, where :func:`initial_lora_weight` initialises)."""
     from peft import LoraConfig
 
     return LoraConfig(r=int(settings.rank), lora_alpha=settings.alpha, lora_dropout=float(settings.dropout),
-                      target_modules=sorted(set(targets)), bias="none", init_lora_weights=False,
+                      target_modules=sorted(set(targets)), bias="none", init_lora_weights=init,
                       base_model_name_or_path=base_model)
 
 
 def _replace(module: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(module.get_submodule(parent_name) if parent_name else module, child, new)
+
+
+def _whole_sizes(layer: Any, base: nn.Linear, rank: int) -> None:
+    """PEFT sizes a tensor-parallel base layer's adapter by its local shard; the adapter is made whole
+    (the layer's own ``in_features`` x ``out_features``) and sharded afterwards (:func:`_shard_like_base`)."""
+    want = {"lora_A": (rank, base.in_features), "lora_B": (base.out_features, rank)}
+    for kind, (out_f, in_f) in want.items():
+        old = getattr(layer, kind)[_ADAPTER]
+        if tuple(old.weight.shape) != (out_f, in_f):
+            getattr(layer, kind)[_ADAPTER] = nn.Linear(in_f, out_f, bias=False, dtype=old.weight.dtype,
+                                                      device=old.weight.device)
+    layer.in_features, layer.out_features = base.in_features, base.out_features
 
 
 def _shard_like_base(layer: Any, base: nn.Linear) -> None:
@@ -224,13 +239,14 @@ def apply_lora(modules: Sequence[nn.Module], settings: LoraSettings) -> dict[str
         if _ATTRIBUTE in module.__dict__:
             raise ValueError("apply_lora: these stage modules have LoRA adapters already")
         names = lora_targets(module, settings)
-        config = _peft_config(settings, names)
+        config = _peft_config(settings, names, init=False)
         for param in module.parameters():
             param.requires_grad_(False)
         for name in names:
             base = module.get_submodule(name)
             layer = LoraLinear(base, _ADAPTER, config=config, r=int(settings.rank), lora_alpha=settings.alpha,
                                lora_dropout=float(settings.dropout), init_lora_weights=False)
+            _whole_sizes(layer, base, int(settings.rank))
             for kind in ("lora_A", "lora_B"):
                 weight = getattr(layer, kind)[_ADAPTER].weight
                 key = f"{name}.{kind}.weight"

@@ -89,6 +89,8 @@ class PipelineParts:
             (:func:`~ppmedia.pipeline.reduce_tensor_parallel_gradients`), and the losses and counts
             are taken from its rank 0 only (every ``tp`` peer of a last stage holds the same loss).
             ``None``: no tensor parallelism.
+        world_group: the group of every rank of this training job (the loss and counts are summed
+            over it); ``None``: the default group (the world).
     """
 
     schedule: Any
@@ -105,6 +107,7 @@ class PipelineParts:
     guard: Any = None
     presplit: bool = False
     tp_group: Any = None
+    world_group: Any = None
 
 
 def batch_to(batch: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -287,7 +290,7 @@ def _global_sums(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]
         sums[0] = torch.stack([loss.detach().double() for loss in losses]).sum().to(device)
     if counts and dist.get_rank(parts.pp_group) == 0:
         sums[1], sums[2] = share.pad_positions, share.positions
-    dist.all_reduce(sums)
+    dist.all_reduce(sums, group=parts.world_group)
     loss, pads, positions = sums.tolist()
     return loss, pads / positions if positions else 0.0
 
