@@ -307,7 +307,8 @@ def eval_loss(parts: PipelineParts, shares: Sequence[ReplicaShare]) -> float:
         for share in shares:
             staged = share.staged if parts.first is not None or parts.presplit else None
             loss = eval_step(parts.schedule, parts.first, staged, share.input_ids, share.attention_mask, share.labels,
-                             share.num_valid_tokens, presplit=parts.presplit, tp_group=parts.tp_group)
+                             share.num_valid_tokens, presplit=parts.presplit, tp_group=parts.tp_group,
+                             group=parts.world_group)
             total += float(loss) * share.num_valid_tokens
             tokens += share.num_valid_tokens
     finally:

@@ -16,7 +16,8 @@ Each layout runs :data:`STEPS` AdamW steps (lr :data:`LR`, weight decay :data:`W
 clipping at :data:`MAX_GRAD_NORM`) on ``build_batch(seed=step)`` through
 :func:`ppmedia.pipeline.train_step`, then writes its adapter with
 :func:`ppmedia.pipeline.save_lora_adapter` (every stage's gathered over the pipeline group) and its
-losses (``losses.json``) under ``out/<family>/<layout>/``. :func:`peft_reference` is the reference:
+losses and the trained pipeline's loss on ``build_batch(seed=STEPS)`` (forward only; ``losses.json``)
+under ``out/<family>/<layout>/``. :func:`peft_reference` is the reference:
 ``peft.get_peft_model`` on the whole model with the same target modules, its ``lora_A`` set to
 :func:`ppmedia.pipeline.initial_lora_weight` (``lora_B`` PEFT's own zeros), torch's AdamW, the
 model's own loss. The test compares them (``tests/test_lora_mp.py``).
@@ -166,10 +167,13 @@ def _run_layout(family: str, layout: str, ranks: tuple[int, ...], groups: _Group
         losses.append(pipeline.train_step(parts, share, step).loss)
         if layout == "pp1xdp2" and step + 1 == STEPS - 1:
             pipeline.save_checkpoint(saved, step + 1, parts.modules, parts.optimizers, process_group=g["world"])
+    share = pipeline.share_of_global_batch(module.build_batch(STEPS), config, adapter, g["dp_rank"], dp,
+                                           _MICROBATCHES, stages_media=parts.first is not None or spec["presplit"])
+    held_out = pipeline.eval_loss(parts, [share]) if not spec["spread"] else None
     pipeline.save_lora_adapter(parts.modules, folder, group=g["pp_group"])
     if dist.get_rank() == ranks[0]:
         with open(os.path.join(folder, "losses.json"), "w") as fh:
-            json.dump({"start": start, "losses": losses}, fh)
+            json.dump({"start": start, "losses": losses, "held_out": held_out}, fh)
 
 
 def _worker(rank: int, port: int, out: str, families: list[str]) -> None:
