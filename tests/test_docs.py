@@ -648,7 +648,7 @@ NOT_RUN: dict[str, NotRun] = {
         "PeftModel.from_pretrained loads its adapter with both stages' layers",
         _run_as_written_by("test_lora_mp", "lines")) for line in [
         "torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
-        "--pp 2 --batch-size 4 --max-length 64 --steps 3 --lora-rank 8 --export out",
+        "--pp 2 --batch-size 4 --max-length 64 --steps 2 --lora-rank 8 --export out",
         "python -c \"import peft, transformers as t; m = peft.PeftModel.from_pretrained("
         "t.AutoModelForImageTextToText.from_pretrained('demo-ckpt'), 'out'); c = m.peft_config['default']; "
         "print(len(c.target_modules), ','.join(sorted({n.split('.layers.')[1].split('.')[0] for n in c.target_modules})))\""]},

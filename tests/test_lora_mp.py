@@ -2,7 +2,7 @@
 
 * ONE spawned group of 4 processes (``ppmedia.testing.lora_parity``) trains Qwen2.5-VL, Gemma 3 and
   LLaVA-NeXT with LoRA (rank 4, alpha 16) for 3 AdamW steps at lr 1e-2 at pp2, pp1 x dp2, pp2 x dp2 with
-  FSDP2, pp2 x tp2 and pp2 x dp2 resumed from pp1 x dp2's DCP checkpoint; each writes its PEFT adapter.
+  FSDP2, pp2 x tp2 and pp2 resumed from pp1 x dp2's DCP checkpoint; each writes its PEFT adapter.
   Every layout's losses and final adapter equal PEFT's model trained in one process with torch's AdamW
   from the same initial adapter (within 1e-4); ``PeftModel.from_pretrained`` loads every adapter with
   every stage's layers, and its loss on a held-out batch is the trained pipeline's. Qwen2.5-VL also runs
@@ -109,5 +109,5 @@ def test_the_pages_lines_train_and_export_an_adapter_peft_loads(tmp_path):
     from test_docs import run_documented
 
     made, train, check = run_documented("docs/lora.md: LoRA", lines(), tmp_path)
-    assert re.search(r"step 2: loss \d", train.stdout + train.stderr), train.stdout
+    assert re.search(r"step 1: loss \d", train.stdout + train.stderr), train.stdout
     assert check.stdout.split() == ["14", "0,1"], check.stdout  # 14 modules of layers 0 and 1 (both stages)
