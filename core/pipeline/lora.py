@@ -291,9 +291,15 @@ def lora_state_dict(modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def _writes(modules: Sequence[nn.Module]) -> bool:
-    from .export import _writes_files
+    """Whether this rank writes: with DTensor parameters (FSDP2, tensor parallelism) only the rank at
+    coordinate 0 of their mesh."""
+    from torch.distributed.tensor import DTensor
 
-    return _writes_files(p for m in modules for p in m.parameters())
+    for p in (p for m in modules for p in m.parameters()):
+        if isinstance(p, DTensor):
+            coordinate = p.device_mesh.get_coordinate()
+            return coordinate is not None and all(c == 0 for c in coordinate)
+    return True
 
 
 def save_lora_adapter(modules: Sequence[nn.Module], path: str | os.PathLike[str], *, group: Any = None,

@@ -63,14 +63,19 @@ def stage_adamw(modules: Sequence[nn.Module], lr: float, weight_decay: float, **
     in the groups: AdamW skips a parameter without a gradient, and the checkpoint keeps one layout;
     except on stages with LoRA adapters (:func:`~ppmedia.pipeline.apply_lora`), whose optimizers hold
     the adapters alone (the base is frozen and not checkpointed).
+
+    Raises:
+        ValueError: a module without parameters (a middle stage given no decoder layer), naming it.
     """
     import torch
 
     from .fsdp import _untie_across_modules
+    from .layer_split import refuse_empty_stages
 
     from .lora import has_lora
 
     _untie_across_modules(modules)
+    refuse_empty_stages(modules, "stage_adamw")  # not torch's bare "optimizer got an empty parameter list"
     return [torch.optim.AdamW(decay_groups(module, weight_decay, trainable_only=has_lora(module)), lr=lr, **adamw)
             for module in modules]
 

@@ -91,6 +91,9 @@ class PipelineParts:
             ``None``: no tensor parallelism.
         world_group: the group of every rank of this training job (the loss and counts are summed
             over it); ``None``: the default group (the world).
+        cp_group: the context-parallel group (:func:`~ppmedia.pipeline.enable_context_parallel`):
+            :func:`train_step` sums every gradient over it first (each cp rank's backward gave its share
+            of the rows' part); ``None``: no context parallelism.
     """
 
     schedule: Any
@@ -108,6 +111,7 @@ class PipelineParts:
     presplit: bool = False
     tp_group: Any = None
     world_group: Any = None
+    cp_group: Any = None
 
 
 def batch_to(batch: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -260,6 +264,10 @@ def train_step(parts: PipelineParts, share: ReplicaShare, step: int | None = Non
     if parts.tracer is not None:
         parts.tracer.start(group=parts.pp_group)
     _run_schedule(parts, share, losses)
+    if parts.cp_group is not None:  # before the tp and dp reductions and the clipping
+        from .context_parallel import reduce_context_gradients
+
+        reduce_context_gradients(parts.modules, parts.cp_group)
     if parts.tp_group is not None:  # the tower's (and per-head norms') gradients: each tp rank holds a share
         reduce_tensor_parallel_gradients(parts.modules)
     sync_tied_gradients(parts.modules, parts.tied, group=parts.pp_group)
