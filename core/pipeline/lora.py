@@ -175,8 +175,8 @@ def _peft_config(settings: LoraSettings, targets: Iterable[str], base_model: str
     written to files; ``False`` in memory, where :func:`initial_lora_weight` initialises)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=int(settings.rank), lora_alpha=settings.alpha, lora_dropout=float(settings.dropout),
-                      target_modules=sorted(set(targets)), bias="none", init_lora_weights=init,
+    return LoraConfig(r=int(settings.rank), lora_alpha=settings.alpha,  # type: ignore[arg-type]  # PEFT takes a float alpha
+                      lora_dropout=float(settings.dropout), target_modules=sorted(set(targets)), bias="none", init_lora_weights=init,
                       base_model_name_or_path=base_model)
 
 
@@ -243,8 +243,8 @@ def apply_lora(modules: Sequence[nn.Module], settings: LoraSettings) -> dict[str
         for param in module.parameters():
             param.requires_grad_(False)
         for name in names:
-            base = module.get_submodule(name)
-            layer = LoraLinear(base, _ADAPTER, config=config, r=int(settings.rank), lora_alpha=settings.alpha,
+            base: Any = module.get_submodule(name)
+            layer = LoraLinear(base, _ADAPTER, config=config, r=int(settings.rank), lora_alpha=settings.alpha,  # type: ignore[arg-type]
                                lora_dropout=float(settings.dropout), init_lora_weights=False)
             _whole_sizes(layer, base, int(settings.rank))
             for kind in ("lora_A", "lora_B"):
@@ -332,7 +332,7 @@ def save_lora_adapter(modules: Sequence[nn.Module], path: str | os.PathLike[str]
         dist.all_gather_object(parts, mine, group=group)
     whole: dict[str, torch.Tensor] = {}
     names: list[str] = []
-    for part_tensors, part_targets in parts:  # type: ignore[misc]
+    for part_tensors, part_targets in parts:
         whole.update(part_tensors)
         names.extend(part_targets)
     rank0 = group is None or dist.get_rank(group) == 0
