@@ -642,6 +642,17 @@ NOT_RUN: dict[str, NotRun] = {
         "torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
         "--batch-size 4 --max-length 64 --epochs 2 --save-dir runs --save-every 4 --loss-log loss.jsonl --export trained",
         "python -c \"import transformers as t; print(t.AutoModelForImageTextToText.from_pretrained('trained').dtype)\""]},
+    **{command_key(line): NotRun(
+        "run once already: tests/test_lora_mp.py runs docs/lora.md's lines as written and checks them",
+        "test_the_pages_lines_train_and_export_an_adapter_peft_loads: the run trains at pp2 with --lora-rank 8 and "
+        "PeftModel.from_pretrained loads its adapter with both stages' layers",
+        _run_as_written_by("test_lora_mp", "lines")) for line in [
+        "torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
+        "--pp 2 --batch-size 4 --max-length 64 --steps 2 --lora-rank 8 --export out",
+        "python -c \"import peft, transformers as t; m = peft.PeftModel.from_pretrained("
+        "t.AutoModelForImageTextToText.from_pretrained('demo-ckpt'), 'out'); c = m.peft_config['default']; "
+        "print(len(c.target_modules), ','.join(sorted({n.split('.layers.')[1].split('.')[0] for n in c.target_modules})))\""]},
+    "python tests/bench/run.py --lora-memory": _BENCH,
     **{command_key(line): _SPREAD_RUN for line in [
         "torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen2_5_vl --pp 2 --schedule ZBVZeroBubble "
         "--microbatches 4 --steps 2 --encoder spread --trace step.svg --loss-log loss.jsonl"]},

@@ -75,6 +75,8 @@ The package, one module per concern (every public name is importable from ``ppme
                     (built on meta, only the stage's tensors read, from only their shard files);
                     :func:`vision_from_pretrained`: its vision side alone (the spread's copy)
 ``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
+``lora``            LoRA adapters on the stages in PEFT's classes and file format (:func:`apply_lora`,
+                    :func:`save_lora_adapter`)
 ``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
 ``tensor_parallel``  tensor parallelism inside every stage over the ``tp`` mesh (:func:`apply_tensor_parallel`)
@@ -101,6 +103,7 @@ from .checkpoint import (
     claim_save_dir,
     latest_checkpoint,
     load_checkpoint,
+    lora_mismatch,
     new_run_id,
     save_checkpoint,
     stage_optimizers,
@@ -112,7 +115,10 @@ from .context_parallel import (ContextShard, context_loss, context_problem, enab
 from .cp_attention import CP_ATTENTION, CP_BACKENDS, CpMask, register_cp_attention
 from .distributed import TORCHRUN_VARIABLES, init_distributed, pipeline_mesh
 from .evaluate import eval_step
-from .export import PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
+from .export import LORA_EXPORTS, PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
+from .lora import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ALL_LINEAR, DEFAULT_LORA_TARGETS, LoraSettings, apply_lora,
+                   check_lora_targets, has_lora, initial_lora_weight, lora_settings_of, lora_state_dict, lora_targets,
+                   merged_state_dict, peft_key, save_lora_adapter)
 from .finetune import (MODEL_PARTS, PROJECTOR_NAMES, enable_activation_checkpointing, freeze, model_part,
                        resolve_device, train_mode)
 from .guards import (BatchMismatchError, NonFiniteError, NonFiniteGuard, agree, batch_fingerprint,
@@ -147,6 +153,22 @@ from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_pa
 from .trace import StepTracer
 
 __all__ = [
+    "LORA_EXPORTS",
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "ALL_LINEAR",
+    "DEFAULT_LORA_TARGETS",
+    "LoraSettings",
+    "apply_lora",
+    "check_lora_targets",
+    "has_lora",
+    "initial_lora_weight",
+    "lora_settings_of",
+    "lora_state_dict",
+    "lora_targets",
+    "merged_state_dict",
+    "peft_key",
+    "save_lora_adapter",
     "BatchMismatchError",
     "CHECKPOINT_INFO",
     "CP_ATTENTION",
@@ -220,6 +242,7 @@ __all__ = [
     "learning_rate",
     "load_checkpoint",
     "loader_shares",
+    "lora_mismatch",
     "local_length",
     "make_labels",
     "make_pipeline_stages",

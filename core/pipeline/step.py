@@ -89,6 +89,8 @@ class PipelineParts:
             (:func:`~ppmedia.pipeline.reduce_tensor_parallel_gradients`), and the losses and counts
             are taken from its rank 0 only (every ``tp`` peer of a last stage holds the same loss).
             ``None``: no tensor parallelism.
+        world_group: the group of every rank of this training job (the loss and counts are summed
+            over it); ``None``: the default group (the world).
         cp_group: the context-parallel group (:func:`~ppmedia.pipeline.enable_context_parallel`):
             :func:`train_step` sums every gradient over it first (each cp rank's backward gave its share
             of the rows' part); ``None``: no context parallelism.
@@ -108,6 +110,7 @@ class PipelineParts:
     guard: Any = None
     presplit: bool = False
     tp_group: Any = None
+    world_group: Any = None
     cp_group: Any = None
 
 
@@ -295,7 +298,7 @@ def _global_sums(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]
         sums[0] = torch.stack([loss.detach().double() for loss in losses]).sum().to(device)
     if counts and dist.get_rank(parts.pp_group) == 0:
         sums[1], sums[2] = share.pad_positions, share.positions
-    dist.all_reduce(sums)
+    dist.all_reduce(sums, group=parts.world_group)
     loss, pads, positions = sums.tolist()
     return loss, pads / positions if positions else 0.0
 
@@ -312,7 +315,8 @@ def eval_loss(parts: PipelineParts, shares: Sequence[ReplicaShare]) -> float:
         for share in shares:
             staged = share.staged if parts.first is not None or parts.presplit else None
             loss = eval_step(parts.schedule, parts.first, staged, share.input_ids, share.attention_mask, share.labels,
-                             share.num_valid_tokens, presplit=parts.presplit, tp_group=parts.tp_group)
+                             share.num_valid_tokens, presplit=parts.presplit, tp_group=parts.tp_group,
+                             group=parts.world_group)
             total += float(loss) * share.num_valid_tokens
             tokens += share.num_valid_tokens
     finally:

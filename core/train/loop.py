@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .. import pipeline
 from ..testing import tiny_models
 
+from .lora_options import lora_settings
 from .options import parse_args
 from .sources import data_source, say
 
@@ -71,6 +72,9 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     if args.tp > 1:  # before FSDP2 and the optimizers: DTensor shards over tp
         pipeline.apply_tensor_parallel(stages, mesh["tp"])
     modules = [stage.submod for stage in stages]
+    lora = lora_settings(args)
+    if lora is not None:  # after tensor parallelism (adapters sharded like their layers), before FSDP2
+        pipeline.apply_lora(modules, lora)
     spread = pipeline.encoder_spread_of(stages) if args.encoder == "spread" else None
     if spread is not None and args.data:  # the loader reads media on stage 0's rank: it sends each rank its shares
         spread.media_from_first_stage = True
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
              + ", ".join(f"{r}: {mine}" for r, mine in enumerate(encoded)))
     if parts.tracer is not None:
         draw_trace(ctx, args)
-    if args.export:
+    if args.export or args.export_merged:
         export(ctx, args)
 
 
@@ -212,16 +216,22 @@ def media_reads_line() -> str:
 
 
 def export(ctx: dict[str, Any], args: argparse.Namespace) -> None:
-    """``--export``: the stages as a Hugging Face checkpoint in their dtype, and ``--model``'s processor
-    files, so that ``AutoProcessor`` and ``AutoModelForImageTextToText`` load it."""
+    """``--export``: the stages as a Hugging Face checkpoint in their dtype (with ``--lora-rank``: the PEFT
+    adapter, every stage's), ``--export-merged``: the base with the adapters merged in; with each
+    ``--model``'s processor files, so that ``AutoProcessor`` and ``AutoModelForImageTextToText`` (and
+    ``peft.PeftModel.from_pretrained``) load it."""
     parts = ctx["parts"]
     if args.fsdp or ctx["dp_rank"] == 0:
         # each pipeline rank writes its stages' shards (FSDP2 / --tp: every replica or tp peer gathers,
         # the first writes)
-        pipeline.save_pretrained_stages(parts.modules, args.export, group=parts.pp_group)
-    if args.model and dist.get_rank() == 0:
-        copied = pipeline.copy_processor_files(args.model, args.export)
-        print(f"exported {args.export} ({', '.join(copied) or 'no processor files'})", flush=True)
+        for path, lora in ((args.export, "adapter"), (args.export_merged, "merged")):
+            if path:
+                pipeline.save_pretrained_stages(parts.modules, path, group=parts.pp_group, lora=lora,
+                                                base_model=args.model)
+    for path in (args.export, args.export_merged):
+        if path and args.model and dist.get_rank() == 0:
+            copied = pipeline.copy_processor_files(args.model, path)
+            print(f"exported {path} ({', '.join(copied) or 'no processor files'})", flush=True)
     dist.barrier()
 
 

@@ -11,6 +11,7 @@ import torch
 from .. import pipeline
 from ..pipeline.pretrained import load_pretrained_config
 from ..testing import tiny_models
+from .lora_options import add_lora_options, lora_problem
 from . import composition
 
 #: the stand-in run's length when neither --steps nor --epochs is given.
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="feed the schedule pre-split microbatches (each one's media its own keyword input) instead of "
              "staging the media on stage 0")
     add("--trace", metavar="FILE.svg", help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
+    add_lora_options(parser)
     return parser
 
 
@@ -227,6 +229,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         problem = context_option_problem(args)
         if problem:
             parser.error(problem)
+    problem = lora_problem(args)
+    if problem:
+        parser.error(problem)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                      f"use --device cpu")

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack | --video]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack | --video | --lora-memory]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -35,6 +35,8 @@ Measures, in one process with ``torch.set_num_threads(1)``:
 13. video reading (``--video`` alone; see ``video_bench.py``): a 60 s 30 fps clip read for a processor
    that samples 2 frames a second, against decoding only the kept frames, and today's
    decode-everything reader beside it.
+14. LoRA memory (``--lora-memory``; see ``lora_memory_bench.py``): pp=2 on section 8's model, the largest
+   rank's gradients + optimizer state with LoRA rank 8 over full fine-tuning's, both step times.
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -68,6 +70,7 @@ import balance_bench  # noqa: E402
 import data_bench  # noqa: E402
 import load_memory_bench  # noqa: E402
 import fsdp_memory_bench  # noqa: E402
+import lora_memory_bench  # noqa: E402
 import tp_memory_bench  # noqa: E402
 import model_bench  # noqa: E402
 import pack_bench  # noqa: E402
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", action="store_true", help="run only the data benchmark (section 10)")
     parser.add_argument("--pack", action="store_true", help="run only the packing benchmark (section 12)")
     parser.add_argument("--video", action="store_true", help="run only the video-reading benchmark (section 13)")
+    parser.add_argument("--lora-memory", action="store_true", help="run only the LoRA memory benchmark (section 14)")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="section 9: draw its predicted and measured timelines here (SVG)")
     args = parser.parse_args(argv)
@@ -159,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_pack(args, None)
     if args.video:
         return _run_video(args, None)
+    if args.lora_memory:
+        return _run_lora_memory(args, None)
 
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -280,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     video_result = _run_video(args, targets)
     print()
 
+    lora_memory = _run_lora_memory(args, targets)
+    print()
+
     # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
@@ -322,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
 
         "pack": pack_result,
         "video": video_result,
+        "lora_memory": lora_memory,
         "environment": env,
         "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
         "elapsed_s": round(elapsed, 1),
@@ -437,6 +447,18 @@ def _run_tp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | Non
         return 0
     targets.append({"target": f"tp-memory: pp=2 x tp=2, largest rank / one process <= {result['target']}",
                     "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
+    return result
+
+
+def _run_lora_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 14; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    result = lora_memory_bench.run()
+    print(lora_memory_bench.report(result))
+    if targets is None:
+        _write_out(args, {"lora_memory": result})
+        return 0
+    targets.append({"target": f"lora-memory: pp=2, LoRA rank 8 / full fine-tuning <= {result['target']}",
+                    "measured": round(result["R"], 4), "met": result["R"] <= result["target"]})
     return result
 
 
