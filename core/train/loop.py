@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-import traceback
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -17,6 +15,7 @@ import torch.distributed as dist
 from .. import pipeline
 from ..testing import tiny_models
 
+from .failures import NothingToTrain, report_failure
 from .options import parse_args
 from .sources import data_source, say
 
@@ -170,16 +169,24 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
     for step in range(start, total):
         where["step"] = step
         started = time.perf_counter()
-        record = train_one(ctx, args, step, next(shares), source, held_out, started)
+        share = next(shares)
+        if step == start and share.num_valid_tokens == 0:  # the same on every rank: all stop here
+            raise NothingToTrain(nothing_to_train(args, step, share))
+        record = train_one(ctx, args, step, share, source, held_out, started)
+        last = step + 1 == total
+        if last and held_out is not None:  # the final model, evaluated once more
+            record["final_eval_loss"] = pipeline.eval_loss(parts, held_out())
         if log is not None:
             log.write(record)
         if progress is not None:
             progress.update(record)
-        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+        if args.save_dir and args.save_every and ((step + 1) % args.save_every == 0 or last):
             pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
                 "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "fsdp": args.fsdp,
                 "data": source.state_dict()},
                 run_id=ctx["run_id"])
+    if held_out is not None and total > start:
+        say(f"final model: eval loss {record['final_eval_loss']:.6f}")
     if progress is not None:
         progress.close()
     if args.data:  # collective: what each rank read (DataLoader workers' opens are counted in the workers)
@@ -193,6 +200,17 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
         draw_trace(ctx, args)
     if args.export:
         export(ctx, args)
+
+
+def nothing_to_train(args: argparse.Namespace, step: int, share: Any) -> str:
+    """Why the first global batch holds no label token, as one line."""
+    batch = f"step {step}: the global batch of {args.batch_size} samples holds no label token"
+    if share.samples == 0:
+        why = (f"all were skipped ({share.skipped} samples skipped so far: longer than --max-length {args.max_length}, "
+               f"or bad records with --skip-bad-samples; the warnings above name them)")
+    else:
+        why = f"its {share.samples} samples have no assistant turn to learn from"
+    return f"{batch}: {why}; nothing to train on, stopping before the first optimizer step"
 
 
 def media_reads_line() -> str:
@@ -228,10 +246,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp x --tp = "
                              f"{args.pp * args.dp * args.tp}")
         run(args, where)
-    except BaseException as exc:  # a failed rank says so and exits non-zero, without waiting for its peers
-        traceback.print_exc()
-        print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {pipeline.failure_line(exc)}", file=sys.stderr, flush=True)
-        os._exit(1)  # the process group may hang on a dead peer: skip its teardown
+    except BaseException as exc:  # one line on the first failing rank, tracebacks to files; no teardown
+        report_failure(exc, where["step"], dist.get_rank())
     dist.destroy_process_group()
 
 
