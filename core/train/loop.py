@@ -16,7 +16,7 @@ from .. import pipeline
 from ..testing import tiny_models
 
 from .failures import NothingToTrain, report_failure
-from .options import parse_args
+from .options import parse_args, world_formula, world_size
 from .sources import data_source, say
 
 
@@ -237,14 +237,18 @@ def export(ctx: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.dry_run:  # one process, no process group: every rank's bytes from config.json
+        from .dryrun import report
+
+        print(report(args), flush=True)
+        return
     torch.set_num_threads(1)  # CPU processes sharing cores: one intra-op thread each
     _, backend = pipeline.resolve_device(args.device)
     pipeline.init_distributed(backend, timeout=timedelta(seconds=60))  # torchrun's ranks, or one process
     where: dict[str, Any] = {"step": None}
     try:
-        if dist.get_world_size() != args.pp * args.dp * args.tp:
-            raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp x --tp = "
-                             f"{args.pp * args.dp * args.tp}")
+        if dist.get_world_size() != world_size(args):
+            raise ValueError(f"world size {dist.get_world_size()}; expected {world_formula(args)} = {world_size(args)}")
         run(args, where)
     except BaseException as exc:  # one line on the first failing rank, tracebacks to files; no teardown
         report_failure(exc, where["step"], dist.get_rank())
