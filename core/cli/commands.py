@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 
 from . import inspect_batch as cli_inspect
 from . import plan
+from . import plot as cli_plot
 from . import train as cli_train
 from .base import CliError, Command, UsageError, cli_terms, one_line, positive_int
 from .tables import format_table
@@ -137,6 +138,8 @@ COMMANDS: list[Command] = [
             plan.add_arguments, plan.run),
     Command("train", "train from a YAML file of training options (pp x dp x tp processes via torchrun)",
             cli_train.add_arguments, cli_train.run),
+    Command("plot", "a training log (--loss-log) as a PNG: loss, eval loss and lr against steps",
+            cli_plot.add_arguments, cli_plot.run),
 ]
 
 

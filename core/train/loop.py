@@ -16,7 +16,9 @@ from .. import pipeline
 from ..testing import tiny_models
 
 from .failures import NothingToTrain, report_failure
+from .metrics import rank_figures
 from .options import parse_args, world_formula, world_size
+from .sinks import Sinks
 from .sources import data_source, say
 
 
@@ -165,6 +167,7 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
     rank0 = dist.get_rank() == 0
     progress = pipeline.Progress(total, start) if rank0 else None
     log = pipeline.LossLog(args.loss_log) if rank0 and args.loss_log else None
+    sinks = Sinks(args) if rank0 else None
     shares = source.shares(start)
     for step in range(start, total):
         where["step"] = step
@@ -173,11 +176,16 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
         if step == start and share.num_valid_tokens == 0:  # the same on every rank: all stop here
             raise NothingToTrain(nothing_to_train(args, step, share))
         record = train_one(ctx, args, step, share, source, held_out, started)
+        record.update(rank_figures(ctx, share, record["step_time_s"]))  # collective: every rank's peak memory
         last = step + 1 == total
         if last and held_out is not None:  # the final model, evaluated once more
             record["final_eval_loss"] = pipeline.eval_loss(parts, held_out())
         if log is not None:
             log.write(record)
+        if sinks is not None:
+            sinks.write(record)
+            if "final_eval_loss" in record:
+                sinks.final_eval(step + 1, record["final_eval_loss"])
         if progress is not None:
             progress.update(record)
         if args.save_dir and args.save_every and ((step + 1) % args.save_every == 0 or last):
@@ -189,6 +197,8 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
         say(f"final model: eval loss {record['final_eval_loss']:.6f}")
     if progress is not None:
         progress.close()
+    if sinks is not None:
+        sinks.close()
     if args.data:  # collective: what each rank read (DataLoader workers' opens are counted in the workers)
         say(media_reads_line())
     if parts.spread is not None:  # collective: who encoded what
