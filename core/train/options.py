@@ -179,7 +179,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.tp > 1 and untested:
         parser.error(f"--tp {args.tp} with {', '.join(untested)}: not supported (docs/tensor-parallel.md); "
                      f"drop one of them")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                      f"use --device cpu")
 
