@@ -104,9 +104,9 @@ def rank_bytes(args: argparse.Namespace) -> tuple[Any, list[RankBytes]]:
         per_pp.append((tuple(indices), count, held, trainable))
     ranks = []
     for d in range(args.dp):
-        for p, (indices, count, held, trainable) in enumerate(per_pp):
+        for p, (held_stages, count, held, trainable) in enumerate(per_pp):
             for t in range(args.tp):
-                ranks.append(RankBytes(rank=(d * args.pp + p) * args.tp + t, pp=p, dp=d, tp=t, stages=indices,
+                ranks.append(RankBytes(rank=(d * args.pp + p) * args.tp + t, pp=p, dp=d, tp=t, stages=held_stages,
                                        parameters=count, parameter_bytes=held / shard,
                                        gradient_bytes=trainable / shard, optimizer_bytes=2 * trainable / shard))
     return config, sorted(ranks, key=lambda r: r.rank)
