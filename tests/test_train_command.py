@@ -1,6 +1,7 @@
-"""``ppmedia train CONFIG.yaml``: the configuration file against the training parser (in this process),
-the documented run against ``torchrun examples/train.py`` with the same options (one sandbox, two runs),
-the failures' one line, and ``--dry-run`` on every recipe with a config-only folder."""
+"""``ppmedia train CONFIG.yaml`` in this process: the configuration file against the training parser, the
+launcher's command, ``--dry-run`` on every recipe with a config-only folder, W&B offline. The documented
+run (its losses against the README's ``torchrun examples/train.py`` run, TensorBoard, the plot) and the
+failures' one line run in tests/test_train_data.py, in the README run's folder."""
 
 from __future__ import annotations
 
@@ -100,93 +101,21 @@ def test_every_recipe_dry_runs_on_a_config_only_folder(tmp_path, capsys):
         assert f"largest: rank" in out and "bfloat16" in out
 
 
-# ------------------------------------------------------------------------------ the documented run
-def documented_lines() -> list[str]:
-    """docs/train-command.md's first block (tests/test_docs.py leaves it to the test below)."""
-    from test_docs import DOCS, command_lines, read_blocks
+# ------------------------------------------------------------------------------ W&B, offline
+def test_wandb_logs_the_steps_offline(tmp_path, monkeypatch):
+    """``--wandb PROJECT`` with ``WANDB_MODE=offline``: no network, the run's file under ./wandb."""
+    import argparse
 
-    block = [b for b in read_blocks(DOCS / "train-command.md") if b.lang == "sh"][0]
-    return command_lines(block)
+    from ppmedia.train.sinks import Sinks
 
-
-@pytest.mark.multiprocess
-def test_ppmedia_train_runs_the_documented_lines_like_examples_train(tmp_path):
-    """The page's lines as written (``ppmedia train recipes/demo.yaml --steps 5``: 2 processes, pp 2), then
-    ``torchrun examples/train.py`` with the options the recipe's header names: the same losses; TensorBoard's
-    ``train/loss`` equals the JSON log; the last step checkpointed; the final model evaluated; the plot."""
-    from test_docs import run_documented
-
-    lines = documented_lines()
-    assert lines[1].split("#")[0].strip() == "ppmedia train recipes/demo.yaml --steps 5"
-    results = run_documented("docs/train-command.md", lines, tmp_path)
-    rows = _rows(tmp_path / "loss.jsonl")
-    assert [r["step"] for r in rows] == list(range(5))
-    assert all(len(r["peak_memory_gb"]) == 2 and min(r["peak_memory_gb"]) > 0.05 for r in rows)
-    assert "mfu" not in rows[0]  # CPU: no peak FLOP/s to divide by
-    assert [r.get("eval_loss") is not None for r in rows] == [True, False, True, False, True]
-    assert rows[-1]["final_eval_loss"] < rows[-1]["eval_loss"]  # the final weights, after the last step
-    assert sorted(p.name for p in (tmp_path / "runs").glob("step*")) == ["step2", "step4", "step5"]
-    assert results[2].stdout.startswith("wrote loss.png: 5 steps, 4 eval points")
-    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(tmp_path / "tb"))
-    events.Reload()
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/padding_fraction",
-            "eval/loss"} <= set(events.Tags()["scalars"])
-    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
-        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
-    assert events.Scalars("eval/loss")[-1].step == 5
-
-    # the same options through torchrun examples/train.py (W&B offline on the side): the same losses
-    header = (ROOT / "recipes" / "demo.yaml").read_text().split("#   torchrun ", 1)[1].split("\nmodel:")[0]
-    argv = [w for w in header.replace("\\\n#      ", " ").split() if w != "#"]
-    assert argv[:3] == ["--standalone", "--nproc-per-node", "2"]
-    argv = [w.replace("loss.jsonl", "ref.jsonl").replace("runs", "ref-runs") for w in argv
-            if w not in ("--tensorboard", "tb")] + ["--steps", "5", "--wandb", "ppmedia-test"]
-    del argv[argv.index("--epochs"):argv.index("--epochs") + 2]  # --steps 5 instead, as the page's line
-    done = subprocess.run([str(TORCHRUN), *argv], cwd=tmp_path, env=_env(WANDB_MODE="offline"),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    reference = _rows(tmp_path / "ref.jsonl")
-    assert [r["loss"] for r in reference] == [r["loss"] for r in rows]
-    assert [r.get("eval_loss") for r in reference] == [r.get("eval_loss") for r in rows]
-    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-
-
-@pytest.mark.multiprocess
-def test_a_failure_is_one_line_and_a_run_with_no_label_stops_before_step_0(tmp_path):
-    """A bad record at pp 2: one line naming FILE:LINE and the traceback file, from one rank. Every sample
-    over --max-length (one process, in place): stopped before step 0, naming why."""
-    from ppmedia.testing.datasets import save_tiny_checkpoint, write_image_chat_dataset
-    from ppmedia.testing.word_tokenizer import text_words
-
-    import transformers
-
-    ckpt = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "ckpt")
-    words = text_words(transformers.AutoProcessor.from_pretrained(ckpt).tokenizer)
-    data = write_image_chat_dataset(tmp_path / "data", 8, words=words)
-    lines = data.read_text().splitlines()
-    lines[2] = lines[2].replace("img2.png", "missing.png")
-    (tmp_path / "data" / "bad.jsonl").write_text("\n".join(lines) + "\n")
-    (tmp_path / "c.yaml").write_text(f"model: {ckpt}\ndata: data/bad.jsonl\npp: 2\nbatch_size: 4\nmax_length: 64\n"
-                                     "steps: 2\nno_shuffle: true\n")
-    logs = tmp_path / "logs"
-    failed = subprocess.run([str(BIN / "ppmedia"), "train", "c.yaml"], cwd=tmp_path, capture_output=True, text=True,
-                            env=_env(PPMEDIA_LOG_DIR=str(logs)), timeout=600)
-    assert failed.returncode == 1
-    ours = [line for line in (failed.stdout + failed.stderr).splitlines() if line.startswith("train.py")]
-    assert len(ours) == 1, failed.stderr
-    found = re.fullmatch(r"train\.py: data/bad\.jsonl:3: image file '.*missing\.png' does not exist "
-                         r"\(rank 0; traceback: (\S+)\)", ours[0])
-    assert found and "DataError" in pathlib.Path(found[1]).read_text(), ours
-    assert "step None" not in failed.stderr and failed.stderr.count("Traceback") == 1  # torchrun's own report
-
-    nothing = subprocess.run([sys.executable, "-m", "ppmedia.train", "--model", str(ckpt), "--data", str(data),
-                              "--pp", "1", "--batch-size", "4", "--max-length", "8", "--steps", "2"],
-                             cwd=tmp_path, capture_output=True, text=True, env=_env(PPMEDIA_LOG_DIR=str(logs)), timeout=600)
-    assert nothing.returncode == 1 and "step 0: loss" not in nothing.stdout
-    (line,) = [line for line in nothing.stderr.splitlines() if line.startswith("train.py")]
-    assert line.startswith("train.py: step 0: the global batch of 4 samples holds no label token: all were skipped "
-                           "(4 samples skipped so far: longer than --max-length 8"), line
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sinks = Sinks(argparse.Namespace(tensorboard=None, wandb="ppmedia-test", lr=1e-3))
+    for step in range(2):
+        sinks.write({"step": step, "loss": 2.0 - step, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0,
+                     "padding_fraction": 0.1, "peak_memory_gb": [0.5, 0.4]})
+    sinks.final_eval(2, 0.5)
+    sinks.close()
+    (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert run.stat().st_size > 0
