@@ -52,8 +52,8 @@ def test_config_errors_name_the_file_and_key_before_anything_starts(tmp_path, ca
     assert "expected one of constant" in _error(tmp_path, capsys, "lr_schedule: wavy\n")
     err = _error(tmp_path, capsys, "bf16: true\n")
     assert f"{f}: --bf16 is FSDP2's mixed precision: give --fsdp too (key 'bf16' in the file)" in err
-    assert "3 nodes do not divide the run's --pp x --dp x --tp" in _error(tmp_path, capsys, "pp: 2\nnnodes: 3\n")
-    assert "expected --pp x --dp x --tp = 2" in _error(tmp_path, capsys, "pp: 2\nnproc_per_node: 4\n")
+    assert "3 nodes do not divide the run's --pp x --dp x --tp x --cp" in _error(tmp_path, capsys, "pp: 2\nnnodes: 3\n")
+    assert "expected --pp x --dp x --tp x --cp = 2" in _error(tmp_path, capsys, "pp: 2\nnproc_per_node: 4\n")
     assert "give rdzv_endpoint" in _error(tmp_path, capsys, "pp: 2\n", "--nnodes", "2")
     assert f"{f}: got a YAML list" in _error(tmp_path, capsys, "- pp\n")
 
