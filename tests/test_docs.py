@@ -637,6 +637,16 @@ NOT_RUN: dict[str, NotRun] = {
         "tests/test_pipeline_mp.py's shared spawn",
         _test_source_has("tests/test_train_example.py", '"-m", "ppmedia.testing.parity", "qwen2_5_vl"')),
     "ppmedia demo --family llava_next --schedule DualPipeV --steps 1": _CLI_DEMO,
+    **{command_key(line): NotRun(
+        "run once already: tests/test_train_data.py runs the page's lines as written, in the README run's folder",
+        "test_ppmedia_train_from_the_demo_recipe_repeats_the_readme_run: its losses equal the README's torchrun "
+        "examples/train.py run's, TensorBoard's train/loss equals the JSON log, the last step's checkpoint, the plot",
+        _run_as_written_by("test_train_data", "documented_train_command_lines")) for line in [
+        "ppmedia train recipes/demo.yaml --steps 5", "ppmedia plot demo-loss.jsonl --out loss.png"]},
+    command_key("ppmedia train recipes/qwen2_5_vl_7b.yaml --model /path/to/Qwen2.5-VL-7B-Instruct --dry-run"): NotRun(
+        "it points at a placeholder folder: the checkpoint is not here",
+        "tests/test_train_command.py runs --dry-run on every recipe with a config-only folder shaped as the checkpoint",
+        _test_source_has("tests/test_train_command.py", '"--dry-run"')),
     **{command_key(line): _QUICK_START for line in [
         "python -m ppmedia.testing.datasets demo-ckpt demo-data",
         "torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "

@@ -42,9 +42,11 @@ its optimizer step and before any checkpoint (``--skip-nonfinite N`` skips at mo
 ``--resume`` applies this run's ``--lr`` from the resumed step and prints what changed; a fresh run
 refuses a ``--save-dir`` holding another run's checkpoints (``--overwrite`` deletes them).
 
-A rank that fails (an error, or a peer that died) prints ``train.py rank R: step S failed: ...`` and
-exits with status 1; a dead peer is noticed at the next communication with it, at the latest after the
-60 s process-group timeout.
+A failed run prints one line on the first rank to fail (``train.py: FILE:LINE: ...`` for a bad record,
+else ``train.py: step S: ...``; :mod:`.failures`), every failed rank writes its traceback to its log file
+and exits with status 1; a dead peer is noticed at the next communication with it, at the latest after
+the 60 s process-group timeout. A run whose first global batch holds no label token stops before its
+optimizer step; the last step is checkpointed with ``--save-dir`` and evaluated with ``--eval-every``.
 
 Everything in the loop is a library call (``ppmedia.pipeline``: ``stage_adamw``, ``learning_rate``, ``freeze``,
 ``train_step``, ``loader_shares``, ``step_record``, ...; docs/training.md "Fine-tuning with

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-import traceback
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -17,8 +15,11 @@ import torch.distributed as dist
 from .. import pipeline
 from ..testing import tiny_models
 
+from .failures import NothingToTrain, report_failure
 from .lora_options import lora_settings
-from .options import parse_args
+from .metrics import rank_figures
+from .options import parse_args, world_formula, world_size
+from .sinks import Sinks
 from .sources import data_source, say
 
 
@@ -178,22 +179,38 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
     rank0 = dist.get_rank() == 0
     progress = pipeline.Progress(total, start) if rank0 else None
     log = pipeline.LossLog(args.loss_log) if rank0 and args.loss_log else None
+    sinks = Sinks(args) if rank0 else None
     shares = source.shares(start)
     for step in range(start, total):
         where["step"] = step
         started = time.perf_counter()
-        record = train_one(ctx, args, step, next(shares), source, held_out, started)
+        share = next(shares)
+        if step == start and share.num_valid_tokens == 0:  # the same on every rank: all stop here
+            raise NothingToTrain(nothing_to_train(args, step, share))
+        record = train_one(ctx, args, step, share, source, held_out, started)
+        record.update(rank_figures(ctx, share, record["step_time_s"]))  # collective: every rank's peak memory
+        last = step + 1 == total
+        if last and held_out is not None:  # the final model, evaluated once more
+            record["final_eval_loss"] = pipeline.eval_loss(parts, held_out())
         if log is not None:
             log.write(record)
+        if sinks is not None:
+            sinks.write(record)
+            if "final_eval_loss" in record:
+                sinks.final_eval(step + 1, record["final_eval_loss"])
         if progress is not None:
             progress.update(record)
-        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+        if args.save_dir and args.save_every and ((step + 1) % args.save_every == 0 or last):
             pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
                 "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "cp": args.cp, "fsdp": args.fsdp,
                 "data": source.state_dict()},
                 run_id=ctx["run_id"])
+    if held_out is not None and total > start:
+        say(f"final model: eval loss {record['final_eval_loss']:.6f}")
     if progress is not None:
         progress.close()
+    if sinks is not None:
+        sinks.close()
     if args.data:  # collective: what each rank read (DataLoader workers' opens are counted in the workers)
         say(media_reads_line())
     if parts.spread is not None:  # collective: who encoded what
@@ -205,6 +222,17 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
         draw_trace(ctx, args)
     if args.export or args.export_merged:
         export(ctx, args)
+
+
+def nothing_to_train(args: argparse.Namespace, step: int, share: Any) -> str:
+    """Why the first global batch holds no label token, as one line."""
+    batch = f"step {step}: the global batch of {args.batch_size} samples holds no label token"
+    if share.samples == 0:
+        why = (f"all were skipped ({share.skipped} samples skipped so far: longer than --max-length {args.max_length}, "
+               f"or bad records with --skip-bad-samples; the warnings above name them)")
+    else:
+        why = f"its {share.samples} samples have no assistant turn to learn from"
+    return f"{batch}: {why}; nothing to train on, stopping before the first optimizer step"
 
 
 def media_reads_line() -> str:
@@ -237,19 +265,21 @@ def export(ctx: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.dry_run:  # one process, no process group: every rank's bytes from config.json
+        from .dryrun import report
+
+        print(report(args), flush=True)
+        return
     torch.set_num_threads(1)  # CPU processes sharing cores: one intra-op thread each
     _, backend = pipeline.resolve_device(args.device)
     pipeline.init_distributed(backend, timeout=timedelta(seconds=60))  # torchrun's ranks, or one process
     where: dict[str, Any] = {"step": None}
     try:
-        if dist.get_world_size() != args.pp * args.dp * args.cp * args.tp:
-            raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp x --cp x --tp = "
-                             f"{args.pp * args.dp * args.cp * args.tp} (--cp {args.cp} must divide the world with the others)")
+        if dist.get_world_size() != world_size(args):
+            raise ValueError(f"world size {dist.get_world_size()}; expected {world_formula(args)} = {world_size(args)}")
         run(args, where)
-    except BaseException as exc:  # a failed rank says so and exits non-zero, without waiting for its peers
-        traceback.print_exc()
-        print(f"train.py rank {dist.get_rank()}: step {where['step']} failed: {pipeline.failure_line(exc)}", file=sys.stderr, flush=True)
-        os._exit(1)  # the process group may hang on a dead peer: skip its teardown
+    except BaseException as exc:  # one line on the first failing rank, tracebacks to files; no teardown
+        report_failure(exc, where["step"], dist.get_rank())
     dist.destroy_process_group()
 
 

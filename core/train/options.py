@@ -35,8 +35,27 @@ def _parts(text: str) -> list[str]:
     return parts
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+#: the parallel options that multiply the world (those the parser has): ``pp x dp x tp x cp``; ``--ep`` is
+#: carved out of the dp ranks, so it is not one
+WORLD_DIMS = ("pp", "dp", "tp", "cp")
+
+
+def world_size(args: argparse.Namespace) -> int:
+    """The processes a run of ``args`` takes: the product of its :data:`WORLD_DIMS` options."""
+    world = 1
+    for dim in WORLD_DIMS:
+        world *= int(getattr(args, dim, 1) or 1)
+    return world
+
+
+def world_formula(args: argparse.Namespace) -> str:
+    """``--pp x --dp x --tp`` (and the other :data:`WORLD_DIMS` ``args`` has): for messages."""
+    return " x ".join(f"--{dim}" for dim in WORLD_DIMS if hasattr(args, dim))
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The training options (``parser_class``: the parser's class, e.g. one whose ``error`` raises)."""
+    parser = parser_class(description=DESCRIPTION)
     add = parser.add_argument
     add("--family", default="qwen2_5_vl", choices=tiny_models.FAMILIES, metavar="FAMILY",
         help="the tiny seeded model and its stand-in batches (without --model / --data)")
@@ -94,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--presplit", action="store_true",
         help="feed the schedule pre-split microbatches (each one's media its own keyword input) instead of "
              "staging the media on stage 0")
+    add("--dry-run", action="store_true",
+        help="build every rank's stages on the meta device from --model's config.json alone and print the bytes "
+             "of parameters, gradients and optimizer state per rank; nothing trains (no weights, no data read)")
+    add("--tensorboard", metavar="DIR", help="write TensorBoard scalars here (rank 0; the tensorboard extra)")
+    add("--wandb", metavar="PROJECT", help="log to this Weights & Biases project (rank 0; the wandb extra; "
+                                         "WANDB_MODE=offline works without network)")
     add("--trace", metavar="FILE.svg", help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     add_lora_options(parser)
     return parser
@@ -120,7 +145,7 @@ def bad_option(args: argparse.Namespace) -> str | None:
         if problem is None and path and not os.path.isdir(path):
             problem = f"{option} {path}: no such directory"
     for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
-        if problem is None and path and not os.path.exists(path):
+        if problem is None and path and not os.path.exists(path) and not args.dry_run:
             problem = f"{option} {path}: no such file or directory"
     if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):
         problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
@@ -197,7 +222,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     problem = bad_option(args)
     if problem:
         parser.error(problem)
-    if args.model and not args.data:
+    if args.dry_run and not args.model:
+        parser.error("--dry-run builds the stages of --model's config.json: give --model")
+    if args.model and not args.data and not args.dry_run:
         parser.error("--model fine-tunes a checkpoint on --data: give --data (the tiny stand-in batches only go "
                      "with --family)")
     if args.data and not args.model:
@@ -232,7 +259,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     problem = lora_problem(args)
     if problem:
         parser.error(problem)
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                      f"use --device cpu")
 
@@ -254,8 +281,10 @@ def context_option_problem(args: argparse.Namespace) -> str | None:
     return None if problem is None else f"--cp {args.cp}: the decoder cannot be sharded: {problem}"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """``argv`` parsed and checked (:func:`bad_option` and the combinations; ``parser.error`` on the first
+    problem); ``parser``: default :func:`build_parser`'s."""
+    parser = build_parser() if parser is None else parser
     args = parser.parse_args(argv)
     _check(parser, args)
     if args.steps is None and args.epochs is None:
