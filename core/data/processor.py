@@ -51,7 +51,8 @@ class SampleProcessor:
     def __init__(self, processor: Any, max_length: int | None = None, config: Any = None, truncate: bool = False,
                  processor_kwargs: dict[str, Any] | None = None) -> None:
         if getattr(processor, "chat_template", None) is None:
-            raise ValueError("the processor has no chat_template: save the checkpoint's processor with its template")
+            raise ValueError("the processor has no chat_template: save the checkpoint's processor with its "
+                             "template, or set processor.chat_template (examples/train.py: --chat-template FILE)")
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         if not getattr(self.tokenizer, "is_fast", False):

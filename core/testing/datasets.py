@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["IMAGE_SIZES", "MIXED_KINDS", "SKEWED_IMAGE_SIZES", "main", "save_tiny_checkpoint", "write_image_chat_dataset",
+__all__ = ["IMAGE_SIZES", "MIXED_KINDS", "OWN_NAMES", "SKEWED_IMAGE_SIZES", "main", "save_tiny_checkpoint", "write_image_chat_dataset",
            "write_length_skewed_dataset", "write_mixed_dataset", "write_video"]
 
 #: (height, width) of the generated images, in turn (multiples of 8: whole merged patches of the tiny
@@ -28,19 +28,27 @@ IMAGE_SIZES: tuple[tuple[int, int], ...] = ((16, 16), (16, 24), (24, 16))
 SKEWED_IMAGE_SIZES: tuple[tuple[int, int], ...] = ((16, 16), (16, 32), (32, 16), (24, 24), (32, 32))
 
 
+#: families saved under the model's own tensor names (``save_original_format=False``): transformers
+#: 5.23's conversion back from the original Kimi names (fused ``self_wqkv``, ``PermuteForRope`` on
+#: ``q_proj``) fails for a config with ``q_lora_rank: null`` such as the tiny one, in
+#: ``from_pretrained`` and in ppmedia's per-stage loader alike (it applies the same conversion).
+OWN_NAMES: frozenset[str] = frozenset({"kimi_vl", "kimi_k25_video"})
+
+
 def save_tiny_checkpoint(family: str, folder: str | Path, *, seed: int = 0, dtype: Any = None,
                          max_shard_size: str = "50GB") -> Path:
     """The tiny ``family``'s model (seed ``seed``, cast to ``dtype`` if given) and its processor, saved
     into ``folder``; returns it. The model is the one the processor's output fits
     (:func:`~ppmedia.testing.processors.build_tiny_processor_model`: Gemma 4's has a larger vision
-    position table, since its processor's patch coordinates reach past the plain tiny model's 16)."""
+    position table, since its processor's patch coordinates reach past the plain tiny model's 16).
+    A family of :data:`OWN_NAMES` is saved under the model's own tensor names."""
     from .processors import build_tiny_processor_model, save_tiny_processor
 
     path = Path(folder)
     model = build_tiny_processor_model(family, seed)
     if dtype is not None:
         model = model.to(dtype)
-    model.save_pretrained(path, max_shard_size=max_shard_size)
+    model.save_pretrained(path, max_shard_size=max_shard_size, save_original_format=family not in OWN_NAMES)
     save_tiny_processor(family, path)
     return path
 

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, help="train this many passes over --data")
     length.add_argument("--steps", type=int, help="train until this step (exclusive)")
+    add("--chat-template", metavar="FILE", help="a Jinja chat template file for a processor saved without one")
     add("--no-shuffle", action="store_true", help="global batch i holds samples [i*B, (i+1)*B) in order")
     add("--seed", type=int, default=0, help="the shuffle's seed (and the tiny model's)")
     add("--workers", type=int, default=0, help="DataLoader worker processes per rank that reads media")
@@ -113,7 +114,7 @@ def bad_option(args: argparse.Namespace) -> str | None:
     for option, path in (("--model", args.model), ("--resume", None if args.resume == "auto" else args.resume)):
         if problem is None and path and not os.path.isdir(path):
             problem = f"{option} {path}: no such directory"
-    for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+    for option, path in (("--data", args.data), ("--eval-data", args.eval_data), ("--chat-template", args.chat_template)):
         if problem is None and path and not os.path.exists(path):
             problem = f"{option} {path}: no such file or directory"
     if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):

@@ -65,8 +65,11 @@ class DataSource:
         from ppmedia import data
 
         self.ctx, self.args = ctx, args
-        self.processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(args.model),
-                                              max_length=args.max_length, config=ctx["config"])
+        processor = transformers.AutoProcessor.from_pretrained(args.model)
+        if args.chat_template:  # a processor saved without one (Phi-4-multimodal's)
+            with open(args.chat_template, encoding="utf-8") as fh:
+                processor.chat_template = fh.read()
+        self.processor = data.SampleProcessor(processor, max_length=args.max_length, config=ctx["config"])
         self.loader = self._loader(args.data, shuffle=not args.no_shuffle)
         self.per_epoch = len(self.loader.dataset) // args.batch_size
         self._held_out: list[pipeline.ReplicaShare] | None = None
