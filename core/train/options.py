@@ -10,6 +10,7 @@ import torch
 
 from .. import pipeline
 from ..testing import tiny_models
+from .sources import data_refusal
 
 #: the stand-in run's length when neither --steps nor --epochs is given.
 DEFAULT_STEPS = 4
@@ -117,6 +118,8 @@ def bad_option(args: argparse.Namespace) -> str | None:
     for option, path in (("--data", args.data), ("--eval-data", args.eval_data), ("--chat-template", args.chat_template)):
         if problem is None and path and not os.path.exists(path):
             problem = f"{option} {path}: no such file or directory"
+    if problem is None and args.model and args.data:
+        problem = data_refusal(args.model)
     if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):
         problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
     return problem

@@ -11,6 +11,29 @@ import torch.distributed as dist
 from .. import pipeline
 from ..testing import tiny_models
 
+#: the model types that cannot train through ``--data``, with why (docs/data.md, "Families"): refused
+#: by name before anything starts
+DATA_REFUSED: dict[str, str] = {
+    "step3p7": "its processor (Step3p7Processor) gives the crops as pixel_values_local with num_local_patches per "
+               "image, and ppmedia's step3 layout reads Step3-VL's patch_pixel_values with num_patches per sample",
+}
+
+
+def data_refusal(model: str) -> str | None:
+    """Why ``--data`` cannot train the checkpoint in ``model`` (its ``config.json``'s ``model_type`` in
+    :data:`DATA_REFUSED`), as one line naming the family; ``None`` when it can."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
+            model_type = json.load(fh).get("model_type")
+    except (OSError, ValueError):
+        return None  # the loader names a missing or bad config itself
+    reason = DATA_REFUSED.get(str(model_type))
+    return None if reason is None else f"--model {model}: {model_type} cannot train through --data: {reason}"
+
+
 #: the seed of the held-out batch ``--eval-every`` evaluates (the training batches use seeds 0 and 1).
 HELD_OUT_SEED = 1000
 
