@@ -33,13 +33,13 @@ def _concat_media(parts: Sequence[Tensor | None], key: str = "media", names: Seq
     shape = [max(p.shape[d] for p, _ in real) for d in range(1, first.dim())]
     out = first.new_zeros((sum(1 if p is None else p.shape[0] for p in parts), *shape))
     row = 0
-    for p in parts:
-        if p is None:
+    for part in parts:
+        if part is None:
             row += 1
             continue
-        index = (slice(row, row + p.shape[0]),) + tuple(slice(0, n) for n in p.shape[1:])
-        out[index] = p
-        row += p.shape[0]
+        index = (slice(row, row + part.shape[0]),) + tuple(slice(0, n) for n in part.shape[1:])
+        out[index] = part
+        row += part.shape[0]
     return out
 
 
@@ -81,10 +81,11 @@ def collate_samples(samples: Sequence[dict[str, Any] | None], pad_id: int, *,
     batch["labels"][:, -1] = SHIFTED_MARK
     labels = list(names) if names is not None else [f"sample {i}" for i in range(len(samples))]
     for key in dict.fromkeys(k for s in real for k in s if k not in TOKEN_KEYS):
+        rows: list[tuple[Tensor | None, str | None]]
         if key in sample_axis_keys:
-            rows = [[s.get(key) if s is not None else None, n] for s, n in zip(samples, labels)]
+            rows = [(s.get(key) if s is not None else None, n) for s, n in zip(samples, labels)]
         else:
-            rows = [[s[key], n] for s, n in zip(samples, labels) if s is not None and key in s]
+            rows = [(s[key], n) for s, n in zip(samples, labels) if s is not None and key in s]
         batch[key] = _concat_media([p for p, _ in rows], key, [n for _, n in rows])
     return batch
 
