@@ -384,6 +384,10 @@ class VlmAdapter(abc.ABC):
             config) sets it from the labels: 0 up to the first answer token, 1 from it on (a
             processor called without a ``suffix`` marks the whole sample prefix, so every answer
             token would see the tokens after it). ``None`` (default): no such input.
+        sample_axis_keys: the processor's output keys that hold one entry per SAMPLE of the batch on
+            axis 0 (Idefics3's ``pixel_values`` ``[B, max_crops, C, H, W]``): the processor's batch
+            gives a sample without media an all-zero entry, so :func:`ppmedia.data.collate_samples`
+            does too. ``()`` (default): media keys hold one entry per item (concatenated).
 
     A subclass implements :meth:`media_per_sample`, :meth:`placeholder_masks`,
     :meth:`feature_counts` and :meth:`encode`; it may override :meth:`host_inputs` (integer metadata
@@ -401,6 +405,7 @@ class VlmAdapter(abc.ABC):
     context_refusal: ClassVar[str | None] = None
     attention_blocks_windowed: ClassVar[bool] = True
     prefix_lm_key: ClassVar[str | None] = None
+    sample_axis_keys: ClassVar[tuple[str, ...]] = ()
 
     # -- token side -------------------------------------------------------------------------
     @abc.abstractmethod

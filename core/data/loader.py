@@ -39,6 +39,12 @@ class _Skip:
     too_long: bool
 
 
+@dataclass
+class _Sample:
+    where: str
+    tensors: dict[str, Any]
+
+
 class _Samples(torch.utils.data.Dataset[Any]):
     """Record ``i`` processed, or a :class:`_Skip` (a too long sample always; a bad one when skipping)."""
 
@@ -50,7 +56,7 @@ class _Samples(torch.utils.data.Dataset[Any]):
 
     def __getitem__(self, i: int) -> Any:
         try:
-            return self.processor(self.dataset[i])
+            return _Sample(self.dataset.where(i), self.processor(self.dataset[i]))
         except TooLong as e:
             return _Skip(e.where, e.problem, True)
         except DataError as e:
@@ -63,13 +69,15 @@ class _Collate:
     """One read's items -> its steps' batches: one padded batch, or (packing) the packed batches of the
     read's ``steps`` shares, each with ``members`` (its samples' positions in the read)."""
 
-    def __init__(self, pad_id: int, packing: Packing | None, share: int) -> None:
-        self.pad_id, self.packing, self.share = pad_id, packing, share
+    def __init__(self, pad_id: int, packing: Packing | None, share: int, sample_axis_keys: tuple[str, ...] = ()) -> None:
+        self.pad_id, self.packing, self.share, self.sample_axis_keys = pad_id, packing, share, sample_axis_keys
 
     def __call__(self, items: list[Any]) -> list[dict[str, Any]]:
-        samples = [None if isinstance(s, _Skip) else s for s in items]
+        samples = [None if isinstance(s, _Skip) else s.tensors for s in items]
         if self.packing is None:
-            batches: list[dict[str, Any]] = [collate_samples(samples, self.pad_id)]
+            names = [None if isinstance(s, _Skip) else s.where for s in items]
+            batches: list[dict[str, Any]] = [collate_samples(samples, self.pad_id, names=names,
+                                                             sample_axis_keys=self.sample_axis_keys)]
             batches[0]["members"] = list(range(len(items)))
         else:
             batches = []
@@ -221,7 +229,7 @@ class ReplicaLoader:
         reads, b = self._reads(), self.global_batch_size // self.dp_size
         loader = DataLoader(_Samples(self.dataset, self.processor, self.skip_bad_samples),
                             batch_sampler=[samples for samples, _ in reads], num_workers=self.workers,
-                            collate_fn=_Collate(self.processor.pad_id, self.packing, b),
+                            collate_fn=_Collate(self.processor.pad_id, self.packing, b, self.processor.sample_axis_keys),
                             worker_init_fn=_worker_init if self.workers else None)
         for (samples, drop), batches in zip(reads, loader):
             skips = batches[0].pop("skipped_samples")
@@ -253,10 +261,19 @@ class ReplicaLoader:
             self.skipped += new
             batch["skipped"] = self.skipped
             if self.adapter is not None and self.reads_media:
-                batch["media_counts"] = self.adapter.media_counts(batch, self.processor.config)
+                batch["media_counts"] = self._media_counts(batch)
             self.next_sample += self.global_batch_size
             yield batch
         self.epoch, self.next_sample = self.epoch + 1, 0
+
+    def _media_counts(self, batch: dict[str, Any]) -> Any:
+        """The adapter's counts of the batch; its complaint names the batch's records."""
+        try:
+            return self.adapter.media_counts(batch, self.processor.config)
+        except (ValueError, TypeError) as e:
+            names = ", ".join(str(n) for n in batch["sample_names"] if n is not None)
+            raise DataError(names, f"the batch of these records does not fit the {self.adapter.name} layout "
+                                   f"({type(e).__name__}: {e})") from None
 
     def _from_tp_reader(self, batch: dict[str, Any]) -> dict[str, Any]:
         shared: list[Any] = [batch]

@@ -12,6 +12,7 @@ from .. import pipeline
 from ..pipeline.pretrained import load_pretrained_config
 from ..testing import tiny_models
 from .lora_options import add_lora_options, lora_problem
+from .sources import data_refusal
 from . import composition
 
 #: the stand-in run's length when neither --steps nor --epochs is given.
@@ -68,6 +69,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, help="train this many passes over --data")
     length.add_argument("--steps", type=int, help="train until this step (exclusive)")
+    add("--chat-template", metavar="FILE", help="a Jinja chat template file for a processor saved without one")
     add("--no-shuffle", action="store_true", help="global batch i holds samples [i*B, (i+1)*B) in order")
     add("--seed", type=int, default=0, help="the shuffle's seed (and the tiny model's)")
     add("--workers", type=int, default=0, help="DataLoader worker processes per rank that reads media")
@@ -144,9 +146,11 @@ def bad_option(args: argparse.Namespace) -> str | None:
     for option, path in (("--model", args.model), ("--resume", None if args.resume == "auto" else args.resume)):
         if problem is None and path and not os.path.isdir(path):
             problem = f"{option} {path}: no such directory"
-    for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+    for option, path in (("--data", args.data), ("--eval-data", args.eval_data), ("--chat-template", args.chat_template)):
         if problem is None and path and not os.path.exists(path) and not args.dry_run:
             problem = f"{option} {path}: no such file or directory"
+    if problem is None and args.model and args.data:
+        problem = data_refusal(args.model)
     if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):
         problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
     if problem is None:  # the model's own config, read (not built): every rank refuses alike, before anything

@@ -11,6 +11,29 @@ import torch.distributed as dist
 from .. import pipeline
 from ..testing import tiny_models
 
+#: the model types that cannot train through ``--data``, with why (docs/data.md, "Families"): refused
+#: by name before anything starts
+DATA_REFUSED: dict[str, str] = {
+    "step3p7": "its processor (Step3p7Processor) gives the crops as pixel_values_local with num_local_patches per "
+               "image, and ppmedia's step3 layout reads Step3-VL's patch_pixel_values with num_patches per sample",
+}
+
+
+def data_refusal(model: str) -> str | None:
+    """Why ``--data`` cannot train the checkpoint in ``model`` (its ``config.json``'s ``model_type`` in
+    :data:`DATA_REFUSED`), as one line naming the family; ``None`` when it can."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
+            model_type = json.load(fh).get("model_type")
+    except (OSError, ValueError):
+        return None  # the loader names a missing or bad config itself
+    reason = DATA_REFUSED.get(str(model_type))
+    return None if reason is None else f"--model {model}: {model_type} cannot train through --data: {reason}"
+
+
 #: the seed of the held-out batch ``--eval-every`` evaluates (the training batches use seeds 0 and 1).
 HELD_OUT_SEED = 1000
 
@@ -65,8 +88,11 @@ class DataSource:
         from ppmedia import data
 
         self.ctx, self.args = ctx, args
-        self.processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(args.model),
-                                              max_length=args.max_length, config=ctx["config"])
+        processor = transformers.AutoProcessor.from_pretrained(args.model)
+        if args.chat_template:  # a processor saved without one (Phi-4-multimodal's)
+            with open(args.chat_template, encoding="utf-8") as fh:
+                processor.chat_template = fh.read()
+        self.processor = data.SampleProcessor(processor, max_length=args.max_length, config=ctx["config"])
         self.loader = self._loader(args.data, shuffle=not args.no_shuffle)
         self.per_epoch = len(self.loader.dataset) // args.batch_size
         self._held_out: list[pipeline.ReplicaShare] | None = None
