@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
 from .batching import collate_samples, pad_to_length
 from .errors import DataError
+from .grouped import group_steps, step_order
 from .packed import Packing, pack_steps
 from .processor import TOKEN_KEYS, SampleProcessor, TooLong
 from .sources import RecordDataset
@@ -60,8 +61,9 @@ class _Samples(torch.utils.data.Dataset[Any]):
 
 
 class _Collate:
-    """One read's items -> its steps' batches: one padded batch, or (packing) the packed batches of the
-    read's ``steps`` shares, each with ``members`` (its samples' positions in the read)."""
+    """One read's items -> its steps' batches: one padded batch, (several shares) the padded batches of
+    its shares grouped by length (:func:`~ppmedia.data.group_steps`), or (packing) the packed batches of
+    the read's ``steps`` shares, each with ``members`` (its samples' positions in the read)."""
 
     def __init__(self, pad_id: int, packing: Packing | None, share: int) -> None:
         self.pad_id, self.packing, self.share = pad_id, packing, share
@@ -69,8 +71,10 @@ class _Collate:
     def __call__(self, items: list[Any]) -> list[dict[str, Any]]:
         samples = [None if isinstance(s, _Skip) else s for s in items]
         if self.packing is None:
-            batches: list[dict[str, Any]] = [collate_samples(samples, self.pad_id)]
-            batches[0]["members"] = list(range(len(items)))
+            batches: list[dict[str, Any]] = []
+            for members in group_steps(samples, len(items) // self.share):
+                batches.append(collate_samples([samples[m] for m in members], self.pad_id))
+                batches[-1]["members"] = members
         else:
             batches = []
             for batch, members in pack_steps(samples, len(items) // self.share, self.packing, self.pad_id):
@@ -117,6 +121,13 @@ class ReplicaLoader:
     counts ``B`` per step); a resumed position inside a window reads the window again and continues
     at the same step.
 
+    With ``group_by_length = W > 1`` (and no ``packing``) the windows are the same, and the replica's
+    samples of a window are sorted by token length and dealt out in runs of ``b``, one run a step
+    (:func:`~ppmedia.data.group_steps`), the window's steps taken in an order drawn from the seed,
+    the epoch and the window (:func:`~ppmedia.data.step_order`): a step's rows are of similar length,
+    so the padding to its longest row shrinks; which samples share a step changes within the window.
+    ``W x b`` processed samples (their media too) are held at once. Resuming works as with packing.
+
     Args:
         dataset: from :func:`~ppmedia.data.open_dataset`.
         processor: a :class:`~ppmedia.data.SampleProcessor`.
@@ -137,12 +148,15 @@ class ReplicaLoader:
             it at ``dp_size > 1``); without it at ``dp_size > 1`` they hold this replica's own.
         packing: pack each step's samples into rows (see above); ``packing.max_length`` must be at
             least the processor's ``max_length`` (which must be set: every sample then fits a row).
+        group_by_length: ``W``, global batches per window of length grouping (see above); 1: none,
+            each step holds its share of the order as it is. Not with ``packing``.
     """
 
     def __init__(self, dataset: RecordDataset, processor: SampleProcessor, *, global_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True, workers: int = 0,
                  pp_group: Any = None, reads_media: bool = True, adapter: Any = None,
-                 skip_bad_samples: bool = False, dp_group: Any = None, packing: Packing | None = None) -> None:
+                 skip_bad_samples: bool = False, dp_group: Any = None, packing: Packing | None = None,
+                 group_by_length: int = 1) -> None:
         if global_batch_size < dp_size or global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not a positive multiple of dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -153,7 +167,13 @@ class ReplicaLoader:
             raise ValueError(f"packing.max_length={packing.max_length}, but the processor's max_length is "
                              f"{processor.max_length}: set SampleProcessor(max_length=) to at most the row length, "
                              f"so that every sample fits a packed row")
+        if isinstance(group_by_length, bool) or not isinstance(group_by_length, int) or group_by_length < 1:
+            raise ValueError(f"group_by_length={group_by_length!r}; expected an int >= 1 (1: no grouping)")
+        if packing is not None and group_by_length > 1:
+            raise ValueError(f"group_by_length={group_by_length} with packing: packed rows are not grouped; pool "
+                             f"batches for packing with Packing(across_batches=)")
         self.dataset, self.processor, self.adapter, self.packing = dataset, processor, adapter, packing
+        self.group_by_length = group_by_length
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.seed, self.shuffle, self.workers, self.skip_bad_samples = seed, shuffle, workers, skip_bad_samples
         self.pp_group, self.reads_media, self.dp_group = pp_group, reads_media, dp_group
@@ -181,14 +201,15 @@ class ReplicaLoader:
             shares.append(order[first : first + b])
         return shares
 
-    def _reads(self) -> list[tuple[list[int], int]]:
-        """The rest of the epoch as reads: ``(samples, steps to drop)``. Unpooled: one share a read.
-        Pooled (``packing.across_batches = W``): the shares of batches ``[kW, (k+1)W)`` of the epoch
-        (counted from its start, or from ``next_sample`` when that is no multiple of the batch size), the
-        first read dropping the steps before ``next_sample`` (a resumed position inside a window)."""
-        window = 1 if self.packing is None else self.packing.across_batches
+    def _reads(self) -> list[tuple[list[int], int, int]]:
+        """The rest of the epoch as reads: ``(samples, steps to drop, the window's first position)``.
+        Unpooled: one share a read. Pooled (``packing.across_batches`` or ``group_by_length = W``): the
+        shares of batches ``[kW, (k+1)W)`` of the epoch (counted from its start, or from ``next_sample``
+        when that is no multiple of the batch size), the first read dropping the steps before
+        ``next_sample`` (a resumed position inside a window)."""
+        window = self.group_by_length if self.packing is None else self.packing.across_batches
         if window == 1:
-            return [(share, 0) for share in self._shares()]
+            return [(share, 0, self.next_sample + k * self.global_batch_size) for k, share in enumerate(self._shares())]
         B, order = self.global_batch_size, epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
         base = 0 if self.next_sample % B == 0 else self.next_sample
         b, reads = B // self.dp_size, []
@@ -198,7 +219,7 @@ class ReplicaLoader:
             if group[-1] < self.next_sample:
                 continue
             samples = [i for start in group for i in order[start + self.dp_rank * b : start + (self.dp_rank + 1) * b]]
-            reads.append((samples, sum(start < self.next_sample for start in group)))
+            reads.append((samples, sum(start < self.next_sample for start in group), group[0]))
         return reads
 
     def _log_skips(self, skips: list[tuple[int, str, str, bool]]) -> None:
@@ -210,17 +231,21 @@ class ReplicaLoader:
     def _read(self) -> Iterator[dict[str, Any]]:
         reads, b = self._reads(), self.global_batch_size // self.dp_size
         loader = DataLoader(_Samples(self.dataset, self.processor, self.skip_bad_samples),
-                            batch_sampler=[samples for samples, _ in reads], num_workers=self.workers,
+                            batch_sampler=[samples for samples, _, _ in reads], num_workers=self.workers,
                             collate_fn=_Collate(self.processor.pad_id, self.packing, b),
                             worker_init_fn=_worker_init if self.workers else None)
-        for (samples, drop), batches in zip(reads, loader):
+        for (samples, drop, start), batches in zip(reads, loader):
             skips = batches[0].pop("skipped_samples")
             self._log_skips(skips)
             skipped = {position for position, _, _, _ in skips}
+            for k, batch in enumerate(batches):  # a packed step counts the skips of its share of the order
+                batch["n_skipped"] = sum(position // b == k for position in skipped) if self.packing else \
+                    sum(m in skipped for m in batch["members"])
+            if self.packing is None and len(batches) > 1:  # grouped: the window's steps in a drawn order
+                batches = [batches[k] for k in step_order(len(batches), self.seed, self.epoch, start)]
             for step, batch in enumerate(batches):
                 if step < drop:  # read again after a resume: counted and yielded before it
                     continue
-                batch["n_skipped"] = sum(position // b == step for position in skipped)
                 members = batch.pop("members")
                 batch["sample_names"] = [None if m in skipped else self.dataset.where(samples[m]) for m in members]
                 batch["n_samples"] = sum(m not in skipped for m in members)
@@ -274,16 +299,19 @@ class ReplicaLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch yielded: ``epoch``, ``next_sample`` (in the epoch's
         order), the order's ``seed`` and ``shuffle`` (the RNG: the order is drawn from them alone),
-        ``dataset_len`` and ``skipped`` (the global count with ``dp_group`` or at ``dp_size`` 1). The
+        ``dataset_len``, ``skipped`` (the global count with ``dp_group`` or at ``dp_size`` 1) and
+        ``group_by_length`` (the windows of the order; a state saved without it had none). The
         same on every rank; independent of ``pp x dp``."""
         return {"epoch": self.epoch, "next_sample": self.next_sample, "seed": self.seed, "shuffle": self.shuffle,
-                "dataset_len": len(self.dataset), "skipped": self.skipped}
+                "dataset_len": len(self.dataset), "skipped": self.skipped, "group_by_length": self.group_by_length}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (any layout, any batch size): the next batch starts at its
-        ``next_sample``; its seed and shuffle replace this loader's."""
+        ``next_sample``; its seed, shuffle and grouping replace this loader's."""
         if int(state["dataset_len"]) != len(self.dataset):
             raise ValueError(f"the loader state is of a dataset of {state['dataset_len']} samples, this one has "
                              f"{len(self.dataset)}")
         self.epoch, self.next_sample = int(state["epoch"]), int(state["next_sample"])
         self.seed, self.shuffle, self.skipped = int(state["seed"]), bool(state["shuffle"]), int(state["skipped"])
+        if self.packing is None:
+            self.group_by_length = int(state.get("group_by_length", 1))

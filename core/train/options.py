@@ -13,6 +13,8 @@ from ..testing import tiny_models
 
 #: the stand-in run's length when neither --steps nor --epochs is given.
 DEFAULT_STEPS = 4
+#: ``--group-by-length``'s default: global batches per window of length grouping (docs/performance.md)
+DEFAULT_GROUP = 16
 #: the parser's description
 DESCRIPTION = "Train a vision-language model with pipeline x data (x tensor) parallelism and ppmedia's staged media."
 
@@ -52,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--skip-bad-samples", action="store_true", help="skip (and count) bad records instead of stopping")
     add("--pack", action="store_true",
         help="pack each global batch's samples into rows of at most --max-length tokens (the same samples per step)")
+    add("--group-by-length", type=int, default=DEFAULT_GROUP, metavar="N",
+        help="shuffled order: pool N global batches, sort them by length and deal them out to N steps, so a step's "
+             "rows are of similar length (less padding; changes which samples share a step); 1: no grouping")
     add("--pack-across-batches", type=int, default=0, metavar="N",
         help="with --pack: pool N consecutive global batches per replica before packing (fuller rows; changes "
              "which samples share a step)")
@@ -97,7 +102,7 @@ def bad_option(args: argparse.Namespace) -> str | None:
     """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
     problem = pipeline.option_problem(
         {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
-        positive=("--pp", "--dp", "--tp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
+        positive=("--pp", "--dp", "--tp", "--microbatches", "--group-by-length", "--steps", "--epochs", "--batch-size", "--max-length",
                   "--max-grad-norm"),
         non_negative=("--lr", "--weight-decay", "--warmup-steps", "--workers", "--save-every", "--eval-every",
                       "--skip-nonfinite", "--pack-across-batches"),

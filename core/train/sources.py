@@ -84,7 +84,8 @@ class DataSource:
             seed=args.seed, shuffle=shuffle, workers=args.workers, pp_group=ctx["parts"].pp_group,
             reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples,
             dp_group=ctx["parts"].dp_group,  # the counts (and the saved skip count) over all replicas
-            packing=self._packing() if args.pack else None)
+            packing=self._packing() if args.pack else None,
+            group_by_length=args.group_by_length if shuffle and not args.pack else 1)
 
     def _packing(self) -> Any:
         """``--pack``: rows of ``--max-length``, a multiple of ``--microbatches``, ordered by vision cost."""
