@@ -60,7 +60,7 @@ def test_resume_to_the_exact_next_sample_at_another_dp(world, dp_after):
     seen = [sum((next(it)["sample_names"] for it in its), []) for _ in range(2)]
     states = [r.state_dict() for r in first]
     assert states[0] == states[1] == {"epoch": 0, "next_sample": 8, "seed": 5, "shuffle": True, "dataset_len": N,
-                                      "skipped": 0}
+                                      "skipped": 0, "group_by_length": 1}
     resumed = loaders(world, dp_after, global_batch_size=4, seed=0)  # the saved seed wins
     for r in resumed:
         r.load_state_dict(states[0])
@@ -102,3 +102,41 @@ def test_batches_are_ready_for_split_media(world):
     assert images == int((batch["image_grid_thw"].prod(-1) // 4).sum()) > 0
     per_sample = [int(((row == tiny.IMAGE_TOKEN_ID).long().diff() == 1).sum()) for row in batch["input_ids"]]  # runs = images
     assert list(staged.images) == [sum(per_sample[:2]), sum(per_sample[2:])] and sum(staged.images) == len(batch["image_grid_thw"])
+
+
+def _lengths(batch):
+    return batch["attention_mask"].sum(1).tolist()
+
+
+def _pads(batches):
+    return sum(int((b["attention_mask"] == 0).sum()) for b in batches)
+
+
+def test_length_grouping_sorts_a_window_into_steps_and_resumes_inside_it(world):
+    """``group_by_length=3``: the 3 steps of a window hold the window's samples (every one once), each
+    step's rows the next run of them sorted by length, the steps in a drawn order; less padding than the
+    same order ungrouped; the same global samples per window at dp 1 and 2; a resume after the window's
+    first step continues with its other steps (the saved grouping wins over the new loader's)."""
+    ds = world["ds"]
+    plain = global_names(loaders(world, 1, global_batch_size=4, seed=2))
+    one = loaders(world, 1, global_batch_size=4, seed=2, group_by_length=3)[0]
+    grouped = list(one)
+    names = [b["sample_names"] for b in grouped]
+    assert sorted(sum(names, [])) == sorted(sum(plain, [])) and names != plain
+    lengths = [_lengths(b) for b in grouped]
+    assert all(x == sorted(x) for x in lengths)
+    by_step = sorted(lengths, key=lambda x: x[0])  # runs of one sorted window: step k's longest <= step k+1's shortest
+    assert all(a[-1] <= b[0] for a, b in zip(by_step, by_step[1:]))
+    assert lengths != by_step  # the window's steps in a drawn order, not shortest first
+    assert _pads(grouped) < _pads(list(loaders(world, 1, global_batch_size=4, seed=2)[0]))
+    two = global_names(loaders(world, 2, global_batch_size=4, seed=2, group_by_length=3))
+    assert sorted(sum(two, [])) == sorted(sum(names, []))
+    first = loaders(world, 1, global_batch_size=4, seed=2, group_by_length=3)[0]
+    head = next(iter(first))["sample_names"]
+    state = first.state_dict()
+    assert state["group_by_length"] == 3 and state["next_sample"] == 4
+    resumed = loaders(world, 1, global_batch_size=4, seed=2)[0]  # built without grouping: the state's wins
+    resumed.load_state_dict(state)
+    assert [head] + [b["sample_names"] for b in resumed] == names
+    assert [ds.where(i) for i in range(4)] == global_names(loaders(world, 1, global_batch_size=4, shuffle=False,
+                                                                   group_by_length=1))[0]

@@ -72,7 +72,8 @@ class _Collate:
         samples = [None if isinstance(s, _Skip) else s for s in items]
         if self.packing is None:
             batches: list[dict[str, Any]] = []
-            for members in group_steps(samples, len(items) // self.share):
+            steps = len(items) // self.share  # one: the share as it is (its order kept); more: grouped
+            for members in group_steps(samples, steps) if steps > 1 else [list(range(len(items)))]:
                 batches.append(collate_samples([samples[m] for m in members], self.pad_id))
                 batches[-1]["members"] = members
         else:

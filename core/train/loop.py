@@ -18,6 +18,7 @@ from .. import pipeline
 from ..testing import tiny_models
 
 from .options import parse_args
+from .profiling import StepProfiler
 from .sources import data_source, say
 
 
@@ -95,7 +96,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     )
     ctx = {"parts": parts, "config": modules[0].config, "adapter": modules[0].adapter, "device": device,
            "dtype": model_dtype(args), "pp_rank": pp_rank, "dp_rank": dp_rank, "modules": modules,
-           "optimizers": parts.optimizers, "run_id": None}
+           "optimizers": parts.optimizers, "run_id": None, "stages": stages}
     ctx["source"] = data_source(ctx, args)
     return ctx
 
@@ -167,19 +168,28 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
     progress = pipeline.Progress(total, start) if rank0 else None
     log = pipeline.LossLog(args.loss_log) if rank0 and args.loss_log else None
     shares = source.shares(start)
-    for step in range(start, total):
-        where["step"] = step
-        started = time.perf_counter()
-        record = train_one(ctx, args, step, next(shares), source, held_out, started)
-        if log is not None:
-            log.write(record)
-        if progress is not None:
-            progress.update(record)
-        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
-            pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
-                "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "fsdp": args.fsdp,
-                "data": source.state_dict()},
-                run_id=ctx["run_id"])
+    profiler = StepProfiler(args.profile, dist.get_rank(), total - start, ctx["stages"], cuda=ctx["device"].type == "cuda")
+    with profiler:
+        for step in range(start, total):
+            where["step"] = step
+            started = time.perf_counter()
+            with torch.profiler.record_function("ppmedia.step.data"):
+                share = next(shares)
+            record = train_one(ctx, args, step, share, source, held_out, started)
+            if log is not None:
+                log.write(record)
+            if progress is not None:
+                progress.update(record)
+            if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+                pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
+                    "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "fsdp": args.fsdp,
+                    "data": source.state_dict()},
+                    run_id=ctx["run_id"])
+            profiler.step()
+    if args.profile:
+        steps = f"{start + profiler.recorded[0]}..{start + profiler.recorded[-1]}"
+        say(f"wrote the profiler trace of steps {steps} to {args.profile} (TensorBoard: tensorboard --logdir "
+            f"{args.profile}; Perfetto: its rank*.pt.trace.json files)")
     if progress is not None:
         progress.close()
     if args.data:  # collective: what each rank read (DataLoader workers' opens are counted in the workers)

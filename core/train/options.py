@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--presplit", action="store_true",
         help="feed the schedule pre-split microbatches (each one's media its own keyword input) instead of "
              "staging the media on stage 0")
+    add("--profile", metavar="DIR",
+        help="write a torch profiler trace (TensorBoard / Perfetto JSON, one file per rank) of steps 2-4 here")
     add("--trace", metavar="FILE.svg", help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     return parser
 
@@ -123,6 +125,8 @@ def bad_option(args: argparse.Namespace) -> str | None:
             problem = f"{option} {path}: no such file or directory"
     if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):
         problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
+    if problem is None and args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
+        problem = f"--profile {args.profile}: an existing file; expected a directory to write the trace into"
     return problem
 
 
