@@ -56,7 +56,17 @@ def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any, device: 
         return pipeline.make_pipeline_stages(model, n_stages, indices, device, group=pp_group, encoder="spread",
                                              layers_per_stage=args.layers_per_stage)
     modules = stage_modules(args, n_stages, indices, device)
-    return pipeline.make_pipeline_stages(modules, n_stages, indices, device, group=pp_group)
+    return pipeline.make_pipeline_stages(modules, n_stages, indices, device, group=pp_group,
+                                         static_microbatch=static_placeholder(args))
+
+
+def static_placeholder(args: argparse.Namespace) -> tuple[int, int] | None:
+    """Static stage shapes (``(1, 1)``, rebuilt for every step's ``(b, S)`` by the schedule), so that no
+    step runs torch's shape-inference forward of microbatch 0 (a step whose ``S`` differs from the last
+    step's would, at every stage). ``None`` (inferred shapes) where static ones are not checked: with
+    ``--tp`` (DTensor stages), ``--bf16`` (activations in another dtype than the parameters) and
+    ``--encoder spread``."""
+    return None if args.tp > 1 or args.bf16 or args.encoder != "stage0" else (1, 1)
 
 
 def build(args: argparse.Namespace) -> dict[str, Any]:
