@@ -104,39 +104,37 @@ def test_batches_are_ready_for_split_media(world):
     assert list(staged.images) == [sum(per_sample[:2]), sum(per_sample[2:])] and sum(staged.images) == len(batch["image_grid_thw"])
 
 
-def _lengths(batch):
-    return batch["attention_mask"].sum(1).tolist()
-
-
 def _pads(batches):
     return sum(int((b["attention_mask"] == 0).sum()) for b in batches)
 
 
-def test_length_grouping_sorts_a_window_into_steps_and_resumes_inside_it(world):
-    """``group_by_length=3``: the 3 steps of a window hold the window's samples (every one once), each
-    step's rows the next run of them sorted by length, the steps in a drawn order; less padding than the
-    same order ungrouped; the same global samples per window at dp 1 and 2; a resume after the window's
-    first step continues with its other steps (the saved grouping wins over the new loader's)."""
+def test_length_grouping_sorts_windows_of_the_order_the_same_at_every_layout(world):
+    """``group_by_length=3``: each window of 3 global batches of the shuffled order is sorted by the
+    records' length keys and cut into its batches, taken in a drawn order (every sample once an epoch);
+    less padding than ungrouped; the same global batches at dp 1 and 2 (the keys come from the records,
+    not from a replica's processed samples); a resume after the first step continues in the grouped
+    order at another dp (the saved grouping wins over the new loader's)."""
     ds = world["ds"]
+    keys = [data.record_length_key(ds[i]) for i in range(N)]
     plain = global_names(loaders(world, 1, global_batch_size=4, seed=2))
-    one = loaders(world, 1, global_batch_size=4, seed=2, group_by_length=3)[0]
-    grouped = list(one)
+    grouped = list(loaders(world, 1, global_batch_size=4, seed=2, group_by_length=3)[0])
     names = [b["sample_names"] for b in grouped]
     assert sorted(sum(names, [])) == sorted(sum(plain, [])) and names != plain
-    lengths = [_lengths(b) for b in grouped]
-    assert all(x == sorted(x) for x in lengths)
-    by_step = sorted(lengths, key=lambda x: x[0])  # runs of one sorted window: step k's longest <= step k+1's shortest
+    index = {ds.where(i): i for i in range(N)}
+    step_keys = [[keys[index[n]] for n in step] for step in names]
+    assert all(k == sorted(k) for k in step_keys)
+    by_step = sorted(step_keys)  # runs of one sorted window: a batch's largest key <= the next one's smallest
     assert all(a[-1] <= b[0] for a, b in zip(by_step, by_step[1:]))
-    assert lengths != by_step  # the window's steps in a drawn order, not shortest first
+    assert step_keys != by_step  # the window's batches in a drawn order, not shortest first
     assert _pads(grouped) < _pads(list(loaders(world, 1, global_batch_size=4, seed=2)[0]))
-    two = global_names(loaders(world, 2, global_batch_size=4, seed=2, group_by_length=3))
-    assert sorted(sum(two, [])) == sorted(sum(names, []))
+    assert global_names(loaders(world, 2, global_batch_size=4, seed=2, group_by_length=3)) == names
     first = loaders(world, 1, global_batch_size=4, seed=2, group_by_length=3)[0]
     head = next(iter(first))["sample_names"]
     state = first.state_dict()
     assert state["group_by_length"] == 3 and state["next_sample"] == 4
-    resumed = loaders(world, 1, global_batch_size=4, seed=2)[0]  # built without grouping: the state's wins
-    resumed.load_state_dict(state)
-    assert [head] + [b["sample_names"] for b in resumed] == names
+    resumed = loaders(world, 2, global_batch_size=4, seed=2)  # built without grouping: the state's wins
+    for r in resumed:
+        r.load_state_dict(state)
+    assert [head] + global_names(resumed) == names
     assert [ds.where(i) for i in range(4)] == global_names(loaders(world, 1, global_batch_size=4, shuffle=False,
                                                                    group_by_length=1))[0]

@@ -1,11 +1,11 @@
-"""A replica's samples of a window of global batches, grouped by length into its steps.
+"""Length-grouped sampling of the shuffled order (as Hugging Face's ``group_by_length`` does).
 
-The loader's side of length-grouped sampling (as Hugging Face's ``group_by_length`` does): the shuffled
-order is cut into windows of several global batches; inside a window, each replica sorts its samples by
-token length and deals them out in runs of its share, so that a step's rows are of similar length and a
-step padded to its longest row carries little padding. The steps of a window are then taken in an
-order drawn from the seed, the epoch and the window (the same on every rank, at every layout, after a
-resume), so that lengths do not climb through the window.
+The epoch's order is cut into windows of several global batches; each window is sorted by the records'
+length keys and cut into its batches again, which are then taken in an order drawn from the seed, the
+epoch and the window. A step's rows are of similar length, so a step padded to its longest row carries
+little padding. The keys come from the records alone (no media opened, no processor run), so the
+grouped order is the same on every rank and at every ``pp x dp`` layout, and a run resumes in it to the
+sample as in the plain order.
 """
 
 from __future__ import annotations
@@ -14,32 +14,57 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["group_steps", "step_order"]
+__all__ = ["MEDIA_CHARACTERS", "grouped_order", "record_length_key", "step_order"]
 
 
-def group_steps(samples: Sequence[dict[str, Any] | None], steps: int) -> list[list[int]]:
-    """Per step its members: positions in ``samples`` (``steps`` shares of ``len(samples) // steps``,
-    one after the other), shortest first, step ``k`` holding the ``k``-th run of the samples sorted
-    by token length (ties: the earlier position first).
+#: the characters of text one media item counts as in :func:`record_length_key`
+MEDIA_CHARACTERS = 64
+
+
+def record_length_key(record: Any) -> int:
+    """A record's length key, from the record alone (no media opened, no processor run): the characters
+    of its text plus :data:`MEDIA_CHARACTERS` per media item. An estimate of its token length (a media
+    item's tokens depend on the model and the image size, unknown here); sorting by it puts records of
+    similar length together.
 
     Args:
-        samples: :class:`~ppmedia.data.SampleProcessor` outputs (``input_ids`` ``[1, S]``); ``None``
-            for a skipped sample (a filler row of one token: sorted as length 1).
-        steps: how many steps' shares ``samples`` holds.
-
-    Returns:
-        ``steps`` lists of ``len(samples) // steps`` positions; every position exactly once.
+        record: a :class:`~ppmedia.data.Record`.
     """
-    if steps < 1 or len(samples) % steps:
-        raise ValueError(f"group_steps: {len(samples)} samples do not make {steps} equal shares")
-    share = len(samples) // steps
-    lengths = [1 if s is None else int(s["input_ids"].shape[-1]) for s in samples]
-    ranked = sorted(range(len(samples)), key=lambda i: (lengths[i], i))
-    return [ranked[k * share : (k + 1) * share] for k in range(steps)]
+    parts = [part for message in record.messages for part in message["content"]]
+    return sum(len(p.get("text", "")) if p["type"] == "text" else MEDIA_CHARACTERS for p in parts)
 
 
 def step_order(steps: int, seed: int, epoch: int, window_start: int) -> list[int]:
-    """The order in which a window's ``steps`` grouped steps are taken: a permutation drawn from
+    """The order in which a window's ``steps`` grouped batches are taken: a permutation drawn from
     ``seed``, ``epoch`` and ``window_start`` (the window's first position in the epoch's order)."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + window_start)
     return torch.randperm(steps, generator=gen).tolist()
+
+
+def grouped_order(order: Sequence[int], keys: Sequence[Any], batch_size: int, window: int, *, seed: int,
+                  epoch: int) -> list[int]:
+    """``order`` grouped by length: each window of ``window`` whole batches of ``batch_size`` positions
+    sorted by ``keys`` (ties: the earlier position first), cut into its batches, which are taken in
+    :func:`step_order`'s order; a batch's positions stay sorted (shortest first). Positions after the
+    last whole batch (dropped by the loader) stay where they are.
+
+    Args:
+        order: the epoch's order (:func:`~ppmedia.data.epoch_order`): sample indices.
+        keys: per sample index its sortable length key (:func:`record_length_key`).
+        batch_size: ``B``, the global batch.
+        window: ``W``, global batches per window (1: ``order`` unchanged).
+
+    Returns:
+        A permutation of ``order``: the same samples in every window, each batch ``B`` of them.
+    """
+    if window < 1 or batch_size < 1:
+        raise ValueError(f"grouped_order: window={window}, batch_size={batch_size}; expected both >= 1")
+    whole = len(order) // batch_size * batch_size
+    out: list[int] = []
+    for start in range(0, whole, window * batch_size):
+        chunk = list(order[start : min(start + window * batch_size, whole)])
+        ranked = sorted(range(len(chunk)), key=lambda i: (keys[chunk[i]], i))
+        batches = [[chunk[i] for i in ranked[k : k + batch_size]] for k in range(0, len(chunk), batch_size)]
+        for k in step_order(len(batches), seed, epoch, start):
+            out += batches[k]
+    return out + list(order[whole:])

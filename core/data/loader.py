@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
 from .batching import collate_samples, pad_to_length
 from .errors import DataError
-from .grouped import group_steps, step_order
+from .grouped import grouped_order, record_length_key
 from .packed import Packing, pack_steps
 from .processor import TOKEN_KEYS, SampleProcessor, TooLong
 from .sources import RecordDataset
@@ -61,9 +61,8 @@ class _Samples(torch.utils.data.Dataset[Any]):
 
 
 class _Collate:
-    """One read's items -> its steps' batches: one padded batch, (several shares) the padded batches of
-    its shares grouped by length (:func:`~ppmedia.data.group_steps`), or (packing) the packed batches of
-    the read's ``steps`` shares, each with ``members`` (its samples' positions in the read)."""
+    """One read's items -> its steps' batches: one padded batch, or (packing) the packed batches of the
+    read's ``steps`` shares, each with ``members`` (its samples' positions in the read)."""
 
     def __init__(self, pad_id: int, packing: Packing | None, share: int) -> None:
         self.pad_id, self.packing, self.share = pad_id, packing, share
@@ -71,11 +70,8 @@ class _Collate:
     def __call__(self, items: list[Any]) -> list[dict[str, Any]]:
         samples = [None if isinstance(s, _Skip) else s for s in items]
         if self.packing is None:
-            batches: list[dict[str, Any]] = []
-            steps = len(items) // self.share  # one: the share as it is (its order kept); more: grouped
-            for members in group_steps(samples, steps) if steps > 1 else [list(range(len(items)))]:
-                batches.append(collate_samples([samples[m] for m in members], self.pad_id))
-                batches[-1]["members"] = members
+            batches: list[dict[str, Any]] = [collate_samples(samples, self.pad_id)]
+            batches[0]["members"] = list(range(len(items)))
         else:
             batches = []
             for batch, members in pack_steps(samples, len(items) // self.share, self.packing, self.pad_id):
@@ -122,12 +118,14 @@ class ReplicaLoader:
     counts ``B`` per step); a resumed position inside a window reads the window again and continues
     at the same step.
 
-    With ``group_by_length = W > 1`` (and no ``packing``) the windows are the same, and the replica's
-    samples of a window are sorted by token length and dealt out in runs of ``b``, one run a step
-    (:func:`~ppmedia.data.group_steps`), the window's steps taken in an order drawn from the seed,
-    the epoch and the window (:func:`~ppmedia.data.step_order`): a step's rows are of similar length,
-    so the padding to its longest row shrinks; which samples share a step changes within the window.
-    ``W x b`` processed samples (their media too) are held at once. Resuming works as with packing.
+    With ``group_by_length = W > 1`` (and no ``packing``) the epoch's order is grouped by length
+    (:func:`~ppmedia.data.grouped_order`): each window of ``W`` global batches of the order is sorted
+    by the records' length keys (:func:`~ppmedia.data.record_length_key`: text characters and a fixed
+    count per media item, from the records alone, no media opened) and cut into its ``W`` batches, taken in
+    an order drawn from the seed, the epoch and the window. A step's rows are then of similar length, so
+    the padding to its longest row shrinks; which samples share a step changes within the window. The
+    grouped order is a function of the seed, the epoch and the records only: the same on every rank and
+    at every ``pp x dp`` layout, and resumed to the sample as the plain one.
 
     Args:
         dataset: from :func:`~ppmedia.data.open_dataset`.
@@ -175,6 +173,7 @@ class ReplicaLoader:
                              f"batches for packing with Packing(across_batches=)")
         self.dataset, self.processor, self.adapter, self.packing = dataset, processor, adapter, packing
         self.group_by_length = group_by_length
+        self._length_keys: list[int] | None = None
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.seed, self.shuffle, self.workers, self.skip_bad_samples = seed, shuffle, workers, skip_bad_samples
         self.pp_group, self.reads_media, self.dp_group = pp_group, reads_media, dp_group
@@ -194,24 +193,33 @@ class ReplicaLoader:
         """Global batches left in the current epoch."""
         return (len(self.dataset) - self.next_sample) // self.global_batch_size
 
-    def _shares(self) -> list[list[int]]:
+    def _order(self) -> list[int]:
+        """The current epoch's order: :func:`epoch_order`, grouped by length with ``group_by_length``."""
         order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+        if self.group_by_length == 1:
+            return order
+        if self._length_keys is None:  # the records alone: no media opened, the same on every rank
+            self._length_keys = [record_length_key(record) for record in self.dataset]
+        return grouped_order(order, self._length_keys, self.global_batch_size, self.group_by_length, seed=self.seed,
+                             epoch=self.epoch)
+
+    def _shares(self) -> list[list[int]]:
+        order = self._order()
         b, shares = self.global_batch_size // self.dp_size, []
         for start in range(self.next_sample, len(order) - self.global_batch_size + 1, self.global_batch_size):
             first = start + self.dp_rank * b
             shares.append(order[first : first + b])
         return shares
 
-    def _reads(self) -> list[tuple[list[int], int, int]]:
-        """The rest of the epoch as reads: ``(samples, steps to drop, the window's first position)``.
-        Unpooled: one share a read. Pooled (``packing.across_batches`` or ``group_by_length = W``): the
-        shares of batches ``[kW, (k+1)W)`` of the epoch (counted from its start, or from ``next_sample``
-        when that is no multiple of the batch size), the first read dropping the steps before
-        ``next_sample`` (a resumed position inside a window)."""
-        window = self.group_by_length if self.packing is None else self.packing.across_batches
+    def _reads(self) -> list[tuple[list[int], int]]:
+        """The rest of the epoch as reads: ``(samples, steps to drop)``. Unpooled: one share a read.
+        Pooled (``packing.across_batches = W``): the shares of batches ``[kW, (k+1)W)`` of the epoch
+        (counted from its start, or from ``next_sample`` when that is no multiple of the batch size), the
+        first read dropping the steps before ``next_sample`` (a resumed position inside a window)."""
+        window = 1 if self.packing is None else self.packing.across_batches
         if window == 1:
-            return [(share, 0, self.next_sample + k * self.global_batch_size) for k, share in enumerate(self._shares())]
-        B, order = self.global_batch_size, epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+            return [(share, 0) for share in self._shares()]
+        B, order = self.global_batch_size, self._order()
         base = 0 if self.next_sample % B == 0 else self.next_sample
         b, reads = B // self.dp_size, []
         starts = list(range(base, len(order) - B + 1, B))
@@ -220,7 +228,7 @@ class ReplicaLoader:
             if group[-1] < self.next_sample:
                 continue
             samples = [i for start in group for i in order[start + self.dp_rank * b : start + (self.dp_rank + 1) * b]]
-            reads.append((samples, sum(start < self.next_sample for start in group), group[0]))
+            reads.append((samples, sum(start < self.next_sample for start in group)))
         return reads
 
     def _log_skips(self, skips: list[tuple[int, str, str, bool]]) -> None:
@@ -232,21 +240,17 @@ class ReplicaLoader:
     def _read(self) -> Iterator[dict[str, Any]]:
         reads, b = self._reads(), self.global_batch_size // self.dp_size
         loader = DataLoader(_Samples(self.dataset, self.processor, self.skip_bad_samples),
-                            batch_sampler=[samples for samples, _, _ in reads], num_workers=self.workers,
+                            batch_sampler=[samples for samples, _ in reads], num_workers=self.workers,
                             collate_fn=_Collate(self.processor.pad_id, self.packing, b),
                             worker_init_fn=_worker_init if self.workers else None)
-        for (samples, drop, start), batches in zip(reads, loader):
+        for (samples, drop), batches in zip(reads, loader):
             skips = batches[0].pop("skipped_samples")
             self._log_skips(skips)
             skipped = {position for position, _, _, _ in skips}
-            for k, batch in enumerate(batches):  # a packed step counts the skips of its share of the order
-                batch["n_skipped"] = sum(position // b == k for position in skipped) if self.packing else \
-                    sum(m in skipped for m in batch["members"])
-            if self.packing is None and len(batches) > 1:  # grouped: the window's steps in a drawn order
-                batches = [batches[k] for k in step_order(len(batches), self.seed, self.epoch, start)]
             for step, batch in enumerate(batches):
                 if step < drop:  # read again after a resume: counted and yielded before it
                     continue
+                batch["n_skipped"] = sum(position // b == step for position in skipped)
                 members = batch.pop("members")
                 batch["sample_names"] = [None if m in skipped else self.dataset.where(samples[m]) for m in members]
                 batch["n_samples"] = sum(m not in skipped for m in members)
