@@ -33,7 +33,7 @@ def test_profile_writes_a_trace_of_steps_that_parses(tmp_path):
     assert len(files) == 1, list(folder.iterdir())
     events = json.loads(files[0].read_text())["traceEvents"]
     names = {e.get("name") for e in events}
-    for phase in ("ppmedia.step.data", "ppmedia.step.schedule", "ppmedia.step.optimizer", "ProfilerStep#2"):
+    for phase in ("ppmedia:data", "ppmedia:schedule", "ppmedia:optimizer", "ProfilerStep#2"):
         assert phase in names, sorted(n for n in names if n and "ppmedia" in n)
     assert {"PP:0F0", "PP:0F1", "PP:0B1"} <= names  # every stage call labelled: stage, kind, microbatch
     assert f"wrote the profiler trace of steps 2..2 to {folder}" in printed.getvalue()

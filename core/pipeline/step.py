@@ -279,8 +279,8 @@ def train_step(parts: PipelineParts, share: ReplicaShare, step: int | None = Non
 
 
 def _phase(name: str) -> Any:
-    """A labelled range of the step for torch's profiler (``ppmedia.step.NAME``; near free unprofiled)."""
-    return torch.profiler.record_function(f"ppmedia.step.{name}")
+    """A labelled range of the step for torch's profiler (``ppmedia:NAME``; near free unprofiled)."""
+    return torch.profiler.record_function(f"ppmedia:{name}")
 
 
 def _global_sums(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]) -> tuple[float, float]:

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
         for step in range(start, total):
             where["step"] = step
             started = time.perf_counter()
-            with torch.profiler.record_function("ppmedia.step.data"):
+            with torch.profiler.record_function("ppmedia:data"):
                 share = next(shares)
             record = train_one(ctx, args, step, share, source, held_out, started)
             if log is not None:

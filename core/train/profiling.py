@@ -2,13 +2,13 @@
 
 The trace is ``torch.profiler``'s Chrome trace JSON (``DIR/rank{R}.<time>.pt.trace.json``): TensorBoard's
 profiler plugin reads the folder (``tensorboard --logdir DIR``), and https://ui.perfetto.dev or
-``chrome://tracing`` open a file. The first step (shape inference, first-touch allocations) is skipped,
-the second warms the profiler up, then :data:`PROFILED_STEPS` steps are recorded (a run of fewer steps
-skips and warms up less: every run records at least its last step). Inside a step, ppmedia's phases are labelled (``ppmedia.step.data`` by the loop;
-``ppmedia.step.schedule``, ``.grad_sync``, ``.clip``, ``.sums``, ``.optimizer`` by
-:func:`ppmedia.pipeline.train_step`), around torch's own per-action ranges of the pipeline schedule
-(``PP:0F1``: stage 0's forward of microbatch 1; ``B`` a backward, ``W`` a weight backward; the names
-torch's runtime schedules give their actions, here given to every schedule's stage calls).
+``chrome://tracing`` open a file. The first step (first-touch allocations, the loader's start) is
+skipped, the second warms the profiler up, then :data:`PROFILED_STEPS` steps are recorded (a run of
+fewer steps skips and warms up less: every run records at least its last step). Inside a step, ppmedia's
+phases are labelled: ``ppmedia:data`` by the loop; ``ppmedia:schedule``, ``ppmedia:grad_sync``,
+``ppmedia:clip``, ``ppmedia:sums`` and ``ppmedia:optimizer`` by :func:`ppmedia.pipeline.train_step`; and
+every stage call of the schedule as ``PP:0F1`` (stage 0's forward of microbatch 1; ``B`` a backward,
+``W`` a weight backward: the names torch's runtime schedules give their actions).
 """
 
 from __future__ import annotations
