@@ -655,6 +655,15 @@ NOT_RUN: dict[str, NotRun] = {
         "--loss-log tp.jsonl --save-dir ckpt --save-every 1 --export tp-export",
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp --steps 2 "
         "--resume ckpt/step1 --loss-log fsdp.jsonl --export fsdp-export"]},
+    **{command_key(line): NotRun(
+        "it shows the flags on placeholder folders (demo-ckpt, demo-data)",
+        "tests/test_composition_mp.py runs examples/train.py's loop at --pp 2 --tp 2 --pack on a checkpoint and a "
+        "data file (the model's own losses within 1e-5) and resumes its checkpoint at --pp 2 --dp 2 --fsdp",
+        _test_source_has("tests/test_composition_mp.py", '"--pp", "2", "--tp", "2", "--pack"')) for line in [
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
+        "--pp 2 --tp 2 --pack --batch-size 4 --max-length 256 --steps 4 --save-dir tpckpt --save-every 2",
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
+        "--pp 2 --dp 2 --fsdp --batch-size 4 --max-length 256 --steps 4 --resume tpckpt/step2"]},
     **{command_key(line): _FSDP_DCP for line in [
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp "
         "--steps 6 --save-dir ckpt --save-every 2 --eval-every 2 --loss-log straight.jsonl",

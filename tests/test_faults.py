@@ -503,13 +503,21 @@ def test_plan_refuses_bad_numbers_with_exit_2_and_nothing_before(argv, says, cap
 
 
 def test_an_optimizer_over_a_stage_with_nothing_says_so():
-    """Failed before: torch's bare "optimizer got an empty parameter list"."""
-    modules = pipeline.build_stage_modules(tiny_models.load("qwen2_5_vl").build_model(0), 5)  # 2 layers
+    """Failed before: torch's bare "optimizer got an empty parameter list". Since issue 40 the cutter
+    refuses such a split first (tests/test_layer_split.py); a stage holding nothing cut elsewhere still
+    meets these refusals."""
+    model = tiny_models.load("qwen2_5_vl").build_model(0)  # 2 layers
+    with pytest.raises(ValueError, match=r"n_stages: 5 pipeline stages for the 2 decoder layers"):
+        pipeline.build_stage_modules(model, 5)
+    empty = torch.nn.Module()
+    empty.stage_index, empty.n_stages = 3, 5
     with pytest.raises(ValueError, match=r"stage_optimizers: stage 3 of 5 holds no parameters .*more pipeline stages "
                                          r"than the model has decoder layers"):
-        pipeline.stage_optimizers(modules, lambda p: torch.optim.AdamW(p, lr=1e-3))
+        pipeline.stage_optimizers([empty], lambda p: torch.optim.AdamW(p, lr=1e-3))
+    with pytest.raises(ValueError, match=r"stage_adamw: stage 3 of 5 holds no parameters"):
+        pipeline.stage_adamw([empty], 1e-3, 0.01)  # what examples/train.py calls (issue 40 lost the check here)
     with pytest.raises(ValueError, match=r"stage_parameters: stages \[3\] hold no parameters"):
-        torch.optim.AdamW(pipeline.stage_parameters(modules[3:4]), lr=1e-3)  # the README's optimizer line
+        torch.optim.AdamW(pipeline.stage_parameters([empty]), lr=1e-3)  # the README's optimizer line
 
 
 def test_moe_router_loss_asked_for_is_refused_not_dropped():

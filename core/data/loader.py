@@ -137,6 +137,10 @@ class ReplicaLoader:
         pp_group: this replica's pipeline group. With it, only the member with ``reads_media`` reads
             and processes; it broadcasts the token keys and stats to the others, which open no media.
         reads_media: ``False`` on the pipeline ranks that do not encode (stage 0's rank reads).
+        tp_group: the tensor-parallel group of a rank with ``reads_media`` (stage 0's ``tp`` peers, which
+            hold the same rows). With it, only ``tp`` rank 0 reads and processes; one
+            ``broadcast_object_list`` per batch sends the whole collated batch (token keys, media, stats)
+            to its peers, which open no media: every file is opened once per replica.
         adapter: the family adapter; with it each batch also holds ``media_counts``
             (``adapter.media_counts(batch, config)``: the counts :func:`ppmedia.split_media` takes).
         skip_bad_samples: skip records that fail when processed (missing or undecodable media, a
@@ -155,7 +159,7 @@ class ReplicaLoader:
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True, workers: int = 0,
                  pp_group: Any = None, reads_media: bool = True, adapter: Any = None,
                  skip_bad_samples: bool = False, dp_group: Any = None, packing: Packing | None = None,
-                 group_by_length: int = 1) -> None:
+                 group_by_length: int = 1, tp_group: Any = None) -> None:
         if global_batch_size < dp_size or global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not a positive multiple of dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -177,6 +181,11 @@ class ReplicaLoader:
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.seed, self.shuffle, self.workers, self.skip_bad_samples = seed, shuffle, workers, skip_bad_samples
         self.pp_group, self.reads_media, self.dp_group = pp_group, reads_media, dp_group
+        if tp_group is not None and not reads_media:
+            raise ValueError("tp_group goes with reads_media=True: stage 0's tp peers share the rows they read")
+        self.tp_group: Any = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        #: whether this rank reads and processes (stage 0's rank, its tp rank 0)
+        self.reads = reads_media and (self.tp_group is None or dist.get_rank(self.tp_group) == 0)
         self.epoch, self.next_sample, self.skipped = 0, 0, len(dataset.skipped)
         self._named: set[str] = set()
         self._source = self._find_source() if pp_group is not None else None
@@ -258,9 +267,11 @@ class ReplicaLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         shares = self._shares()
-        source = self._read() if self.reads_media else iter(())
+        source = self._read() if self.reads else iter(())
         for _ in shares:
-            batch = next(source) if self.reads_media else {}
+            batch = next(source) if self.reads else {}
+            if self.tp_group is not None:  # stage 0's tp peers: the reader's whole batch
+                batch = self._from_tp_reader(batch)
             if self.pp_group is not None:
                 batch = self._broadcast(batch)
             labels = batch["labels"]
@@ -275,6 +286,11 @@ class ReplicaLoader:
             self.next_sample += self.global_batch_size
             yield batch
         self.epoch, self.next_sample = self.epoch + 1, 0
+
+    def _from_tp_reader(self, batch: dict[str, Any]) -> dict[str, Any]:
+        shared: list[Any] = [batch]
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        return dict(shared[0])
 
     def _broadcast(self, batch: dict[str, Any]) -> dict[str, Any]:
         shared: list[Any] = [{k: v for k, v in batch.items() if k in TOKEN_KEYS or k in _SHARED_STATS}]

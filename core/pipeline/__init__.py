@@ -61,6 +61,7 @@ The package, one module per concern (every public name is importable from ``ppme
 
 ==================  ===========================================================================
 ``surgery``         cutting the model's module tree per stage (kept layers, shallow copies)
+``layer_split``     the decoder layers over the stages checked before any stage is built (:func:`layer_split_problem`)
 ``stages``          :class:`StageModule`, :func:`build_stage_modules` (the stage cutter)
 ``rank_stages``     :func:`make_pipeline_stages`: a rank's ``PipelineStage`` objects, the encoder spread on them
 ``schedules``       schedules by torch's name, their stage placement, :func:`build_schedule`
@@ -106,6 +107,9 @@ from .checkpoint import (
 )
 from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, interleave_encoders,
                       vision_replica)
+from .context_parallel import (ContextShard, context_loss, context_problem, enable_context_parallel, local_length,
+                               padded_length, reduce_context_gradients)
+from .cp_attention import CP_ATTENTION, CP_BACKENDS, CpMask, register_cp_attention
 from .distributed import TORCHRUN_VARIABLES, init_distributed, pipeline_mesh
 from .evaluate import eval_step
 from .export import PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
@@ -135,7 +139,8 @@ from .schedules import (
 )
 from .stages import StageModule, build_stage_modules, refuse_router_loss, static_stage_args
 from .step_inputs import presplit_batch
-from .surgery import default_layer_split, find_language_model, find_merge_module
+from .layer_split import default_layer_split, layer_split_problem, max_stages, refuse_empty_stages
+from .surgery import find_language_model, find_merge_module
 from .tensor_parallel import (TP_STYLES, apply_tensor_parallel, check_tensor_parallel, reduce_tensor_parallel_gradients,
                               tensor_parallel_plan)
 from .tied import TiedParameters, stage_parameters, sync_tied_gradients, tied_parameters
@@ -144,6 +149,10 @@ from .trace import StepTracer
 __all__ = [
     "BatchMismatchError",
     "CHECKPOINT_INFO",
+    "CP_ATTENTION",
+    "CP_BACKENDS",
+    "ContextShard",
+    "CpMask",
     "ENCODER_MODES",
     "EncoderSpread",
     "HYPERPARAMETER_MODES",
@@ -187,37 +196,47 @@ __all__ = [
     "checkpoint_path",
     "claim_save_dir",
     "clip_grad_norm",
+    "context_loss",
+    "context_problem",
     "copy_processor_files",
     "count_valid_tokens",
     "decay_groups",
     "default_layer_split",
     "enable_activation_checkpointing",
+    "enable_context_parallel",
     "encoder_spread_of",
     "eval_loss",
     "eval_step",
     "failure_line",
     "find_language_model",
+    "find_merge_module",
     "format_step",
     "freeze",
     "init_distributed",
-    "find_merge_module",
     "interleave_encoders",
     "is_sharded",
     "latest_checkpoint",
+    "layer_split_problem",
     "learning_rate",
     "load_checkpoint",
     "loader_shares",
+    "local_length",
     "make_labels",
     "make_pipeline_stages",
+    "max_stages",
     "model_part",
     "new_run_id",
     "no_decay",
     "option_problem",
+    "padded_length",
     "pipeline_loss",
     "pipeline_mesh",
     "presplit_batch",
+    "reduce_context_gradients",
     "reduce_tensor_parallel_gradients",
+    "refuse_empty_stages",
     "refuse_router_loss",
+    "register_cp_attention",
     "reshards_after_forward",
     "resolve_device",
     "save_checkpoint",

@@ -173,14 +173,9 @@ def stage_optimizers(
     from .tied import stage_parameters
 
     _untie_across_modules(modules)
-    for module in modules:
-        if next(iter(module.parameters()), None) is None:
-            index, n = getattr(module, "stage_index", "?"), getattr(module, "n_stages", "?")
-            raise ValueError(
-                f"stage_optimizers: stage {index} of {n} holds no parameters (no decoder layer, no embedding or head): "
-                f"more pipeline stages than the model has decoder layers to give them; use fewer stages (or "
-                f"layers_per_stage giving each stage a layer)"
-            )
+    from .layer_split import refuse_empty_stages
+
+    refuse_empty_stages(modules, "stage_optimizers")
     return [factory(stage_parameters([module])) for module in modules]
 
 

@@ -60,12 +60,17 @@ def stage_adamw(modules: Sequence[nn.Module], lr: float, weight_decay: float, **
     :func:`~ppmedia.pipeline.stage_optimizers`, a parameter object shared by two of this rank's
     modules gets its own copy in the later one first. Frozen parameters (``requires_grad=False``) stay
     in the groups: AdamW skips a parameter without a gradient, and the checkpoint keeps one layout.
+
+    Raises:
+        ValueError: a module without parameters (a middle stage given no decoder layer), naming it.
     """
     import torch
 
     from .fsdp import _untie_across_modules
+    from .layer_split import refuse_empty_stages
 
     _untie_across_modules(modules)
+    refuse_empty_stages(modules, "stage_adamw")  # not torch's bare "optimizer got an empty parameter list"
     return [torch.optim.AdamW(decay_groups(module, weight_decay), lr=lr, **_implementation(module, adamw))
             for module in modules]
 

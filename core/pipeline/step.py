@@ -89,6 +89,9 @@ class PipelineParts:
             (:func:`~ppmedia.pipeline.reduce_tensor_parallel_gradients`), and the losses and counts
             are taken from its rank 0 only (every ``tp`` peer of a last stage holds the same loss).
             ``None``: no tensor parallelism.
+        cp_group: the context-parallel group (:func:`~ppmedia.pipeline.enable_context_parallel`):
+            :func:`train_step` sums every gradient over it first (each cp rank's backward gave its share
+            of the rows' part); ``None``: no context parallelism.
     """
 
     schedule: Any
@@ -105,6 +108,7 @@ class PipelineParts:
     guard: Any = None
     presplit: bool = False
     tp_group: Any = None
+    cp_group: Any = None
 
 
 def batch_to(batch: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -259,6 +263,10 @@ def train_step(parts: PipelineParts, share: ReplicaShare, step: int | None = Non
     with _phase("schedule"):
         _run_schedule(parts, share, losses)
     with _phase("grad_sync"):
+        if parts.cp_group is not None:  # before the tp and dp reductions and the clipping
+            from .context_parallel import reduce_context_gradients
+
+            reduce_context_gradients(parts.modules, parts.cp_group)
         if parts.tp_group is not None:  # the tower's (and per-head norms') gradients: each tp rank holds a share
             reduce_tensor_parallel_gradients(parts.modules)
         sync_tied_gradients(parts.modules, parts.tied, group=parts.pp_group)

@@ -22,7 +22,9 @@ sharded with FSDP2 over the replicas (gradients reduce-scattered as sums); witho
 holds whole stages and gradients are summed with one all-reduce. Then: tied embeddings summed across
 the pipeline, gradients clipped to a global L2 norm, AdamW (one optimizer per stage module).
 ``--tp N`` splits every stage's language model over N ranks (``pipeline.apply_tensor_parallel``,
-before FSDP2; the ranks laid out by ``pipeline.pipeline_mesh``; docs/tensor-parallel.md).
+before FSDP2; the ranks laid out by ``pipeline.pipeline_mesh``; docs/tensor-parallel.md); with ``--data`` stage 0's
+tp rank 0 reads each batch and sends it to its tp peers. Which options go together is one table,
+:mod:`.composition` (docs/composition.md): a refused pair is one argparse line before anything starts.
 
 Checkpoints are torch.distributed.checkpoint folders ``--save-dir/step{N}/`` under full-model names,
 published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, with or without
@@ -49,7 +51,8 @@ Everything in the loop is a library call (``ppmedia.pipeline``: ``stage_adamw``,
 examples/train.py"); this package only wires the flags to them. ``--export`` writes the trained stages
 in their dtype with the processor's files.
 
-The package: :mod:`.options` (the parser and the checks before anything starts), :mod:`.sources` (the
+The package: :mod:`.options` (the parser and the checks before anything starts), :mod:`.composition` (which
+features go together), :mod:`.sources` (the
 steps' batches: ``--data`` or the stand-in), :mod:`.loop` (build, resume, the steps, checkpoints, export).
 """
 

@@ -64,9 +64,9 @@ def static_placeholder(args: argparse.Namespace) -> tuple[int, int] | None:
     """Static stage shapes (``(1, 1)``, rebuilt for every step's ``(b, S)`` by the schedule), so that no
     step runs torch's shape-inference forward of microbatch 0 (a step whose ``S`` differs from the last
     step's would, at every stage). ``None`` (inferred shapes) where static ones are not checked: with
-    ``--tp`` (DTensor stages), ``--bf16`` (activations in another dtype than the parameters) and
-    ``--encoder spread``."""
-    return None if args.tp > 1 or args.bf16 or args.encoder != "stage0" else (1, 1)
+    ``--tp`` (DTensor stages), ``--bf16`` (activations in another dtype than the parameters),
+    ``--encoder spread`` and ``--cp`` (sequence-sharded activations)."""
+    return None if args.tp > 1 or args.cp > 1 or args.bf16 or args.encoder != "stage0" else (1, 1)
 
 
 def build(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +74,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     schedule and the optimizers (:class:`pipeline.PipelineParts` under ``ctx["parts"]``), and where
     the steps' batches come from (``ctx["source"]``)."""
     device, _ = pipeline.resolve_device(args.device)
-    mesh = pipeline.pipeline_mesh(args.pp, args.dp, args.tp, device_type=device.type)  # rank = (d*pp + p)*tp + t
+    # rank = ((d*pp + p)*cp + c)*tp + t; the cp ranks of a replica's stage hold the same rows
+    mesh = pipeline.pipeline_mesh(args.pp, args.dp, args.tp, cp=args.cp, device_type=device.type)
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     stages = build_stages(args, pp_rank, pp_group, device)
@@ -95,14 +96,20 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         packing.enable_packing(modules)
     if args.fsdp:
         pipeline.apply_fsdp(stages, mesh["dp"], mixed_precision=torch.bfloat16 if args.bf16 else None)
+    loss_fn = None
+    if args.cp > 1:  # every stage's sequence divided over cp (a family that cannot is refused here too)
+        shard = pipeline.ContextShard(args.cp, mesh["cp"].get_local_rank(), mesh["cp"].get_group())
+        pipeline.enable_context_parallel(modules, shard)
+        loss_fn = pipeline.context_loss(shard)
     parts = pipeline.PipelineParts(
-        schedule=pipeline.build_schedule(args.schedule, stages, args.microbatches),
+        schedule=pipeline.build_schedule(args.schedule, stages, args.microbatches, loss_fn=loss_fn),
         first=next((s for s in stages if s.is_first), None), modules=modules,
         optimizers=pipeline.stage_adamw(modules, args.lr, args.weight_decay), tied=list(modules[0].tied),
         pp_group=pp_group, dp_group=dp_group, sharded=args.fsdp, max_grad_norm=args.max_grad_norm, spread=spread,
         tracer=pipeline.StepTracer(stages, spread) if args.trace else None,
         guard=pipeline.NonFiniteGuard(args.skip_nonfinite), presplit=args.presplit,
         tp_group=mesh["tp"].get_group() if args.tp > 1 else None,
+        cp_group=mesh["cp"].get_group() if args.cp > 1 else None,
     )
     ctx = {"parts": parts, "config": modules[0].config, "adapter": modules[0].adapter, "device": device,
            "dtype": model_dtype(args), "pp_rank": pp_rank, "dp_rank": dp_rank, "modules": modules,
@@ -137,7 +144,8 @@ def resume(ctx: dict[str, Any], args: argparse.Namespace) -> int:
     ctx["run_id"] = info.get("run_id")
     extra = info["extra"]
     ctx["source"].load_state_dict(extra.get("data") or {}, int(info["step"]))
-    say(f"resumed from {path} (saved at pp={extra.get('pp')} x dp={extra.get('dp')} x tp={extra.get('tp', 1)}, "
+    say(f"resumed from {path} (saved at pp={extra.get('pp')} x dp={extra.get('dp')} x cp={extra.get('cp', 1)} x "
+        f"tp={extra.get('tp', 1)}, "
          f"fsdp={extra.get('fsdp')}): continuing at step {info['step']}")
     if info["hyperparameters_changed"]:
         say(f"optimizer settings of this run apply from step {info['step']}: {'; '.join(info['hyperparameters_changed'])}")
@@ -192,7 +200,8 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
                 progress.update(record)
             if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
                 pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
-                    "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "fsdp": args.fsdp,
+                    "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "cp": args.cp,
+                    "fsdp": args.fsdp,
                     "data": source.state_dict()},
                     run_id=ctx["run_id"])
             profiler.step()
@@ -244,9 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     pipeline.init_distributed(backend, timeout=timedelta(seconds=60))  # torchrun's ranks, or one process
     where: dict[str, Any] = {"step": None}
     try:
-        if dist.get_world_size() != args.pp * args.dp * args.tp:
-            raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp x --tp = "
-                             f"{args.pp * args.dp * args.tp}")
+        if dist.get_world_size() != args.pp * args.dp * args.cp * args.tp:
+            raise ValueError(f"world size {dist.get_world_size()}; expected --pp x --dp x --cp x --tp = "
+                             f"{args.pp * args.dp * args.cp * args.tp} (--cp {args.cp} must divide the world with the others)")
         run(args, where)
     except BaseException as exc:  # a failed rank says so and exits non-zero, without waiting for its peers
         traceback.print_exc()

@@ -9,7 +9,9 @@ import os
 import torch
 
 from .. import pipeline
+from ..pipeline.pretrained import load_pretrained_config
 from ..testing import tiny_models
+from . import composition
 
 #: the stand-in run's length when neither --steps nor --epochs is given.
 DEFAULT_STEPS = 4
@@ -73,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pp", type=int, default=2, help="pipeline ranks")
     add("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp x tp)")
     add("--tp", type=int, default=1, help="tensor-parallel ranks per stage (pipeline.apply_tensor_parallel)")
+    add("--cp", type=int, default=1,
+        help="context-parallel ranks per stage: each holds a share of every row's sequence (docs/context-parallel.md)")
     add("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
     add("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
     add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
@@ -104,7 +108,8 @@ def bad_option(args: argparse.Namespace) -> str | None:
     """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
     problem = pipeline.option_problem(
         {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
-        positive=("--pp", "--dp", "--tp", "--microbatches", "--group-by-length", "--steps", "--epochs", "--batch-size", "--max-length",
+        positive=("--pp", "--dp", "--tp", "--cp", "--microbatches", "--group-by-length", "--steps", "--epochs",
+                  "--batch-size", "--max-length",
                   "--max-grad-norm"),
         non_negative=("--lr", "--weight-decay", "--warmup-steps", "--workers", "--save-every", "--eval-every",
                       "--skip-nonfinite", "--pack-across-batches"),
@@ -127,6 +132,8 @@ def bad_option(args: argparse.Namespace) -> str | None:
         problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
     if problem is None and args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
         problem = f"--profile {args.profile}: an existing file; expected a directory to write the trace into"
+    if problem is None:  # the model's own config, read (not built): every rank refuses alike, before anything
+        problem = model_config_problem(args) or layer_split_option_problem(args)
     return problem
 
 
@@ -142,6 +149,55 @@ def _batch_problem(batch_size: int, dp: int, microbatches: int, *, packed: bool)
                 f"--microbatches {microbatches} equal microbatches (every microbatch of a step has the same rows): "
                 f"expected a --batch-size that is a multiple of --dp x --microbatches = {dp * microbatches}")
     return None
+
+
+def model_config_problem(args: argparse.Namespace) -> str | None:
+    """``--model``'s ``config.json`` refused before anything starts, the same on every rank: one that
+    transformers cannot read, a ``model_type`` contradicting its ``architectures``, a quantized
+    checkpoint (``ppmedia.pipeline.pretrained.load_pretrained_config``), a config asking for the MoE routers'
+    loss (:func:`ppmedia.pipeline.refuse_router_loss`)."""
+    if not args.model or not os.path.isfile(os.path.join(args.model, "config.json")):
+        return None  # no folder, or no config.json in it: the loader names what is missing
+    try:
+        pipeline.refuse_router_loss(load_pretrained_config(args.model))
+    except (ValueError, TypeError) as exc:
+        return f"--model {args.model}: {exc}"
+    except OSError:  # no config.json at all: the loader names the file
+        return None
+    return None
+
+
+def decoder_layers(args: argparse.Namespace) -> tuple[int, str] | None:
+    """The model's decoder layer count and how to name the model, read without building anything:
+    ``--model``'s ``config.json``, else the tiny ``--family``'s config; ``None`` where it cannot be read
+    (:func:`model_config_problem` or the loader says why)."""
+    try:
+        if args.model:
+            if not os.path.isdir(args.model):
+                return None
+            config, model = load_pretrained_config(args.model), f"--model {args.model}"
+        else:
+            config, model = tiny_models.load(args.family).build_config(), f"the tiny {args.family} model"
+        return int(config.get_text_config().num_hidden_layers), model
+    except Exception:  # noqa: BLE001 - an unreadable config is refused with its file elsewhere
+        return None
+
+
+def layer_split_option_problem(args: argparse.Namespace) -> str | None:
+    """``--pp`` (x the schedule's stages per rank) against the model's decoder layers, and
+    ``--layers-per-stage`` against both: one line naming the stage count, the layer count and the
+    option to change (:func:`ppmedia.pipeline.layer_split_problem`), the same on every rank."""
+    layers = decoder_layers(args)
+    if layers is None or args.pp < 1:
+        return None
+    num_layers, model = layers
+    n_stages = pipeline.schedule_layout(args.schedule).n_stages(args.pp)
+    per_rank = n_stages // args.pp
+    stages_option = f"--pp {args.pp}" + (f" with --schedule {args.schedule} ({per_rank} stages per rank)" if per_rank > 1 else "")
+    fewer = max(1, pipeline.max_stages(num_layers) // per_rank)
+    fix = f"give --pp {fewer} or less" + (" (or a schedule with one stage per rank)" if per_rank > 1 else "")
+    return pipeline.layer_split_problem(n_stages, num_layers, args.layers_per_stage, stages_option=stages_option,
+                                        split_option="--layers-per-stage", model=model, fix=fix)
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -174,14 +230,51 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--resume auto looks under --save-dir: give --save-dir")
     if args.bf16 and not args.fsdp:
         parser.error("--bf16 is FSDP2's mixed precision: give --fsdp too")
-    untested = [flag for flag, on in (("--encoder spread", args.encoder == "spread"), ("--data", args.data),
-                                      ("--presplit", args.presplit)) if on]
-    if args.tp > 1 and untested:
-        parser.error(f"--tp {args.tp} with {', '.join(untested)}: not supported (docs/tensor-parallel.md); "
-                     f"drop one of them")
+    problem = composition.refusal(args)  # a refused pair of features (composition.py's table)
+    if problem:
+        parser.error(problem)
+    if args.cp > 1:
+        problem = context_option_problem(args)
+        if problem:
+            parser.error(problem)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                      f"use --device cpu")
+
+
+#: options refused with --cp > 1, and why (docs/context-parallel.md)
+CP_REFUSED: tuple[tuple[str, str, str], ...] = (
+    ("--fsdp", "fsdp", "FSDP2 reduce-scatters over the dp mesh only; the cp ranks' gradients are summed by "
+     "an all-reduce of whole gradients, which sharded parameters do not have"),
+    ("--tp", "tp", "the gathered attention takes whole heads; tensor-parallel heads with cp are not tested"),
+    ("--encoder spread", "encoder", "the spread's features are made for whole rows on stage 0's rank; "
+     "under cp every cp rank of stage 0 encodes its rows' media itself"),
+    ("--activation-checkpointing", "activation_checkpointing", "a layer recomputed in the backward runs "
+     "outside the stage's forward, where the microbatch's cp mask is not set"),
+    ("--lora-rank", "lora_rank", "LoRA adapters with cp are not tested"),
+    ("--ep", "ep", "expert parallelism is carved out of the dp ranks; with cp it is not tested"),
+)
+
+
+def context_option_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--cp N`` cannot run with these options or this family, in one line, or ``None``."""
+    for flag, key, why in CP_REFUSED:
+        value = getattr(args, key, None)
+        on = value == "spread" if key == "encoder" else (value not in (None, False, 0, 1) if key in ("tp", "ep") else bool(value))
+        if on:
+            return f"--cp {args.cp} with {flag}: not supported ({why})"
+    if args.model:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.model)
+    else:
+        from ..testing import tiny_models
+
+        config = tiny_models.load(args.family).build_config()
+    from ..registry import get_adapter
+
+    problem = pipeline.context_problem(config, get_adapter(config))
+    return None if problem is None else f"--cp {args.cp}: the decoder cannot be sharded: {problem}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

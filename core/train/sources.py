@@ -92,7 +92,9 @@ class DataSource:
             reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples,
             dp_group=ctx["parts"].dp_group,  # the counts (and the saved skip count) over all replicas
             packing=self._packing() if args.pack else None,
-            group_by_length=length_grouping(args) if shuffle else 1)
+            group_by_length=length_grouping(args) if shuffle else 1,
+            # --tp: stage 0's tp peers hold the same rows; their tp rank 0 reads, the peers receive the batch
+            tp_group=ctx["parts"].tp_group if ctx["parts"].first is not None else None)
 
     def _packing(self) -> Any:
         """``--pack``: rows of ``--max-length``, a multiple of ``--microbatches``, ordered by vision cost."""
@@ -110,9 +112,11 @@ class DataSource:
 
     def shares(self, start: int) -> Iterator[pipeline.ReplicaShare]:
         for share in self._shares(self.loader, None):
-            if not self.args.no_batch_check:  # the pipeline ranks of a replica must hold the same rows
-                pipeline.check_batch_agreement({"input_ids": share.input_ids, "attention_mask": share.attention_mask,
-                                                "labels": share.labels}, group=self.ctx["parts"].pp_group)
+            if not self.args.no_batch_check:  # the pipeline (and tp) ranks of a replica must hold the same rows
+                rows = {"input_ids": share.input_ids, "attention_mask": share.attention_mask, "labels": share.labels}
+                for group in (self.ctx["parts"].pp_group, self.ctx["parts"].tp_group):
+                    if group is not None:
+                        pipeline.check_batch_agreement(rows, group=group)
             yield share
 
     def held_out(self) -> list[pipeline.ReplicaShare]:
