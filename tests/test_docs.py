@@ -592,6 +592,7 @@ NOT_RUN: dict[str, NotRun] = {
     "python tests/bench/run.py": _BENCH,
     "python tests/bench/run.py --pack": _BENCH,
     "python tests/bench/run.py --video": _BENCH,
+    "python tests/bench/run.py --e2e": _BENCH,
     command_key("torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
                 "--pp 2 --batch-size 32 --max-length 256 --epochs 1 --pack --loss-log loss.jsonl"): NotRun(
         "it shows the flags on placeholder folders (demo-ckpt, demo-data)",

@@ -195,6 +195,21 @@ def test_a_batch_that_does_not_divide_into_microbatches_is_refused(argv, says, t
     assert _train_script().parse_args(common + ["--batch-size", "3", "--pack"]).pack  # packed rows: refused nowhere
 
 
+def test_no_shuffle_and_pack_keep_each_steps_records_ungrouped(tmp_path):
+    """``--no-shuffle`` keeps the file's order exactly (step i: the next --batch-size records), and so does
+    ``--pack``'s own order; the shuffled order is grouped by length (``--group-by-length``, default 16)."""
+    from ppmedia.train import length_grouping
+    from ppmedia.train.options import DEFAULT_GROUP
+
+    (tmp_path / "data.jsonl").write_text("")
+    parse = _train_script().parse_args
+    common = ["--model", str(tmp_path), "--data", str(tmp_path / "data.jsonl"), "--epochs", "1"]
+    assert length_grouping(parse(common)) == DEFAULT_GROUP == 16
+    assert length_grouping(parse(common + ["--group-by-length", "4"])) == 4
+    assert length_grouping(parse(common + ["--no-shuffle"])) == 1
+    assert length_grouping(parse(common + ["--pack"])) == 1
+
+
 def test_train_export_to_an_existing_file_is_refused_before_training(tmp_path, capsys):
     target = tmp_path / "trained.safetensors"
     target.write_text("x")

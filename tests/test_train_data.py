@@ -135,14 +135,17 @@ def _model_losses(world, path, *, shuffle: bool, steps: int) -> list[tuple[float
 
 
 def _compute_model_losses(world, path, *, shuffle: bool, steps: int) -> list[tuple[float, int]]:
+    """Shuffled: train.py's default order, grouped by length (``--group-by-length``'s default)."""
     import transformers
+
+    from ppmedia.train.options import DEFAULT_GROUP
 
     torch.set_num_threads(1)
     model = transformers.AutoModelForImageTextToText.from_pretrained(world["ckpt"]).train()
     processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(world["ckpt"]),
                                      max_length=MAX_LENGTH, config=model.config)
     loader = data.ReplicaLoader(data.open_dataset(str(path)), processor, global_batch_size=B, dp_rank=0, dp_size=1,
-                                seed=0, shuffle=shuffle)
+                                seed=0, shuffle=shuffle, group_by_length=DEFAULT_GROUP if shuffle else 1)
     out = []
     while len(out) < steps:
         for batch in loader:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
 from .batching import collate_samples, pad_to_length
 from .errors import DataError
+from .grouped import grouped_order, record_length_key
 from .packed import Packing, pack_steps
 from .processor import TOKEN_KEYS, SampleProcessor, TooLong
 from .sources import RecordDataset
@@ -125,6 +126,15 @@ class ReplicaLoader:
     counts ``B`` per step); a resumed position inside a window reads the window again and continues
     at the same step.
 
+    With ``group_by_length = W > 1`` (and no ``packing``) the epoch's order is grouped by length
+    (:func:`~ppmedia.data.grouped_order`): each window of ``W`` global batches of the order is sorted
+    by the records' length keys (:func:`~ppmedia.data.record_length_key`: text characters and a fixed
+    count per media item, from the records alone, no media opened) and cut into its ``W`` batches, taken in
+    an order drawn from the seed, the epoch and the window. A step's rows are then of similar length, so
+    the padding to its longest row shrinks; which samples share a step changes within the window. The
+    grouped order is a function of the seed, the epoch and the records only: the same on every rank and
+    at every ``pp x dp`` layout, and resumed to the sample as the plain one.
+
     Args:
         dataset: from :func:`~ppmedia.data.open_dataset`.
         processor: a :class:`~ppmedia.data.SampleProcessor`.
@@ -149,13 +159,15 @@ class ReplicaLoader:
             it at ``dp_size > 1``); without it at ``dp_size > 1`` they hold this replica's own.
         packing: pack each step's samples into rows (see above); ``packing.max_length`` must be at
             least the processor's ``max_length`` (which must be set: every sample then fits a row).
+        group_by_length: ``W``, global batches per window of length grouping (see above); 1: none,
+            each step holds its share of the order as it is. Not with ``packing``.
     """
 
     def __init__(self, dataset: RecordDataset, processor: SampleProcessor, *, global_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True, workers: int = 0,
                  pp_group: Any = None, reads_media: bool = True, adapter: Any = None,
                  skip_bad_samples: bool = False, dp_group: Any = None, packing: Packing | None = None,
-                 tp_group: Any = None) -> None:
+                 group_by_length: int = 1, tp_group: Any = None) -> None:
         if global_batch_size < dp_size or global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not a positive multiple of dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -166,7 +178,14 @@ class ReplicaLoader:
             raise ValueError(f"packing.max_length={packing.max_length}, but the processor's max_length is "
                              f"{processor.max_length}: set SampleProcessor(max_length=) to at most the row length, "
                              f"so that every sample fits a packed row")
+        if isinstance(group_by_length, bool) or not isinstance(group_by_length, int) or group_by_length < 1:
+            raise ValueError(f"group_by_length={group_by_length!r}; expected an int >= 1 (1: no grouping)")
+        if packing is not None and group_by_length > 1:
+            raise ValueError(f"group_by_length={group_by_length} with packing: packed rows are not grouped; pool "
+                             f"batches for packing with Packing(across_batches=)")
         self.dataset, self.processor, self.adapter, self.packing = dataset, processor, adapter, packing
+        self.group_by_length = group_by_length
+        self._length_keys: list[int] | None = None
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.seed, self.shuffle, self.workers, self.skip_bad_samples = seed, shuffle, workers, skip_bad_samples
         self.pp_group, self.reads_media, self.dp_group = pp_group, reads_media, dp_group
@@ -191,8 +210,18 @@ class ReplicaLoader:
         """Global batches left in the current epoch."""
         return (len(self.dataset) - self.next_sample) // self.global_batch_size
 
-    def _shares(self) -> list[list[int]]:
+    def _order(self) -> list[int]:
+        """The current epoch's order: :func:`epoch_order`, grouped by length with ``group_by_length``."""
         order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+        if self.group_by_length == 1:
+            return order
+        if self._length_keys is None:  # the records alone: no media opened, the same on every rank
+            self._length_keys = [record_length_key(record) for record in self.dataset]
+        return grouped_order(order, self._length_keys, self.global_batch_size, self.group_by_length, seed=self.seed,
+                             epoch=self.epoch)
+
+    def _shares(self) -> list[list[int]]:
+        order = self._order()
         b, shares = self.global_batch_size // self.dp_size, []
         for start in range(self.next_sample, len(order) - self.global_batch_size + 1, self.global_batch_size):
             first = start + self.dp_rank * b
@@ -207,7 +236,7 @@ class ReplicaLoader:
         window = 1 if self.packing is None else self.packing.across_batches
         if window == 1:
             return [(share, 0) for share in self._shares()]
-        B, order = self.global_batch_size, epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+        B, order = self.global_batch_size, self._order()
         base = 0 if self.next_sample % B == 0 else self.next_sample
         b, reads = B // self.dp_size, []
         starts = list(range(base, len(order) - B + 1, B))
@@ -308,16 +337,19 @@ class ReplicaLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch yielded: ``epoch``, ``next_sample`` (in the epoch's
         order), the order's ``seed`` and ``shuffle`` (the RNG: the order is drawn from them alone),
-        ``dataset_len`` and ``skipped`` (the global count with ``dp_group`` or at ``dp_size`` 1). The
+        ``dataset_len``, ``skipped`` (the global count with ``dp_group`` or at ``dp_size`` 1) and
+        ``group_by_length`` (the windows of the order; a state saved without it had none). The
         same on every rank; independent of ``pp x dp``."""
         return {"epoch": self.epoch, "next_sample": self.next_sample, "seed": self.seed, "shuffle": self.shuffle,
-                "dataset_len": len(self.dataset), "skipped": self.skipped}
+                "dataset_len": len(self.dataset), "skipped": self.skipped, "group_by_length": self.group_by_length}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (any layout, any batch size): the next batch starts at its
-        ``next_sample``; its seed and shuffle replace this loader's."""
+        ``next_sample``; its seed, shuffle and grouping replace this loader's."""
         if int(state["dataset_len"]) != len(self.dataset):
             raise ValueError(f"the loader state is of a dataset of {state['dataset_len']} samples, this one has "
                              f"{len(self.dataset)}")
         self.epoch, self.next_sample = int(state["epoch"]), int(state["next_sample"])
         self.seed, self.shuffle, self.skipped = int(state["seed"]), bool(state["shuffle"]), int(state["skipped"])
+        if self.packing is None:
+            self.group_by_length = int(state.get("group_by_length", 1))

@@ -55,7 +55,9 @@ def decay_groups(module: nn.Module, weight_decay: float, *, trainable_only: bool
 
 
 def stage_adamw(modules: Sequence[nn.Module], lr: float, weight_decay: float, **adamw: Any) -> list[Any]:
-    """One ``torch.optim.AdamW(decay_groups(module, weight_decay), lr=lr, **adamw)`` per stage module.
+    """One ``torch.optim.AdamW(decay_groups(module, weight_decay), lr=lr, **adamw)`` per stage module,
+    torch's fused implementation where every parameter allows it (plain tensors on the CPU or a GPU;
+    ``fused=False`` or ``foreach=`` in ``adamw`` choose otherwise).
 
     Call it after :func:`~ppmedia.pipeline.apply_fsdp`, if any. As
     :func:`~ppmedia.pipeline.stage_optimizers`, a parameter object shared by two of this rank's
@@ -76,8 +78,26 @@ def stage_adamw(modules: Sequence[nn.Module], lr: float, weight_decay: float, **
 
     _untie_across_modules(modules)
     refuse_empty_stages(modules, "stage_adamw")  # not torch's bare "optimizer got an empty parameter list"
-    return [torch.optim.AdamW(decay_groups(module, weight_decay, trainable_only=has_lora(module)), lr=lr, **adamw)
+    return [torch.optim.AdamW(decay_groups(module, weight_decay, trainable_only=has_lora(module)), lr=lr, **_implementation(module, adamw))
             for module in modules]
+
+
+def _implementation(module: nn.Module, adamw: dict[str, Any]) -> dict[str, Any]:
+    """``adamw`` with ``fused=True`` added where :func:`_fusable` allows it and the caller chose none."""
+    if "fused" in adamw or "foreach" in adamw or not _fusable(module):
+        return adamw
+    return {**adamw, "fused": True}
+
+
+def _fusable(module: nn.Module) -> bool:
+    """Whether torch's fused AdamW (one pass per parameter instead of a dozen: measured a third of the
+    for-loop's time on this CPU) runs ``module``: every parameter a plain floating tensor on the CPU or
+    a GPU (not DTensor parameters of FSDP2 or tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(module.parameters())
+    return bool(params) and all(not isinstance(p, DTensor) and p.is_floating_point() and p.device.type in
+                                ("cpu", "cuda") for p in params)
 
 
 def learning_rate(step: int, lr: float, *, schedule: str = "constant", warmup_steps: int = 0,

@@ -60,7 +60,7 @@ steps' batches: ``--data`` or the stand-in), :mod:`.loop` (build, resume, the st
 
 from .loop import build, main, resume, run
 from .options import DEFAULT_STEPS, bad_option, build_parser, parse_args
-from .sources import HELD_OUT_SEED, DataSource, StandIn, data_source
+from .sources import HELD_OUT_SEED, DataSource, StandIn, data_source, length_grouping
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -71,6 +71,7 @@ __all__ = [
     "build",
     "build_parser",
     "data_source",
+    "length_grouping",
     "main",
     "parse_args",
     "resume",

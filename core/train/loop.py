@@ -19,6 +19,7 @@ from .failures import NothingToTrain, report_failure
 from .lora_options import lora_settings
 from .metrics import rank_figures
 from .options import parse_args, world_formula, world_size
+from .profiling import StepProfiler
 from .sinks import Sinks
 from .sources import data_source, say
 
@@ -57,7 +58,17 @@ def build_stages(args: argparse.Namespace, pp_rank: int, pp_group: Any, device: 
         return pipeline.make_pipeline_stages(model, n_stages, indices, device, group=pp_group, encoder="spread",
                                              layers_per_stage=args.layers_per_stage)
     modules = stage_modules(args, n_stages, indices, device)
-    return pipeline.make_pipeline_stages(modules, n_stages, indices, device, group=pp_group)
+    return pipeline.make_pipeline_stages(modules, n_stages, indices, device, group=pp_group,
+                                         static_microbatch=static_placeholder(args))
+
+
+def static_placeholder(args: argparse.Namespace) -> tuple[int, int] | None:
+    """Static stage shapes (``(1, 1)``, rebuilt for every step's ``(b, S)`` by the schedule), so that no
+    step runs torch's shape-inference forward of microbatch 0 (a step whose ``S`` differs from the last
+    step's would, at every stage). ``None`` (inferred shapes) where static ones are not checked: with
+    ``--tp`` (DTensor stages), ``--bf16`` (activations in another dtype than the parameters),
+    ``--encoder spread`` and ``--cp`` (sequence-sharded activations)."""
+    return None if args.tp > 1 or args.cp > 1 or args.bf16 or args.encoder != "stage0" else (1, 1)
 
 
 def build(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,7 +118,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     )
     ctx = {"parts": parts, "config": modules[0].config, "adapter": modules[0].adapter, "device": device,
            "dtype": model_dtype(args), "pp_rank": pp_rank, "dp_rank": dp_rank, "modules": modules,
-           "optimizers": parts.optimizers, "run_id": None}
+           "optimizers": parts.optimizers, "run_id": None, "stages": stages}
     ctx["source"] = data_source(ctx, args)
     return ctx
 
@@ -181,30 +192,31 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
     log = pipeline.LossLog(args.loss_log) if rank0 and args.loss_log else None
     sinks = Sinks(args) if rank0 else None
     shares = source.shares(start)
-    for step in range(start, total):
-        where["step"] = step
-        started = time.perf_counter()
-        share = next(shares)
-        if step == start and share.num_valid_tokens == 0:  # the same on every rank: all stop here
-            raise NothingToTrain(nothing_to_train(args, step, share))
-        record = train_one(ctx, args, step, share, source, held_out, started)
-        record.update(rank_figures(ctx, share, record["step_time_s"]))  # collective: every rank's peak memory
-        last = step + 1 == total
-        if last and held_out is not None:  # the final model, evaluated once more
-            record["final_eval_loss"] = pipeline.eval_loss(parts, held_out())
-        if log is not None:
-            log.write(record)
-        if sinks is not None:
-            sinks.write(record)
-            if "final_eval_loss" in record:
-                sinks.final_eval(step + 1, record["final_eval_loss"])
-        if progress is not None:
-            progress.update(record)
-        if args.save_dir and args.save_every and ((step + 1) % args.save_every == 0 or last):
-            pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
-                "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "cp": args.cp, "fsdp": args.fsdp,
-                "data": source.state_dict()},
-                run_id=ctx["run_id"])
+    profiler = StepProfiler(args.profile, dist.get_rank(), total - start, ctx["stages"], cuda=ctx["device"].type == "cuda")
+    with profiler:
+        for step in range(start, total):
+            where["step"] = step
+            started = time.perf_counter()
+            with torch.profiler.record_function("ppmedia:data"):
+                share = next(shares)
+            if step == start and share.num_valid_tokens == 0:  # the same on every rank: all stop here
+                raise NothingToTrain(nothing_to_train(args, step, share))
+            record = train_one(ctx, args, step, share, source, held_out, started)
+            record.update(rank_figures(ctx, share, record["step_time_s"]))  # collective: every rank's peak memory
+            last = step + 1 == total
+            if last and held_out is not None:  # the final model, evaluated once more
+                record["final_eval_loss"] = pipeline.eval_loss(parts, held_out())
+            _report(record, step, log, sinks, progress)
+            if args.save_dir and args.save_every and ((step + 1) % args.save_every == 0 or last):
+                pipeline.save_checkpoint(args.save_dir, step + 1, parts.modules, parts.optimizers, extra={
+                    "family": args.family, "pp": args.pp, "dp": args.dp, "tp": args.tp, "cp": args.cp,
+                    "fsdp": args.fsdp, "data": source.state_dict()},
+                    run_id=ctx["run_id"])
+            profiler.step()
+    if args.profile:
+        steps = f"{start + profiler.recorded[0]}..{start + profiler.recorded[-1]}"
+        say(f"wrote the profiler trace of steps {steps} to {args.profile} (TensorBoard: tensorboard --logdir "
+            f"{args.profile}; Perfetto: its rank*.pt.trace.json files)")
     if held_out is not None and total > start:
         say(f"final model: eval loss {record['final_eval_loss']:.6f}")
     if progress is not None:
@@ -222,6 +234,18 @@ def run(args: argparse.Namespace, where: dict[str, Any]) -> None:
         draw_trace(ctx, args)
     if args.export or args.export_merged:
         export(ctx, args)
+
+
+def _report(record: dict[str, Any], step: int, log: Any, sinks: Any, progress: Any) -> None:
+    """One step's record to rank 0's loss log, TensorBoard / W&B and the progress bar (``None``: not this rank's)."""
+    if log is not None:
+        log.write(record)
+    if sinks is not None:
+        sinks.write(record)
+        if "final_eval_loss" in record:
+            sinks.final_eval(step + 1, record["final_eval_loss"])
+    if progress is not None:
+        progress.update(record)
 
 
 def nothing_to_train(args: argparse.Namespace, step: int, share: Any) -> str:

@@ -17,6 +17,8 @@ from . import composition
 
 #: the stand-in run's length when neither --steps nor --epochs is given.
 DEFAULT_STEPS = 4
+#: ``--group-by-length``'s default: global batches per window of length grouping (docs/performance.md)
+DEFAULT_GROUP = 16
 #: the parser's description
 DESCRIPTION = "Train a vision-language model with pipeline x data (x tensor) parallelism and ppmedia's staged media."
 
@@ -76,6 +78,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     add("--skip-bad-samples", action="store_true", help="skip (and count) bad records instead of stopping")
     add("--pack", action="store_true",
         help="pack each global batch's samples into rows of at most --max-length tokens (the same samples per step)")
+    add("--group-by-length", type=int, default=DEFAULT_GROUP, metavar="N",
+        help="shuffled order: pool N global batches, sort them by length and deal them out to N steps, so a step's "
+             "rows are of similar length (less padding; changes which samples share a step); 1: no grouping")
     add("--pack-across-batches", type=int, default=0, metavar="N",
         help="with --pack: pool N consecutive global batches per replica before packing (fuller rows; changes "
              "which samples share a step)")
@@ -121,6 +126,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     add("--tensorboard", metavar="DIR", help="write TensorBoard scalars here (rank 0; the tensorboard extra)")
     add("--wandb", metavar="PROJECT", help="log to this Weights & Biases project (rank 0; the wandb extra; "
                                          "WANDB_MODE=offline works without network)")
+    add("--profile", metavar="DIR",
+        help="write a torch profiler trace (TensorBoard / Perfetto JSON, one file per rank) of steps 2-4 here")
     add("--trace", metavar="FILE.svg", help="draw the last step's measured per-rank timeline (replica 0's pipeline) here")
     add_lora_options(parser)
     return parser
@@ -130,7 +137,8 @@ def bad_option(args: argparse.Namespace) -> str | None:
     """The first bad or unpaired option (one line for ``parser.error``: exit 2 before anything starts)."""
     problem = pipeline.option_problem(
         {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()},
-        positive=("--pp", "--dp", "--tp", "--cp", "--microbatches", "--steps", "--epochs", "--batch-size", "--max-length",
+        positive=("--pp", "--dp", "--tp", "--cp", "--microbatches", "--group-by-length", "--steps", "--epochs",
+                  "--batch-size", "--max-length",
                   "--max-grad-norm"),
         non_negative=("--lr", "--weight-decay", "--warmup-steps", "--workers", "--save-every", "--eval-every",
                       "--skip-nonfinite", "--pack-across-batches"),
@@ -153,6 +161,8 @@ def bad_option(args: argparse.Namespace) -> str | None:
         problem = data_refusal(args.model)
     if problem is None and args.export and os.path.exists(args.export) and not os.path.isdir(args.export):
         problem = f"--export {args.export}: an existing file; expected a directory to write the checkpoint into"
+    if problem is None and args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
+        problem = f"--profile {args.profile}: an existing file; expected a directory to write the trace into"
     if problem is None:  # the model's own config, read (not built): every rank refuses alike, before anything
         problem = model_config_problem(args) or layer_split_option_problem(args)
     return problem

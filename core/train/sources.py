@@ -78,6 +78,13 @@ class StandIn:
         return None
 
 
+def length_grouping(args: argparse.Namespace) -> int:
+    """The training loader's ``group_by_length``: ``--group-by-length`` on the shuffled order; 1 (none)
+    with ``--no-shuffle`` (each step holds the next ``--batch-size`` records of the file, in order) and
+    with ``--pack`` (packed rows). The held-out data is never grouped."""
+    return 1 if args.no_shuffle or args.pack else int(args.group_by_length)
+
+
 class DataSource:
     """``--data`` through ``ppmedia.data``: the checkpoint's own processor (``AutoProcessor``) per sample,
     this replica's share of every global batch, media read only on the rank holding stage 0."""
@@ -111,6 +118,7 @@ class DataSource:
             reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples,
             dp_group=ctx["parts"].dp_group,  # the counts (and the saved skip count) over all replicas
             packing=self._packing() if args.pack else None,
+            group_by_length=length_grouping(args) if shuffle else 1,
             # --tp: stage 0's tp peers hold the same rows; their tp rank 0 reads, the peers receive the batch
             tp_group=ctx["parts"].tp_group if ctx["parts"].first is not None else None)
 

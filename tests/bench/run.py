@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack | --video | --lora-memory]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack | --video | --lora-memory | --e2e]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -37,6 +37,8 @@ Measures, in one process with ``torch.set_num_threads(1)``:
    decode-everything reader beside it.
 14. LoRA memory (``--lora-memory``; see ``lora_memory_bench.py``): pp=2 on section 8's model, the largest
    rank's gradients + optimizer state with LoRA rank 8 over full fine-tuning's, both step times.
+15. end to end (``--e2e`` alone; see ``e2e_bench.py``): ``examples/train.py`` at pp1 and pp2, its
+   defaults and ``--pack``, against the model's own training loop written from transformers alone.
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -68,6 +70,7 @@ from ppmedia.testing.tiny_models import FAMILIES  # noqa: E402
 
 import balance_bench  # noqa: E402
 import data_bench  # noqa: E402
+import e2e_bench  # noqa: E402
 import load_memory_bench  # noqa: E402
 import fsdp_memory_bench  # noqa: E402
 import lora_memory_bench  # noqa: E402
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pack", action="store_true", help="run only the packing benchmark (section 12)")
     parser.add_argument("--video", action="store_true", help="run only the video-reading benchmark (section 13)")
     parser.add_argument("--lora-memory", action="store_true", help="run only the LoRA memory benchmark (section 14)")
+    parser.add_argument("--e2e", action="store_true",
+                        help="run only the end-to-end benchmark against the model's own loop (section 15)")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="section 9: draw its predicted and measured timelines here (SVG)")
     args = parser.parse_args(argv)
@@ -161,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_data(args, None)
     if args.pack:
         return _run_pack(args, None)
+    if args.e2e:
+        return _run_e2e(args, None)
     if args.video:
         return _run_video(args, None)
     if args.lora_memory:
@@ -289,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     lora_memory = _run_lora_memory(args, targets)
     print()
 
+    # -- 15: end to end against the model's own loop ------------------------------------------------
+    e2e_result = _run_e2e(args, targets)
+    print()
+
     # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
@@ -330,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp_memory": tp_memory,
 
         "pack": pack_result,
+        "e2e": e2e_result,
         "video": video_result,
         "lora_memory": lora_memory,
         "environment": env,
@@ -492,6 +504,21 @@ def _run_pack(args: argparse.Namespace, targets: list[dict[str, Any]] | None) ->
                     "measured": round(result["P"], 3), "met": result["P"] <= pack_bench.GOAL_P})
     targets.append({"target": f"pack: label tokens per second packed / padded >= {pack_bench.GOAL_R}",
                     "measured": round(result["R"], 2), "met": result["R"] >= pack_bench.GOAL_R})
+    return result
+
+
+def _run_e2e(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 14; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    result = e2e_bench.run(rounds=1, records=32) if args.quick else e2e_bench.run()
+    print(e2e_bench.report(result))
+    if targets is None:
+        _write_out(args, {"e2e": result})
+        return 0
+    targets.append({"target": f"e2e: train.py --pp 1 step / the model's own loop <= {e2e_bench.GOAL_R1}",
+                    "measured": round(result["R1"], 2), "met": result["R1"] <= e2e_bench.GOAL_R1})
+    goal2 = e2e_bench.GOAL_R2 * result["I"]
+    targets.append({"target": f"e2e-pp2: train.py --pp 2 step / the model's own loop <= {goal2:.3f}",
+                    "measured": round(result["R2"], 2), "met": result["R2"] <= goal2})
     return result
 
 
