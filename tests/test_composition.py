@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from ppmedia.testing.tiny_models import qwen2_5_vl
 from ppmedia.train import composition
 from ppmedia.train.options import parse_args
 
@@ -21,6 +22,8 @@ END = "<!-- end of the generated matrix -->"
 
 def _argv(flag: str, tmp: pathlib.Path) -> list[str]:
     """A command line turning ``flag`` on, with what the options themselves require next to it."""
+    if not (tmp / "config.json").exists():  # the options read --model's config.json (its decoder layers)
+        qwen2_5_vl.build_config().save_pretrained(tmp)
     data = ["--model", str(tmp), "--data", str(ROOT / "README.md"), "--steps", "2"]
     return {
         "--data": data,

@@ -125,6 +125,20 @@ def bad_option(args: argparse.Namespace) -> str | None:
     return problem
 
 
+def _batch_problem(batch_size: int, dp: int, microbatches: int, *, packed: bool) -> str | None:
+    """Why ``--batch-size`` cannot be cut into ``--dp`` equal shares of ``--microbatches`` equal
+    microbatches (one line), or ``None``. Packed rows (``--pack``) are made a multiple of the
+    microbatches, so then only the replicas' shares must be equal."""
+    if batch_size % dp:
+        return (f"--batch-size {batch_size} does not split over --dp {dp} replicas: expected a multiple of {dp}")
+    share = batch_size // dp
+    if not packed and share % microbatches:
+        return (f"--batch-size {batch_size} gives {share} samples per replica (--dp {dp}), which do not divide into "
+                f"--microbatches {microbatches} equal microbatches (every microbatch of a step has the same rows): "
+                f"expected a --batch-size that is a multiple of --dp x --microbatches = {dp * microbatches}")
+    return None
+
+
 def model_config_problem(args: argparse.Namespace) -> str | None:
     """``--model``'s ``config.json`` refused before anything starts, the same on every rank: one that
     transformers cannot read, a ``model_type`` contradicting its ``architectures``, a quantized
@@ -172,20 +186,6 @@ def layer_split_option_problem(args: argparse.Namespace) -> str | None:
     fix = f"give --pp {fewer} or less" + (" (or a schedule with one stage per rank)" if per_rank > 1 else "")
     return pipeline.layer_split_problem(n_stages, num_layers, args.layers_per_stage, stages_option=stages_option,
                                         split_option="--layers-per-stage", model=model, fix=fix)
-
-
-def _batch_problem(batch_size: int, dp: int, microbatches: int, *, packed: bool) -> str | None:
-    """Why ``--batch-size`` cannot be cut into ``--dp`` equal shares of ``--microbatches`` equal
-    microbatches (one line), or ``None``. Packed rows (``--pack``) are made a multiple of the
-    microbatches, so then only the replicas' shares must be equal."""
-    if batch_size % dp:
-        return (f"--batch-size {batch_size} does not split over --dp {dp} replicas: expected a multiple of {dp}")
-    share = batch_size // dp
-    if not packed and share % microbatches:
-        return (f"--batch-size {batch_size} gives {share} samples per replica (--dp {dp}), which do not divide into "
-                f"--microbatches {microbatches} equal microbatches (every microbatch of a step has the same rows): "
-                f"expected a --batch-size that is a multiple of --dp x --microbatches = {dp * microbatches}")
-    return None
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
