@@ -374,11 +374,20 @@ class VlmAdapter(abc.ABC):
             :func:`~ppmedia.pipeline.vision_replica`.
         packing_refusal: why the family's samples cannot share a packed row, in words (refused by
             :func:`ppmedia.packing.enable_packing`); ``None`` (default): its layer types decide.
+        context_refusal: why the family's decoder cannot be sharded over context-parallel ranks, in
+            words (refused by :func:`ppmedia.pipeline.enable_context_parallel`: state that indexes keys
+            across layers); ``None`` (default): its layer types decide.
+        attention_blocks_windowed: whether a sliding layer's window also limits the bidirectional
+            blocks of :meth:`attention_blocks` (Gemma 3, default) or they are added after it (PaliGemma 2).
         prefix_lm_key: the per-token input whose 0 marks a bidirectional prefix and 1 the causal rest
             (PaliGemma's ``token_type_ids``); :class:`ppmedia.data.SampleProcessor` (given the
             config) sets it from the labels: 0 up to the first answer token, 1 from it on (a
             processor called without a ``suffix`` marks the whole sample prefix, so every answer
             token would see the tokens after it). ``None`` (default): no such input.
+        sample_axis_keys: the processor's output keys that hold one entry per SAMPLE of the batch on
+            axis 0 (Idefics3's ``pixel_values`` ``[B, max_crops, C, H, W]``): the processor's batch
+            gives a sample without media an all-zero entry, so :func:`ppmedia.data.collate_samples`
+            does too. ``()`` (default): media keys hold one entry per item (concatenated).
 
     A subclass implements :meth:`media_per_sample`, :meth:`placeholder_masks`,
     :meth:`feature_counts` and :meth:`encode`; it may override :meth:`host_inputs` (integer metadata
@@ -393,7 +402,10 @@ class VlmAdapter(abc.ABC):
     language_model_path: ClassVar[str | None] = None
     merge_path: ClassVar[str | None] = None
     packing_refusal: ClassVar[str | None] = None
+    context_refusal: ClassVar[str | None] = None
+    attention_blocks_windowed: ClassVar[bool] = True
     prefix_lm_key: ClassVar[str | None] = None
+    sample_axis_keys: ClassVar[tuple[str, ...]] = ()
 
     # -- token side -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -832,6 +844,20 @@ class VlmAdapter(abc.ABC):
         if "position_ids" in wire:
             return {"position_ids": wire["position_ids"].transpose(0, 1)}
         return {}
+
+    def attention_blocks(self, config: Any, wire: Mapping[str, Tensor]) -> Tensor | None:
+        """Bidirectional blocks of the family's mask over a WHOLE row, for context parallelism (whose
+        attention evaluates the mask from index vectors): ``[b, S]`` int64 block ids, a query seeing
+        every key of its own block (id >= 0) besides the causal ones; -1 elsewhere.
+
+        Args:
+            config: the model's config.
+            wire: the stage's integer ``[b, S]`` wire tensors of the whole row by name (e.g. ``token_type_ids``).
+
+        Returns:
+            Default ``None``: the mask is causal (plus the layer's window, padding, packed samples).
+        """
+        return None
 
     def stage_hooks(
         self, stage: torch.nn.Module, layers: range, state: MutableMapping[str, Tensor]

@@ -128,6 +128,13 @@ class Gemma3Adapter(ImageRowsAdapter):
         lm: torch.nn.Module = getattr(stage, "stage_language_model")
         return {"attention_mask": self.attention_masks(lm, hidden, attention_mask, wire["token_type_ids"])}
 
+    def attention_blocks(self, config: Any, wire: Mapping[str, Tensor]) -> Tensor | None:
+        """Each image's tokens one bidirectional block (the model's own ``get_block_sequence_ids_for_mask``)."""
+        from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+        blocks: Tensor = get_block_sequence_ids_for_mask(wire["token_type_ids"])
+        return blocks.long()
+
     def attention_masks(
         self,
         language_model: torch.nn.Module,

@@ -116,6 +116,9 @@ class Gemma4Adapter(VlmAdapter):
     """
 
     name: ClassVar[str] = "gemma4"
+    context_refusal: ClassVar[str | None] = (
+        "its kv-shared layers read the keys and values of an earlier layer over the whole row (num_kv_shared_layers), state the gathered attention of one layer does not hand on"
+    )
     model_types: ClassVar[tuple[str, ...]] = ("gemma4",)
     layout: ClassVar[str] = (
         "padded patches [images, max_patches, 3*p*p] + image_position_ids (-1 = padding); video frames "

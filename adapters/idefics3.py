@@ -71,6 +71,7 @@ class Idefics3Adapter(VlmAdapter):
         "would need their samples' crops joined along the crops axis, which pack_samples does not do"
     )
     family: ClassVar[str] = "Idefics3"
+    sample_axis_keys: ClassVar[tuple[str, ...]] = ("pixel_values", _MASK)
 
     # -- token side -------------------------------------------------------------------------
     def media_per_sample(

@@ -68,6 +68,9 @@ class Inkling2Adapter(VlmAdapter):
     """
 
     name: ClassVar[str] = "inkling2"
+    context_refusal: ClassVar[str | None] = (
+        "its block-attention residual states grow along the whole row across layers (block_states), not a per-token tensor that can be cut"
+    )
     model_types: ClassVar[tuple[str, ...]] = ("inkling2",)
     layout: ClassVar[str] = (
         "one row per image token [tokens, T, T, C] channels-last with image_grid_thw [images, 3] in tokens; "

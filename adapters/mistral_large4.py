@@ -97,6 +97,9 @@ class MistralLarge4Adapter(Mistral3Adapter):
     """
 
     name: ClassVar[str] = "mistral_large4"
+    context_refusal: ClassVar[str | None] = (
+        "its sparse-attention indexer passes top-k key indices over the whole row to the next layer (topk_indices) and shares KV between layers (kv_source_layers)"
+    )
     model_types: ClassVar[tuple[str, ...]] = ("mistral_large4",)
     layout: ClassVar[str] = (
         "complete images padded to the batch's largest [images, C, Hmax, Wmax] with true sizes "

@@ -98,11 +98,20 @@ class PaliGemmaAdapter(ImageRowsAdapter):
     ) -> dict[str, Any]:
         """The model's prefix-LM masks from the token types this stage received, and its 1-indexed positions."""
         config: Any = getattr(stage, "config")
-        positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device).unsqueeze(0)
+        at = getattr(stage, "token_positions", None)  # global indices under context parallelism
+        positions = (at(hidden) if at is not None else torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)) + 1
         return {
             "attention_mask": self.attention_masks(config.get_text_config(), hidden, attention_mask, wire[_TYPES], positions),
             "position_ids": positions,
         }
+
+    #: create_sliding_window_causal_mask ORs the prefix block after the window
+    attention_blocks_windowed: ClassVar[bool] = False
+
+    def attention_blocks(self, config: Any, wire: Mapping[str, Tensor]) -> Tensor | None:
+        """The prefix (token type 0) one bidirectional block, as the model's own mask makes it."""
+        types = wire[_TYPES]
+        return torch.where(types == 0, 0, -1).long()
 
     def packed_position_ids(
         self,

@@ -592,6 +592,7 @@ NOT_RUN: dict[str, NotRun] = {
     "python tests/bench/run.py": _BENCH,
     "python tests/bench/run.py --pack": _BENCH,
     "python tests/bench/run.py --video": _BENCH,
+    "python tests/bench/run.py --e2e": _BENCH,
     command_key("torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
                 "--pp 2 --batch-size 32 --max-length 256 --epochs 1 --pack --loss-log loss.jsonl"): NotRun(
         "it shows the flags on placeholder folders (demo-ckpt, demo-data)",
@@ -637,11 +638,32 @@ NOT_RUN: dict[str, NotRun] = {
         "tests/test_pipeline_mp.py's shared spawn",
         _test_source_has("tests/test_train_example.py", '"-m", "ppmedia.testing.parity", "qwen2_5_vl"')),
     "ppmedia demo --family llava_next --schedule DualPipeV --steps 1": _CLI_DEMO,
+    **{command_key(line): NotRun(
+        "run once already: tests/test_train_data.py runs the page's lines as written, in the README run's folder",
+        "test_ppmedia_train_from_the_demo_recipe_repeats_the_readme_run: its losses equal the README's torchrun "
+        "examples/train.py run's, TensorBoard's train/loss equals the JSON log, the last step's checkpoint, the plot",
+        _run_as_written_by("test_train_data", "documented_train_command_lines")) for line in [
+        "ppmedia train recipes/demo.yaml --steps 5", "ppmedia plot demo-loss.jsonl --out loss.png"]},
+    command_key("ppmedia train recipes/qwen2_5_vl_7b.yaml --model /path/to/Qwen2.5-VL-7B-Instruct --dry-run"): NotRun(
+        "it points at a placeholder folder: the checkpoint is not here",
+        "tests/test_train_command.py runs --dry-run on every recipe with a config-only folder shaped as the checkpoint",
+        _test_source_has("tests/test_train_command.py", '"--dry-run"')),
     **{command_key(line): _QUICK_START for line in [
         "python -m ppmedia.testing.datasets demo-ckpt demo-data",
         "torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
         "--batch-size 4 --max-length 64 --epochs 2 --save-dir runs --save-every 4 --loss-log loss.jsonl --export trained",
         "python -c \"import transformers as t; print(t.AutoModelForImageTextToText.from_pretrained('trained').dtype)\""]},
+    **{command_key(line): NotRun(
+        "run once already: tests/test_lora_mp.py runs docs/lora.md's lines as written and checks them",
+        "test_the_pages_lines_train_and_export_an_adapter_peft_loads: the run trains at pp2 with --lora-rank 8 and "
+        "PeftModel.from_pretrained loads its adapter with both stages' layers",
+        _run_as_written_by("test_lora_mp", "lines")) for line in [
+        "torchrun --standalone --nproc-per-node 2 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
+        "--pp 2 --batch-size 4 --max-length 64 --steps 2 --lora-rank 8 --export out",
+        "python -c \"import peft, transformers as t; m = peft.PeftModel.from_pretrained("
+        "t.AutoModelForImageTextToText.from_pretrained('demo-ckpt'), 'out'); c = m.peft_config['default']; "
+        "print(len(c.target_modules), ','.join(sorted({n.split('.layers.')[1].split('.')[0] for n in c.target_modules})))\""]},
+    "python tests/bench/run.py --lora-memory": _BENCH,
     **{command_key(line): _SPREAD_RUN for line in [
         "torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen2_5_vl --pp 2 --schedule ZBVZeroBubble "
         "--microbatches 4 --steps 2 --encoder spread --trace step.svg --loss-log loss.jsonl"]},
@@ -665,6 +687,14 @@ NOT_RUN: dict[str, NotRun] = {
         "--loss-log ep.jsonl --export ep-export",
         "torchrun --standalone --nproc-per-node 4 examples/train.py --model moe-ckpt --data moe-data/train.jsonl --pp 2 "
         "--dp 2 --batch-size 4 --max-length 64 --steps 2 --no-shuffle --resume ckpt/step1 --loss-log plain.jsonl"]},
+        "it shows the flags on placeholder folders (demo-ckpt, demo-data)",
+        "tests/test_composition_mp.py runs examples/train.py's loop at --pp 2 --tp 2 --pack on a checkpoint and a "
+        "data file (the model's own losses within 1e-5) and resumes its checkpoint at --pp 2 --dp 2 --fsdp",
+        _test_source_has("tests/test_composition_mp.py", '"--pp", "2", "--tp", "2", "--pack"')) for line in [
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
+        "--pp 2 --tp 2 --pack --batch-size 4 --max-length 256 --steps 4 --save-dir tpckpt --save-every 2",
+        "torchrun --standalone --nproc-per-node 4 examples/train.py --model demo-ckpt --data demo-data/train.jsonl "
+        "--pp 2 --dp 2 --fsdp --batch-size 4 --max-length 256 --steps 4 --resume tpckpt/step2"]},
     **{command_key(line): _FSDP_DCP for line in [
         "torchrun --standalone --nproc-per-node 4 examples/train.py --family qwen2_5_vl --pp 2 --dp 2 --fsdp "
         "--steps 6 --save-dir ckpt --save-every 2 --eval-every 2 --loss-log straight.jsonl",

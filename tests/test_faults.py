@@ -177,6 +177,39 @@ def test_train_options_are_refused_with_one_line_before_anything_starts(argv, sa
     assert err.strip().splitlines()[-1].startswith("train.py: error: ") or "error:" in err.splitlines()[-1]
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--batch-size", "3"], "--batch-size 3 gives 3 samples per replica (--dp 1), which do not divide into "
+                            "--microbatches 2 equal microbatches"),
+    (["--batch-size", "8", "--microbatches", "3"], "a multiple of --dp x --microbatches = 3"),
+    (["--batch-size", "6", "--dp", "4", "--pp", "1"], "--batch-size 6 does not split over --dp 4 replicas"),
+])
+def test_a_batch_that_does_not_divide_into_microbatches_is_refused(argv, says, tmp_path, capsys):
+    """Failed before the fix: ``--batch-size 3`` with the default 2 microbatches started and failed
+    inside torch's schedule (microbatches of 2 and 1 rows); ``--pack`` makes rows a multiple itself."""
+    (tmp_path / "data.jsonl").write_text("")
+    common = ["--model", str(tmp_path), "--data", str(tmp_path / "data.jsonl"), "--epochs", "1"]
+    with pytest.raises(SystemExit) as exit_:
+        _train_script().parse_args(common + argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err and ": error: --" in err.strip().splitlines()[-1], err
+    assert _train_script().parse_args(common + ["--batch-size", "3", "--pack"]).pack  # packed rows: refused nowhere
+
+
+def test_no_shuffle_and_pack_keep_each_steps_records_ungrouped(tmp_path):
+    """``--no-shuffle`` keeps the file's order exactly (step i: the next --batch-size records), and so does
+    ``--pack``'s own order; the shuffled order is grouped by length (``--group-by-length``, default 16)."""
+    from ppmedia.train import length_grouping
+    from ppmedia.train.options import DEFAULT_GROUP
+
+    (tmp_path / "data.jsonl").write_text("")
+    parse = _train_script().parse_args
+    common = ["--model", str(tmp_path), "--data", str(tmp_path / "data.jsonl"), "--epochs", "1"]
+    assert length_grouping(parse(common)) == DEFAULT_GROUP == 16
+    assert length_grouping(parse(common + ["--group-by-length", "4"])) == 4
+    assert length_grouping(parse(common + ["--no-shuffle"])) == 1
+    assert length_grouping(parse(common + ["--pack"])) == 1
+
+
 def test_train_export_to_an_existing_file_is_refused_before_training(tmp_path, capsys):
     target = tmp_path / "trained.safetensors"
     target.write_text("x")
@@ -470,13 +503,21 @@ def test_plan_refuses_bad_numbers_with_exit_2_and_nothing_before(argv, says, cap
 
 
 def test_an_optimizer_over_a_stage_with_nothing_says_so():
-    """Failed before: torch's bare "optimizer got an empty parameter list"."""
-    modules = pipeline.build_stage_modules(tiny_models.load("qwen2_5_vl").build_model(0), 5)  # 2 layers
+    """Failed before: torch's bare "optimizer got an empty parameter list". Since issue 40 the cutter
+    refuses such a split first (tests/test_layer_split.py); a stage holding nothing cut elsewhere still
+    meets these refusals."""
+    model = tiny_models.load("qwen2_5_vl").build_model(0)  # 2 layers
+    with pytest.raises(ValueError, match=r"n_stages: 5 pipeline stages for the 2 decoder layers"):
+        pipeline.build_stage_modules(model, 5)
+    empty = torch.nn.Module()
+    empty.stage_index, empty.n_stages = 3, 5
     with pytest.raises(ValueError, match=r"stage_optimizers: stage 3 of 5 holds no parameters .*more pipeline stages "
                                          r"than the model has decoder layers"):
-        pipeline.stage_optimizers(modules, lambda p: torch.optim.AdamW(p, lr=1e-3))
+        pipeline.stage_optimizers([empty], lambda p: torch.optim.AdamW(p, lr=1e-3))
+    with pytest.raises(ValueError, match=r"stage_adamw: stage 3 of 5 holds no parameters"):
+        pipeline.stage_adamw([empty], 1e-3, 0.01)  # what examples/train.py calls (issue 40 lost the check here)
     with pytest.raises(ValueError, match=r"stage_parameters: stages \[3\] hold no parameters"):
-        torch.optim.AdamW(pipeline.stage_parameters(modules[3:4]), lr=1e-3)  # the README's optimizer line
+        torch.optim.AdamW(pipeline.stage_parameters([empty]), lr=1e-3)  # the README's optimizer line
 
 
 def test_moe_router_loss_asked_for_is_refused_not_dropped():

@@ -177,10 +177,14 @@ def test_a_rank_killed_mid_step_fails_the_others_then_resume_auto_continues(docs
     assert codes[3] == -signal.SIGKILL
     assert codes[:3] == [1, 1, 1], codes
     assert waited < PG_TIMEOUT_S, f"the other ranks took {waited:.1f} s to fail"
-    for rank in range(3):
-        message = [line for line in (tmp_path / f"err{rank}.txt").read_text().splitlines() if line.startswith("train.py rank")]
-        assert len(message) == 1 and re.match(rf"train\.py rank {rank}: step \d+ failed: RuntimeError: .*(peer|Connection)",
-                                              message[0]), message
+    # one line from the first rank to report (the store decides; a rank that cannot reach it, rank 0's
+    # store gone with it, speaks too), each naming the step and where its traceback went
+    lines = [line for rank in range(3) for line in (tmp_path / f"err{rank}.txt").read_text().splitlines()
+             if line.startswith("train.py")]
+    assert 1 <= len(lines) <= 3, lines
+    for line in lines:
+        found = re.match(r"train\.py: step \d+: RuntimeError: .*(peer|Connection).* \(rank \d; traceback: (\S+)\)$", line)
+        assert found and pathlib.Path(found[2]).is_file(), line
     assert pipeline.latest_checkpoint(save) == save / "step2"
 
     # incomplete saves the resume must skip: an unpublished copy, and a folder without DCP's metadata

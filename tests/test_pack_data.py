@@ -52,6 +52,7 @@ STAGES_ONLY = {
 #: of the reason it gives
 REFUSED = {
     "idefics3": "its media hold one entry per sample on axis 0",
+    "smolvlm": "its media hold one entry per sample on axis 0",
     "llava_onevision": "the model tiles an image only when its sample holds exactly one image",
     "step3": "its crops are counted per sample (num_patches [samples])",
     "llama4": "chunked attention (attention_chunk_size=",

@@ -372,6 +372,8 @@ CASES: dict[str, Case] = {
                          call={"sampling_rate": 16000}, forward={"use_cache": False, "use_audio_in_video": True}),
     "idefics3": Case(image_samples, ("Idefics3Processor", "Idefics3ImageProcessor"), pil="Idefics3ImageProcessorPil",
                      call={"nested": True}, text_only_empty=False),
+    "smolvlm": Case(image_samples, ("SmolVLMProcessor", "SmolVLMImageProcessor", "SmolVLMVideoProcessor"), pil="SmolVLMImageProcessorPil",
+                    call={"nested": True}, text_only_empty=False),
     "internvl": Case(internvl_samples, ("InternVLProcessor", "GotOcr2ImageProcessor", "InternVLVideoProcessor"),
                      pil="GotOcr2ImageProcessorPil"),
     "llava_onevision": Case(onevision_samples, ("LlavaOnevisionProcessor", "LlavaOnevisionImageProcessor",
@@ -526,16 +528,6 @@ def test_step3p7_processor_keys_are_refused_then_renamed_they_match_the_model():
     assert [c.has_media for c in checks if c.n_microbatches == 4] == [True, True, False, True]
 
 
-def test_smolvlm_processor_needs_num2words():
-    """SmolVLMProcessor refuses to build without the ``num2words`` package, which this stack does not
-    install (docs/processors.md); its image processors are Idefics3's layout (tested there)."""
-    from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
-
-    tokenizer = build_tiny_processor("idefics3").tokenizer
-    with pytest.raises(ImportError, match="num2words"):
-        SmolVLMProcessor(image_processor=SmolVLMImageProcessor(), tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor())
-
-
 def test_qwen2_5_vl_video_timing_reaches_the_positions():
     """Staged without the processor's ``second_per_grid_ts``, a video's mrope positions differ from
     the model's own: the positions check sees the video timing."""
@@ -587,7 +579,7 @@ def test_the_docs_table_names_these_tests():
     ids = {f"test_family_on_its_processor[{f}-{b}]" for f, b in BACKEND_CASES}
     ids |= {"test_qwen2_5_vl_video_timing_reaches_the_positions", "test_glm_models_refuse_images_and_videos_in_one_batch",
             "test_llama4_processor_gives_bfloat16_pixels_its_float32_model_refuses",
-            "test_step3p7_processor_keys_are_refused_then_renamed_they_match_the_model", "test_smolvlm_processor_needs_num2words"}
+            "test_step3p7_processor_keys_are_refused_then_renamed_they_match_the_model"}
     ids |= {f"test_saved_processor_round_trips_and_feeds_the_model[{f}]" for f in ("qwen2_5_vl", "qwen2_5_omni")}
     named = re.findall(r"`(test_[a-z0-9_]+(?:\[[^\]]+\])?)`", text)
     assert named and set(named) <= ids, set(named) - ids

@@ -63,10 +63,10 @@ def test_plans_come_from_transformers_or_the_adapter_and_unmapped_styles_are_ref
 def test_a_tp_mesh_shards_the_plan_and_leaves_the_rest_whole(world_of_one):
     from torch.distributed.tensor import DTensor, Shard
 
-    with pytest.raises(ValueError, match=r"pp 2 x dp 1 x tp 1 = 2; the world has 1 ranks"):
+    with pytest.raises(ValueError, match=r"pp 2 x dp 1 x cp 1 x tp 1 = 2; the world has 1 ranks"):
         pipeline_mesh(2)
     mesh = pipeline_mesh(1)
-    assert mesh.mesh_dim_names == ("dp", "pp", "tp")
+    assert mesh.mesh_dim_names == ("dp", "pp", "cp", "tp")
     model = tiny_models.load("qwen2_5_vl").build_model(0)
     modules = build_stage_modules(copy.deepcopy(model), 2)
     apply_tensor_parallel(modules, mesh["tp"])
@@ -147,7 +147,7 @@ def test_train_with_tp_gives_the_losses_of_the_model_and_its_checkpoint_resumes_
     assert "--pp 2 --tp 2 --steps 2 --loss-log tp.jsonl --save-dir ckpt --save-every 1 --export tp-export" in command_key(tp), tp
     assert "--pp 2 --dp 2 --fsdp --steps 2 --resume ckpt/step1 --loss-log fsdp.jsonl --export fsdp-export" in command_key(fsdp), fsdp
     out = run_documented("docs/tensor-parallel.md: From the command line", [tp, fsdp], tmp_path)[1].stdout
-    assert "saved at pp=2 x dp=1 x tp=2" in out, out
+    assert "saved at pp=2 x dp=1 x cp=1 x tp=2" in out, out
     rows = [json.loads(line) for line in (tmp_path / "tp.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for row, (loss, norm) in zip(rows, _reference_losses(2)):

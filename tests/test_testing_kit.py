@@ -314,6 +314,11 @@ def test_demo_takes_a_plugins_tiny_module(plugin_path, capsys):
     from ppmedia.testing.tiny_models import FAMILIES
 
     assert selected_families(build_parser().parse_args(["demo"]).family) == list(FAMILIES)
+    from ppmedia.cli.demo import runs_finetune  # make demo (no --family) and --family all end with the fine-tune
+
+    assert runs_finetune(build_parser().parse_args(["demo"]).family)
+    assert runs_finetune(build_parser().parse_args(["demo", "--family", "all"]).family)
+    assert not runs_finetune(args.family) and not runs_finetune(both.family)
     assert main(["demo", "--family", "no_such.tiny"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ppmedia: error: argument --family: 'no_such.tiny': tiny family 'no_such.tiny': cannot import it"), err

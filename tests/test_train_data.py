@@ -1,4 +1,5 @@
-"""examples/train.py fine-tuning a real checkpoint on real data, under torchrun (six runs in all).
+"""examples/train.py fine-tuning a real checkpoint on real data, under torchrun (six runs in all), and
+``ppmedia train recipes/demo.yaml`` with a bad record and an all-too-long run in the README run's folder (three more).
 
 The checkpoint: the tiny Qwen2.5-VL (``save_pretrained``) with its real processor
 (``ppmedia.testing.processors``); the data: generated PNG images and a LLaVA-style JSON Lines file
@@ -33,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -133,14 +135,17 @@ def _model_losses(world, path, *, shuffle: bool, steps: int) -> list[tuple[float
 
 
 def _compute_model_losses(world, path, *, shuffle: bool, steps: int) -> list[tuple[float, int]]:
+    """Shuffled: train.py's default order, grouped by length (``--group-by-length``'s default)."""
     import transformers
+
+    from ppmedia.train.options import DEFAULT_GROUP
 
     torch.set_num_threads(1)
     model = transformers.AutoModelForImageTextToText.from_pretrained(world["ckpt"]).train()
     processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(world["ckpt"]),
                                      max_length=MAX_LENGTH, config=model.config)
     loader = data.ReplicaLoader(data.open_dataset(str(path)), processor, global_batch_size=B, dp_rank=0, dp_size=1,
-                                seed=0, shuffle=shuffle)
+                                seed=0, shuffle=shuffle, group_by_length=DEFAULT_GROUP if shuffle else 1)
     out = []
     while len(out) < steps:
         for batch in loader:
@@ -352,3 +357,86 @@ def test_a_saved_gemma4_checkpoint_takes_its_processors_batches(tmp_path):
     with torch.no_grad():
         logits = model(**inputs, use_cache=False).logits
     assert logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(logits).all()
+
+
+# ------------------------------------------------------------------ ppmedia train (docs/train-command.md)
+def documented_train_command_lines() -> list[str]:
+    """docs/train-command.md's first block: the dataset line (the README's, run by ``trained`` already),
+    ``ppmedia train recipes/demo.yaml --steps 5`` and ``ppmedia plot``."""
+    from test_docs import DOCS, command_lines, read_blocks
+
+    block = [b for b in read_blocks(DOCS / "train-command.md") if b.lang == "sh"][0]
+    return command_lines(block)
+
+
+def _cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **extra)
+    env.pop("PYTHONPATH", None)
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@pytest.mark.multiprocess
+def test_ppmedia_train_from_the_demo_recipe_repeats_the_readme_run(trained):
+    """The page's lines as written, in the README run's folder (its demo-ckpt and demo-data; the dataset
+    line is the README's, run already): ``ppmedia train recipes/demo.yaml --steps 5`` (2 processes, pp 2,
+    the README's options) gives the README's ``torchrun examples/train.py`` losses; TensorBoard's
+    ``train/loss`` equals the JSON log; the last step is checkpointed, the final model evaluated; the plot."""
+    from test_docs import run_lines
+
+    make, train, plot = documented_train_command_lines()
+    assert make == _readme_lines()[0] and train.split("#")[0].split() == ["ppmedia", "train", "recipes/demo.yaml",
+                                                                         "--steps", "5"]
+    work = trained["work"]  # a sandbox of the repository: recipes/ is there
+    _, plotted = run_lines("docs/train-command.md", [train, plot], work)
+    rows = _rows(work / "demo-loss.jsonl")
+    assert sorted(rows) == list(range(5))
+    for step, row in rows.items():  # the README's run, same options: the same losses
+        assert row["loss"] == trained["straight"][step]["loss"], (step, row, trained["straight"][step])
+        assert len(row["peak_memory_gb"]) == 2 and min(row["peak_memory_gb"]) > 0.05 and "mfu" not in row  # CPU
+    assert [step for step, row in rows.items() if "eval_loss" in row] == [0, 2, 4]
+    assert rows[4]["final_eval_loss"] < rows[4]["eval_loss"]  # the final weights, after the last step
+    assert sorted(p.name for p in (work / "demo-runs").glob("step*")) == ["step2", "step4", "step5"]
+    assert plotted.stdout.startswith("wrote loss.png: 5 steps, 4 eval points")
+    assert (work / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(work / "demo-tb"))
+    events.Reload()
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/padding_fraction",
+            "eval/loss"} <= set(events.Tags()["scalars"])
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (step, pytest.approx(row["loss"], rel=1e-6)) for step, row in rows.items()]
+    assert [e.step for e in events.Scalars("eval/loss")] == [0, 2, 4, 5]
+
+
+@pytest.mark.multiprocess
+def test_a_failure_is_one_line_and_a_run_with_no_label_stops_before_step_0(trained, tmp_path):
+    """A bad record at pp 2: one line naming FILE:LINE and the traceback file, from one rank. Every sample
+    over --max-length (one process): stopped before step 0, naming why."""
+    work = trained["work"]
+    lines = (work / "demo-data" / "train.jsonl").read_text().splitlines()
+    lines[2] = lines[2].replace("img2.png", "missing.png")
+    (work / "demo-data" / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    logs = tmp_path / "logs"
+    failed = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "train.py"),
+                             "--model", "demo-ckpt", "--data", "demo-data/bad.jsonl", "--batch-size", "4",
+                             "--max-length", "64", "--steps", "2", "--no-shuffle"],
+                            cwd=work, capture_output=True, text=True, env=_cli_env(PPMEDIA_LOG_DIR=str(logs)), timeout=600)
+    assert failed.returncode == 1
+    ours = [line for line in (failed.stdout + failed.stderr).splitlines() if line.startswith("train.py")]
+    assert len(ours) == 1, failed.stderr
+    found = re.fullmatch(r"train\.py: demo-data/bad\.jsonl:3: image file '.*missing\.png' does not exist "
+                         r"\(rank \d; traceback: (\S+)\)", ours[0])  # the rank that reported first
+    assert found and "DataError" in pathlib.Path(found[1]).read_text(), ours
+    assert "step None" not in failed.stderr and failed.stderr.count("Traceback") == 1  # torchrun's own report
+
+    nothing = subprocess.run([sys.executable, "-m", "ppmedia.train", "--model", "demo-ckpt", "--data",
+                              "demo-data/train.jsonl", "--pp", "1", "--batch-size", "4", "--max-length", "8",
+                              "--steps", "2"], cwd=work, capture_output=True, text=True,
+                             env=_cli_env(PPMEDIA_LOG_DIR=str(logs)), timeout=600)
+    assert nothing.returncode == 1 and "step 0: loss" not in nothing.stdout
+    (line,) = [line for line in nothing.stderr.splitlines() if line.startswith("train.py")]
+    assert line.startswith("train.py: step 0: the global batch of 4 samples holds no label token: all were skipped "
+                           "(4 samples skipped so far: longer than --max-length 8"), line

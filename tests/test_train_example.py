@@ -8,6 +8,7 @@ docs/fsdp-dcp.md; fine-tuning a ``save_pretrained`` checkpoint on data (``--mode
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import socket
@@ -57,3 +58,30 @@ def test_pipeline_across_two_torchrun_agents_matches_the_model():
     printed = "".join(out for _, out, _ in outs)
     assert printed.count("PASS: tolerance 1e-05, 2 processes (torchrun, 2 nodes)") == 1  # rank 0 reports
     assert "ZBVZeroBubble/static" in printed and "4/4" in printed
+
+
+@pytest.mark.multiprocess
+def test_ppmedia_train_across_two_agents(tmp_path):
+    """``ppmedia train CONFIG.yaml`` on two "nodes" (two agents on 127.0.0.1, one rank each): the YAML's
+    nnodes / rdzv_endpoint / local_addr keys become torchrun's c10d rendezvous (recipes/sbatch.sh's form);
+    the pipeline trains the tiny model's stand-in batches; rank 0 logs both steps."""
+    port = _free_port()
+    (tmp_path / "two.yaml").write_text(f"family: qwen2_5_vl\npp: 2\nsteps: 2\nloss_log: two.jsonl\nnnodes: 2\n"
+                                       f"rdzv_endpoint: 127.0.0.1:{port}\nlocal_addr: 127.0.0.1\n")
+    ppmedia = pathlib.Path(sys.executable).with_name("ppmedia")
+    env = dict(_env(), PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    agents = [subprocess.Popen([str(ppmedia), "train", "two.yaml"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, cwd=tmp_path) for _ in range(2)]
+    outs = []
+    try:
+        for agent in agents:
+            out, err = agent.communicate(timeout=300)
+            outs.append((agent.returncode, out, err))
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    assert all(code == 0 for code, _, _ in outs), [err[-3000:] for _, _, err in outs]
+    rows = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and len(rows[0]["peak_memory_gb"]) == 2
+    assert "".join(out for _, out, _ in outs).count("step 1: loss") == 1  # rank 0 reports

@@ -1,4 +1,4 @@
-"""The ``ppmedia`` command line: ``demo``, ``adapters``, ``inspect``, ``plan``.
+"""The ``ppmedia`` command line: ``demo``, ``adapters``, ``inspect``, ``plan``, ``train``, ``plot``.
 
 Subcommands are the entries of :data:`COMMANDS`: a name, a help line, a function adding its
 arguments to its parser and a function running it. Adding a subcommand is adding an entry (its two
@@ -21,6 +21,8 @@ from typing import Iterator, Sequence
 
 from . import inspect_batch as cli_inspect
 from . import plan
+from . import plot as cli_plot
+from . import train as cli_train
 from .base import CliError, Command, UsageError, cli_terms, one_line, positive_int
 from .tables import format_table
 
@@ -134,6 +136,10 @@ COMMANDS: list[Command] = [
     Command("inspect", "show how a saved batch would be split and staged", cli_inspect.add_arguments, cli_inspect.run),
     Command("plan", "per-microbatch vision load and predicted step time, with and without balancing",
             plan.add_arguments, plan.run),
+    Command("train", "train from a YAML file of training options (pp x dp x tp processes via torchrun)",
+            cli_train.add_arguments, cli_train.run),
+    Command("plot", "a training log (--loss-log) as a PNG: loss, eval loss and lr against steps",
+            cli_plot.add_arguments, cli_plot.run),
 ]
 
 

@@ -10,6 +10,7 @@
 ``batching``    :func:`collate_samples`: padded token rows, media in sample order
 ``loader``      :class:`ReplicaLoader`: a replica's share of each global batch, resumable
 ``packed``      :class:`Packing`: a replica's samples of a batch (or window) packed into rows
+``grouped``     :func:`grouped_order`: the shuffled order grouped by length (windows of batches)
 ``counts``      :func:`global_label_tokens`: the loss's token count over the replicas
 ``errors``      :class:`DataError`: one error naming the file and line (or index)
 ==============  ==========================================================================
@@ -22,6 +23,7 @@ from __future__ import annotations
 from .batching import collate_samples
 from .counts import global_label_tokens
 from .errors import DataError
+from .grouped import grouped_order, record_length_key, step_order
 from .loader import ReplicaLoader, epoch_order
 from .media import media_reads
 from .packed import Packing, pack_steps
@@ -40,8 +42,11 @@ __all__ = [
     "collate_samples",
     "epoch_order",
     "global_label_tokens",
+    "grouped_order",
     "media_reads",
     "open_dataset",
     "pack_steps",
     "parse_record",
+    "record_length_key",
+    "step_order",
 ]

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..pipeline.loss import IGNORE_INDEX, SHIFTED_MARK
+from .errors import DataError
 from .processor import TOKEN_KEYS
 
 __all__ = ["collate_samples", "pad_to_length"]
@@ -17,21 +18,33 @@ def _pad_value(key: str, pad_id: int) -> int:
     return {"input_ids": pad_id, "labels": IGNORE_INDEX}.get(key, 0)
 
 
-def _concat_media(parts: list[Tensor]) -> Tensor:
-    """Along dim 0; other dims zero-padded to the largest (as processors pad crops and images)."""
-    if all(p.shape[1:] == parts[0].shape[1:] for p in parts):
-        return torch.cat(parts)
-    shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
-    out = parts[0].new_zeros((sum(p.shape[0] for p in parts), *shape))
+def _concat_media(parts: Sequence[Tensor | None], key: str = "media", names: Sequence[str | None] | None = None) -> Tensor:
+    """Along dim 0 (a ``None`` part: one all-zero row, a sample without that key in a sample-axis
+    layout); other dims zero-padded to the largest (as processors pad crops and images)."""
+    names = list(names) if names is not None else [f"sample {i}" for i in range(len(parts))]
+    real = [(p, n) for p, n in zip(parts, names) if p is not None]
+    first = real[0][0]
+    for p, name in real:
+        if p.dim() != first.dim() or p.dtype != first.dtype:
+            raise DataError(str(name), f"the processor gives {key} {list(p.shape)} {p.dtype} for this sample but "
+                                       f"{list(first.shape)} {first.dtype} for {real[0][1]}: they cannot be batched")
+    if all(p is not None and p.shape[1:] == first.shape[1:] for p in parts):
+        return torch.cat([p for p in parts if p is not None])
+    shape = [max(p.shape[d] for p, _ in real) for d in range(1, first.dim())]
+    out = first.new_zeros((sum(1 if p is None else p.shape[0] for p in parts), *shape))
     row = 0
-    for p in parts:
-        index = (slice(row, row + p.shape[0]),) + tuple(slice(0, n) for n in p.shape[1:])
-        out[index] = p
-        row += p.shape[0]
+    for part in parts:
+        if part is None:
+            row += 1
+            continue
+        index = (slice(row, row + part.shape[0]),) + tuple(slice(0, n) for n in part.shape[1:])
+        out[index] = part
+        row += part.shape[0]
     return out
 
 
-def collate_samples(samples: Sequence[dict[str, Any] | None], pad_id: int) -> dict[str, Tensor]:
+def collate_samples(samples: Sequence[dict[str, Any] | None], pad_id: int, *,
+                    sample_axis_keys: Sequence[str] = (), names: Sequence[str | None] | None = None) -> dict[str, Tensor]:
     """One batch of ``len(samples)`` rows from :class:`~ppmedia.data.SampleProcessor` outputs.
 
     Token keys (``input_ids``, ``attention_mask``, ``labels``, ``mm_token_type_ids``,
@@ -39,7 +52,13 @@ def collate_samples(samples: Sequence[dict[str, Any] | None], pad_id: int) -> di
     ``pad_id`` / 0 / :data:`IGNORE_INDEX`; ``labels``' last column is :data:`SHIFTED_MARK`. A ``None``
     sample (skipped) becomes a filler row: one ``pad_id`` token, attention 1, no label, no media, so
     the batch keeps its row count (the pipeline splits rows into equal microbatches). Media keys are
-    concatenated along dim 0 in sample order.
+    concatenated along dim 0 in sample order, the other dims zero-padded to the largest, as the
+    processors pad crops and images across a batch. A key of ``sample_axis_keys`` (the family
+    adapter's :attr:`~ppmedia.adapters.VlmAdapter.sample_axis_keys`, e.g. Idefics3's
+    ``pixel_values`` ``[B, max_crops, C, H, W]``) gets one entry per row: an all-zero one for a
+    sample without it and for a filler row, as the processor's own batch call gives. ``names``
+    (``FILE:LINE`` per sample) name the samples in a :class:`~ppmedia.data.DataError` when two
+    samples' media cannot be batched.
     """
     real = [s for s in samples if s is not None]
     keys = [k for k in TOKEN_KEYS if any(k in s for s in real)] or ["input_ids", "attention_mask", "labels"]
@@ -60,9 +79,14 @@ def collate_samples(samples: Sequence[dict[str, Any] | None], pad_id: int) -> di
                 out[row, : value.shape[0]] = value
         batch[key] = out
     batch["labels"][:, -1] = SHIFTED_MARK
+    labels = list(names) if names is not None else [f"sample {i}" for i in range(len(samples))]
     for key in dict.fromkeys(k for s in real for k in s if k not in TOKEN_KEYS):
-        parts = [s[key] for s in real if key in s]
-        batch[key] = _concat_media(parts)
+        rows: list[tuple[Tensor | None, str | None]]
+        if key in sample_axis_keys:
+            rows = [(s.get(key) if s is not None else None, n) for s, n in zip(samples, labels)]
+        else:
+            rows = [(s[key], n) for s, n in zip(samples, labels) if s is not None and key in s]
+        batch[key] = _concat_media([p for p, _ in rows], key, [n for _, n in rows])
     return batch
 
 

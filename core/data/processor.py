@@ -51,7 +51,8 @@ class SampleProcessor:
     def __init__(self, processor: Any, max_length: int | None = None, config: Any = None, truncate: bool = False,
                  processor_kwargs: dict[str, Any] | None = None) -> None:
         if getattr(processor, "chat_template", None) is None:
-            raise ValueError("the processor has no chat_template: save the checkpoint's processor with its template")
+            raise ValueError("the processor has no chat_template: save the checkpoint's processor with its "
+                             "template, or set processor.chat_template (examples/train.py: --chat-template FILE)")
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         if not getattr(self.tokenizer, "is_fast", False):
@@ -63,6 +64,16 @@ class SampleProcessor:
         self.processor_kwargs = dict(processor_kwargs or {})
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._sampler: FrameSampler | None = None
+
+    @property
+    def sample_axis_keys(self) -> tuple[str, ...]:
+        """The media keys that hold one entry per sample on axis 0 (the family adapter's
+        ``sample_axis_keys``; ``()`` without a config): :func:`~ppmedia.data.collate_samples` takes them."""
+        if self.config is None:
+            return ()
+        from ..registry import get_adapter
+
+        return tuple(get_adapter(self.config).sample_axis_keys)
 
     def _audio_rate(self, where: str) -> int:
         extractor = getattr(self.processor, "feature_extractor", None)
@@ -92,7 +103,7 @@ class SampleProcessor:
         kwargs: dict[str, Any] = {}
         where = record.where
         if record.media.get("image"):
-            kwargs["images"] = [load_image(item, where) for item in record.media["image"]]
+            kwargs["images"] = [[load_image(item, where) for item in record.media["image"]]]  # one list per sample
         videos = self._videos(record)
         if videos:
             kwargs["videos"] = [v.frames for v in videos]

@@ -61,6 +61,7 @@ The package, one module per concern (every public name is importable from ``ppme
 
 ==================  ===========================================================================
 ``surgery``         cutting the model's module tree per stage (kept layers, shallow copies)
+``layer_split``     the decoder layers over the stages checked before any stage is built (:func:`layer_split_problem`)
 ``stages``          :class:`StageModule`, :func:`build_stage_modules` (the stage cutter)
 ``rank_stages``     :func:`make_pipeline_stages`: a rank's ``PipelineStage`` objects, the encoder spread on them
 ``schedules``       schedules by torch's name, their stage placement, :func:`build_schedule`
@@ -74,6 +75,8 @@ The package, one module per concern (every public name is importable from ``ppme
                     (built on meta, only the stage's tensors read, from only their shard files);
                     :func:`vision_from_pretrained`: its vision side alone (the spread's copy)
 ``export``          :func:`save_pretrained_stages`: the stages back to a Hugging Face checkpoint
+``lora``            LoRA adapters on the stages in PEFT's classes and file format (:func:`apply_lora`,
+                    :func:`save_lora_adapter`)
 ``safetensors_files``  which safetensors file holds which tensor; opening only some; writing shards
 ``fsdp``            FSDP2 inside every stage over the data-parallel mesh (:func:`apply_fsdp`)
 ``tensor_parallel``  tensor parallelism inside every stage over the ``tp`` mesh (:func:`apply_tensor_parallel`)
@@ -100,15 +103,22 @@ from .checkpoint import (
     claim_save_dir,
     latest_checkpoint,
     load_checkpoint,
+    lora_mismatch,
     new_run_id,
     save_checkpoint,
     stage_optimizers,
 )
 from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders, encoder_spread_of, interleave_encoders,
                       vision_replica)
+from .context_parallel import (ContextShard, context_loss, context_problem, enable_context_parallel, local_length,
+                               padded_length, reduce_context_gradients)
+from .cp_attention import CP_ATTENTION, CP_BACKENDS, CpMask, register_cp_attention
 from .distributed import TORCHRUN_VARIABLES, init_distributed, pipeline_mesh
 from .evaluate import eval_step
-from .export import PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
+from .export import LORA_EXPORTS, PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
+from .lora import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ALL_LINEAR, DEFAULT_LORA_TARGETS, LoraSettings, apply_lora,
+                   check_lora_targets, has_lora, initial_lora_weight, lora_settings_of, lora_state_dict, lora_targets,
+                   merged_state_dict, peft_key, save_lora_adapter)
 from .finetune import (MODEL_PARTS, PROJECTOR_NAMES, enable_activation_checkpointing, freeze, model_part,
                        resolve_device, train_mode)
 from .guards import (BatchMismatchError, NonFiniteError, NonFiniteGuard, agree, batch_fingerprint,
@@ -135,7 +145,8 @@ from .schedules import (
 )
 from .stages import StageModule, build_stage_modules, refuse_router_loss, static_stage_args
 from .step_inputs import presplit_batch
-from .surgery import default_layer_split, find_language_model, find_merge_module
+from .layer_split import default_layer_split, layer_split_problem, max_stages, refuse_empty_stages
+from .surgery import find_language_model, find_merge_module
 from .expert_parallel import (EP_FAMILIES, AllToAllDispatcher, TokenDispatcher, apply_expert_parallel,
                               check_expert_parallel, expert_parallel_problem, is_expert_shard,
                               reduce_expert_parallel_gradients, routed_expert_count)
@@ -154,8 +165,28 @@ __all__ = [
     "is_expert_shard",
     "reduce_expert_parallel_gradients",
     "routed_expert_count",
+    "LORA_EXPORTS",
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "ALL_LINEAR",
+    "DEFAULT_LORA_TARGETS",
+    "LoraSettings",
+    "apply_lora",
+    "check_lora_targets",
+    "has_lora",
+    "initial_lora_weight",
+    "lora_settings_of",
+    "lora_state_dict",
+    "lora_targets",
+    "merged_state_dict",
+    "peft_key",
+    "save_lora_adapter",
     "BatchMismatchError",
     "CHECKPOINT_INFO",
+    "CP_ATTENTION",
+    "CP_BACKENDS",
+    "ContextShard",
+    "CpMask",
     "ENCODER_MODES",
     "EncoderSpread",
     "HYPERPARAMETER_MODES",
@@ -199,37 +230,48 @@ __all__ = [
     "checkpoint_path",
     "claim_save_dir",
     "clip_grad_norm",
+    "context_loss",
+    "context_problem",
     "copy_processor_files",
     "count_valid_tokens",
     "decay_groups",
     "default_layer_split",
     "enable_activation_checkpointing",
+    "enable_context_parallel",
     "encoder_spread_of",
     "eval_loss",
     "eval_step",
     "failure_line",
     "find_language_model",
+    "find_merge_module",
     "format_step",
     "freeze",
     "init_distributed",
-    "find_merge_module",
     "interleave_encoders",
     "is_sharded",
     "latest_checkpoint",
+    "layer_split_problem",
     "learning_rate",
     "load_checkpoint",
     "loader_shares",
+    "lora_mismatch",
+    "local_length",
     "make_labels",
     "make_pipeline_stages",
+    "max_stages",
     "model_part",
     "new_run_id",
     "no_decay",
     "option_problem",
+    "padded_length",
     "pipeline_loss",
     "pipeline_mesh",
     "presplit_batch",
+    "reduce_context_gradients",
     "reduce_tensor_parallel_gradients",
+    "refuse_empty_stages",
     "refuse_router_loss",
+    "register_cp_attention",
     "reshards_after_forward",
     "resolve_device",
     "save_checkpoint",

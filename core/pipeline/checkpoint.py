@@ -5,6 +5,9 @@ A checkpoint is a folder ``step{N}/`` under a save directory, holding DCP's file
 one ``__{rank}_0.distcp`` per rank) and ``ppmedia.json`` (the step, the model type, every parameter
 name, the tied names, the caller's ``extra``). The state it stores, by key:
 
+* with LoRA adapters on the stages (:func:`~ppmedia.pipeline.apply_lora`), the adapters alone (and
+  their optimizer state): the base comes from the model; ``ppmedia.json`` records the LoRA settings
+  (``"lora"``), and a checkpoint whose settings differ from the stages' is refused, naming the options;
 * every parameter and persistent buffer under its FULL-MODEL name (``model.language_model.layers.3.mlp.up_proj.weight``,
   ``lm_head.weight``): :func:`torch.distributed.checkpoint.state_dict.get_model_state_dict` of each
   stage module (ppmedia's stage modules keep the full model's names); FSDP2 shards are saved as the
@@ -44,6 +47,7 @@ __all__ = [
     "claim_save_dir",
     "latest_checkpoint",
     "load_checkpoint",
+    "lora_mismatch",
     "new_run_id",
     "save_checkpoint",
     "stage_optimizers",
@@ -173,22 +177,21 @@ def stage_optimizers(
     from .tied import stage_parameters
 
     _untie_across_modules(modules)
-    for module in modules:
-        if next(iter(module.parameters()), None) is None:
-            index, n = getattr(module, "stage_index", "?"), getattr(module, "n_stages", "?")
-            raise ValueError(
-                f"stage_optimizers: stage {index} of {n} holds no parameters (no decoder layer, no embedding or head): "
-                f"more pipeline stages than the model has decoder layers to give them; use fewer stages (or "
-                f"layers_per_stage giving each stage a layer)"
-            )
+    from .layer_split import refuse_empty_stages
+
+    refuse_empty_stages(modules, "stage_optimizers")
     return [factory(stage_parameters([module])) for module in modules]
 
 
 # -- state dicts ------------------------------------------------------------------------------------
-def _options() -> Any:
+def _options(strict: bool = True) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    return StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def _aliases(module: nn.Module) -> dict[str, list[str]]:
@@ -202,9 +205,13 @@ def _aliases(module: nn.Module) -> dict[str, list[str]]:
 def _model_state(modules: Sequence[nn.Module]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from .lora import has_lora
+
     state: dict[str, Any] = {}
     for module in modules:
         for name, value in get_model_state_dict(module, options=_options()).items():
+            if has_lora(module) and not _is_adapter(name):  # LoRA: the base comes from the model, not the checkpoint
+                continue
             if name in state and state[name] is not value:
                 raise ValueError(f"checkpoint: two stages on this rank hold different tensors named {name!r}")
             state[name] = value
@@ -273,6 +280,35 @@ def _gather(obj: Any, group: Any) -> list[Any]:
     return out
 
 
+def _lora(modules: Sequence[nn.Module]) -> dict[str, Any] | None:
+    """The LoRA settings of the stages (:meth:`~ppmedia.pipeline.LoraSettings.record`), or ``None``."""
+    from .lora import lora_settings_of
+
+    settings = lora_settings_of(modules)
+    return settings.record() if settings is not None else None
+
+
+_LORA_OPTIONS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
+                 "targets": "--lora-targets", "vision": "--lora-vision"}
+
+
+def lora_mismatch(saved: dict[str, Any] | None, here: dict[str, Any] | None) -> str | None:
+    """What differs between a checkpoint's LoRA settings (its ``ppmedia.json``'s ``"lora"``) and this
+    run's (:meth:`~ppmedia.pipeline.LoraSettings.record`, or ``None`` without LoRA), naming the
+    options; ``None`` when they agree."""
+    if saved == here:
+        return None
+    if saved is None:
+        return (f"it holds a full model's weights (trained without LoRA) and this run trains LoRA adapters "
+                f"(--lora-rank {here['rank'] if here else '?'}); resume without the --lora-* options, or start a fresh run")
+    if here is None:
+        return (f"it holds LoRA adapters (--lora-rank {saved['rank']}) and this run trains the full model; "
+                f"resume with the same --lora-* options")
+    diffs = [f"{_LORA_OPTIONS.get(k, k)}: saved {saved.get(k)}, this run {here.get(k)}"
+             for k in _LORA_OPTIONS if saved.get(k) != here.get(k)]
+    return "its LoRA configuration differs (" + "; ".join(diffs) + ")"
+
+
 def _config_model_type(modules: Sequence[nn.Module]) -> str | None:
     config = getattr(modules[0], "config", None) if modules else None
     return getattr(config, "model_type", None)
@@ -322,7 +358,7 @@ def save_checkpoint(
     settings = _merge_hyperparameters(_gather(_hyperparameters(optimizers), process_group))
     dcp.save(state, checkpoint_id=str(partial), process_group=process_group, no_dist=not _distributed())
     if rank0:
-        info = {"format": _FORMAT, "step": int(step), "model_type": _config_model_type(modules),
+        info = {"format": _FORMAT, "step": int(step), "model_type": _config_model_type(modules), "lora": _lora(modules),
                 "names": names, "optimizer": optimizers is not None, "hyperparameters": settings,
                 "run_id": run_id, "extra": extra or {}}
         _write_json(partial / CHECKPOINT_INFO, info)
@@ -527,6 +563,9 @@ def check_checkpoint(
     except (OSError, ValueError) as exc:
         problem = exc
     agree(problem, process_group, what=f"reading checkpoint {folder}")
+    lora = lora_mismatch(info.get("lora"), _lora(modules))
+    if lora is not None:
+        raise ValueError(f"checkpoint {folder} does not fit these stages; nothing was loaded: {lora}")
     wanted = _flat_shapes(_state(modules, optimizers))
     mine = _problems(wanted, saved)
     here_settings = _merge_hyperparameters(_gather(_hyperparameters(optimizers), process_group))
@@ -603,6 +642,8 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    from .lora import has_lora
+
     info = check_checkpoint(path, modules, optimizers, hyperparameters=hyperparameters, process_group=process_group)
     kept = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers or ()]
     state = _state(modules, optimizers)
@@ -611,7 +652,8 @@ def load_checkpoint(
     for module in modules:
         names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         names |= {name for name, _ in module.named_buffers()}
-        set_model_state_dict(module, {k: v for k, v in state.items() if k in names}, options=_options())
+        set_model_state_dict(module, {k: v for k, v in state.items() if k in names},
+                             options=_options(strict=not has_lora(module)))
     if optimizers is not None:
         flat = state[_OPTIMIZER]
         for module, optimizer in zip(modules, optimizers):

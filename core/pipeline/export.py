@@ -31,7 +31,10 @@ from .pretrained import build_meta_model, tied_groups
 from .safetensors_files import shard_name, stale_files, write_index, write_safetensors
 from .stages import StageModule
 
-__all__ = ["PROCESSOR_FILE_PATTERNS", "copy_processor_files", "save_pretrained_stages"]
+__all__ = ["LORA_EXPORTS", "PROCESSOR_FILE_PATTERNS", "copy_processor_files", "save_pretrained_stages"]
+
+#: what :func:`save_pretrained_stages` writes of stages with LoRA adapters.
+LORA_EXPORTS = ("adapter", "merged")
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -55,13 +58,16 @@ def _writes_files(tensors: Iterable[torch.Tensor]) -> bool:
 
 
 def _stage_state(modules: Sequence[StageModule]) -> tuple[dict[str, torch.Tensor], bool]:
-    """The stages' persistent tensors by full-model name (DTensors gathered, in sorted name order),
-    and whether this rank writes them."""
+    """The stages' persistent tensors by full-model name (DTensors gathered, in sorted name order; LoRA
+    adapters folded into their base weights), and whether this rank writes them."""
+    from .lora import has_lora, merged_state_dict
+
     state: dict[str, torch.Tensor] = {}
+    writes = _writes_files(t for m in modules for t in m.state_dict(keep_vars=True).values())
     for module in modules:
-        for name, tensor in module.state_dict(keep_vars=True).items():
+        own = merged_state_dict(module) if has_lora(module) else module.state_dict(keep_vars=True)
+        for name, tensor in own.items():
             state.setdefault(name, tensor)
-    writes = _writes_files(state.values())
     return {name: _full_tensor(state[name]).detach() for name in sorted(state)}, writes
 
 
@@ -212,8 +218,17 @@ def save_pretrained_stages(
     *,
     group: Any = None,
     max_shard_size: int | str = "50GB",
+    lora: str = "adapter",
+    base_model: str | None = None,
 ) -> None:
     """Write the pipeline's stages as one Hugging Face checkpoint that ``from_pretrained(path)`` loads.
+
+    Stages with LoRA adapters (:func:`~ppmedia.pipeline.apply_lora`): ``lora="adapter"`` (default)
+    writes the PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``, every stage's
+    targets; :func:`~ppmedia.pipeline.save_lora_adapter`) that ``peft.PeftModel.from_pretrained(base,
+    path)`` loads, ``base_model`` recorded as its ``base_model_name_or_path``; ``lora="merged"`` writes
+    the merged full model (each adapted weight ``base + (B @ A) * alpha / r``, every other tensor the
+    base's, byte for byte). Without adapters ``lora`` is ignored.
 
     Without ``group``, ``modules`` are every stage of the pipeline (one process). With ``group`` (the
     pipeline's process group), every rank of it calls with its own stages: each writes its stages'
@@ -243,8 +258,15 @@ def save_pretrained_stages(
     if not mods or not all(isinstance(m, StageModule) for m in mods):
         raise TypeError(f"save_pretrained_stages: expected StageModule objects; got {type(modules).__name__}")
     directory = os.fspath(path)
+    if lora not in LORA_EXPORTS:
+        raise ValueError(f"save_pretrained_stages: lora={lora!r}; expected one of {', '.join(LORA_EXPORTS)}")
     exchange = _Exchange(group)
     _check_stages(mods, exchange)
+    from .lora import has_lora, save_lora_adapter
+
+    if lora == "adapter" and any(has_lora(m) for m in mods):
+        save_lora_adapter(mods, directory, group=group, base_model=base_model)
+        return
     state, writes = _stage_state(mods)
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     model = build_meta_model(mods[0].config, dtype)

@@ -124,6 +124,11 @@ def all_reduce_gradients(modules: Sequence[nn.Module], group: Any = None) -> Non
             "all_reduce_gradients: the stages are sharded with FSDP2 (DTensor parameters), whose "
             "gradients are already summed over the data-parallel mesh; call it only on replicated stages"
         )
+    if dist.get_world_size(group) == 1:
+        for param in _unique_trainable(modules):  # one replica: its gradients are the sum (a missing one zeros)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        return
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for param in _unique_trainable(modules):
         if _is_dtensor(param) and param.device_mesh.mesh_dim_names == ("ep",):  # type: ignore[attr-defined]  # expert shard: summed over edp only (reduce_expert_parallel_gradients)
@@ -168,8 +173,8 @@ def _squared_norm(grads: Sequence[Tensor], device: Any) -> Tensor:
             key = (grad.device_mesh, tuple(grad.placements))  # type: ignore[attr-defined]
             part = grad.detach().float().pow(2).sum()  # a DTensor with a Partial placement
             sharded[key] = part if key not in sharded else sharded[key] + part
-        else:
-            squares += grad.detach().float().pow(2).sum()
+        else:  # without a squared copy of the gradient
+            squares += torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
     for key in sorted(sharded, key=str):
         squares += sharded[key].full_tensor()
     return squares
@@ -214,6 +219,8 @@ def clip_grad_norm(
     dist.all_reduce(squares, group=group)
     total = squares.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if float(scale) == 1.0:  # nothing to clip: multiplying by 1 would change no gradient
+        return total
     for p in params:
         if p.grad is not None:
             grad = p.grad.to_local() if _is_dtensor(p.grad) else p.grad  # type: ignore[attr-defined]

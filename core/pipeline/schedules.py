@@ -354,7 +354,8 @@ def _restatic(schedule: Any, stage: Any, batch_size: int, seq_len: int) -> None:
         )
     metas = [m for m in (*stage._user_meta.inputs, *stage._user_meta.outputs) if m.dtype.is_floating_point]
     dtype = metas[0].dtype if metas else torch.float32
-    inputs, outputs = static_stage_args(stage.submod, batch_size // n, seq_len, dtype=dtype, device=stage.device)
+    # metadata only (shapes, dtypes): on the meta device, so a [b, S, vocab] logits example costs no memory
+    inputs, outputs = static_stage_args(stage.submod, batch_size // n, seq_len, dtype=dtype, device="meta")
     new_inputs, new_outputs = extract_tensor_metas(inputs) or (), extract_tensor_metas(outputs) or ()
     old = stage._user_meta
     if [m.shape for m in (*old.inputs, *old.outputs)] != [m.shape for m in (*new_inputs, *new_outputs)]:

@@ -6,6 +6,7 @@ them): this module imports neither the encoder spread nor anything built on the 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import torch
@@ -96,6 +97,7 @@ class StageModule(nn.Module):
         self.merge_path = merge_path
         self.tied: tuple[TiedParameters, ...] = ()
         self.packed = False
+        self.context: Any = None  # a ContextShard: the decoder's sequence divided over cp (enable_context_parallel)
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -128,6 +130,13 @@ class StageModule(nn.Module):
     def carries_position_ids(self) -> bool:
         """Whether mrope positions ``[b, 3, S]`` travel into or out of this stage."""
         return any(spec.name == "position_ids" for spec in self.wire_in + self.wire_out)
+
+    def token_positions(self, hidden: Tensor) -> Tensor:
+        """``[1, S]`` the global index of each token this stage holds of its row (``arange(S)``; under
+        context parallelism this rank's head-tail share of the padded row)."""
+        if self.context is None:
+            return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        return self.context.indices(hidden.shape[1] * self.context.size, device=hidden.device).unsqueeze(0)
 
     @property
     def num_layers(self) -> int:
@@ -167,7 +176,15 @@ class StageModule(nn.Module):
                     f"stage 0 takes (input_ids, attention_mask); got {len(args)} positional arguments"
                 )
             input_ids, attention_mask = args
+            if self.context is not None:  # merged and positioned on the full (padded) row, then sharded
+                from .cp_stage import pad_row
+
+                input_ids, attention_mask = pad_row(self, input_ids, attention_mask)
             hidden, wire = self._embed_and_merge(input_ids, attention_mask, media)
+            if self.context is not None:
+                from .cp_stage import shard_first_stage
+
+                hidden, attention_mask, wire = shard_first_stage(self, hidden, attention_mask, wire)
         else:
             specs = self.wire_in
             if len(args) != 2 + len(specs):
@@ -231,6 +248,10 @@ class StageModule(nn.Module):
             wire["position_ids"] = positions.transpose(0, 1)
         if self.adapter.sample_inputs:
             self.adapter.add_sample_inputs(wire, chunk, f" for microbatch {k}" if isinstance(k, int) else "")
+            if self.context is not None:  # per-sample inputs come at the batch's length: padded like the row
+                from .cp_stage import pad_sample_inputs
+
+                pad_sample_inputs(self, wire, input_ids.shape[1])
         b, S = input_ids.shape
         for spec in self.adapter.stage_wire_tensors(self.config, 0):
             tensor = wire.get(spec.name)
@@ -261,7 +282,12 @@ class StageModule(nn.Module):
             if spec.kwarg is not None:
                 kwargs[spec.kwarg] = wire[spec.key]
         kwargs.update(self.adapter.decoder_kwargs(self, layers, hidden, attention_mask, wire))
-        if self.packed:
+        scope: Any = contextlib.nullcontext()
+        if self.context is not None:  # global positions, the mask as index vectors over the whole row
+            from .cp_stage import context_decoder_kwargs
+
+            scope = context_decoder_kwargs(self, kwargs, hidden, segments, wire)
+        elif self.packed:
             self._isolate_samples(kwargs, hidden, segments)
         handles = []
         try:
@@ -270,7 +296,8 @@ class StageModule(nn.Module):
                     handles.append(hook.module.register_forward_pre_hook(hook.before, with_kwargs=True))
                 if hook.after is not None:
                     handles.append(hook.module.register_forward_hook(hook.after, with_kwargs=True))
-            out = self.stage_language_model(inputs_embeds=hidden, use_cache=False, **kwargs)
+            with scope:
+                out = self.stage_language_model(inputs_embeds=hidden, use_cache=False, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()
@@ -479,7 +506,7 @@ def static_stage_args(
     def floats(*shape: int) -> Tensor:
         return torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
 
-    def between(wire: Sequence[WireTensor]) -> tuple[Tensor, ...]:
+    def between(wire: Sequence[WireTensor], S: int = S) -> tuple[Tensor, ...]:
         extra = []
         for spec in wire:
             shape = _wire_shape(spec, b, S, hidden_size)
@@ -489,6 +516,13 @@ def static_stage_args(
                 extra.append(torch.zeros(shape, dtype=getattr(torch, spec.dtype), device=device))
         return (floats(b, S, hidden_size), ints(b, S), *extra)
 
+    if module.context is not None:  # the stages agree on the local length, taken in one place
+        from .context_parallel import local_length
+
+        inputs = (ints(b, S), ints(b, S)) if module.is_first else between(module.wire_in, local_length(S, module.context.size))
+        outputs = ((floats(b, local_length(S, module.context.size), vocab),) if module.is_last
+                   else between(module.wire_out, local_length(S, module.context.size)))
+        return inputs, outputs
     inputs = (ints(b, S), ints(b, S)) if module.is_first else between(module.wire_in)
     outputs = (floats(b, S, vocab),) if module.is_last else between(module.wire_out)
     return inputs, outputs

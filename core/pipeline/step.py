@@ -93,6 +93,11 @@ class PipelineParts:
             (:func:`~ppmedia.pipeline.apply_expert_parallel`): :func:`train_step` sums the expert
             shards' gradients over ``edp_group`` (``pipeline_mesh(..., ep=)["edp"].get_group()``), the
             ranks holding the same experts (:func:`~ppmedia.pipeline.reduce_expert_parallel_gradients`).
+        world_group: the group of every rank of this training job (the loss and counts are summed
+            over it); ``None``: the default group (the world).
+        cp_group: the context-parallel group (:func:`~ppmedia.pipeline.enable_context_parallel`):
+            :func:`train_step` sums every gradient over it first (each cp rank's backward gave its share
+            of the rows' part); ``None``: no context parallelism.
     """
 
     schedule: Any
@@ -111,6 +116,8 @@ class PipelineParts:
     tp_group: Any = None
     expert_parallel: bool = False
     edp_group: Any = None
+    world_group: Any = None
+    cp_group: Any = None
 
 
 def batch_to(batch: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -262,26 +269,39 @@ def train_step(parts: PipelineParts, share: ReplicaShare, step: int | None = Non
     losses: list[Tensor] = []
     if parts.tracer is not None:
         parts.tracer.start(group=parts.pp_group)
-    _run_schedule(parts, share, losses)
-    if parts.tp_group is not None:  # the tower's (and per-head norms') gradients: each tp rank holds a share
-        reduce_tensor_parallel_gradients(parts.modules)
-    sync_tied_gradients(parts.modules, parts.tied, group=parts.pp_group)
-    if not parts.sharded:  # FSDP2 reduce-scattered the sums over the replicas already
-        all_reduce_gradients(parts.modules, group=parts.dp_group)
-    if parts.expert_parallel:  # expert shards: over the edp ranks holding the same experts (FSDP2 ignores them)
-        from .expert_parallel import reduce_expert_parallel_gradients
+    with _phase("schedule"):
+        _run_schedule(parts, share, losses)
+    with _phase("grad_sync"):
+        if parts.cp_group is not None:  # before the tp and dp reductions and the clipping
+            from .context_parallel import reduce_context_gradients
 
-        reduce_expert_parallel_gradients(parts.modules, parts.edp_group)
-    norm = float(clip_grad_norm(parts.modules, parts.max_grad_norm, tied=parts.tied, group=parts.pp_group))
-    loss, fraction = _global_sums(parts, share, losses)
+            reduce_context_gradients(parts.modules, parts.cp_group)
+        if parts.tp_group is not None:  # the tower's (and per-head norms') gradients: each tp rank holds a share
+            reduce_tensor_parallel_gradients(parts.modules)
+        sync_tied_gradients(parts.modules, parts.tied, group=parts.pp_group)
+        if not parts.sharded:  # FSDP2 reduce-scattered the sums over the replicas already
+            all_reduce_gradients(parts.modules, group=parts.dp_group)
+        if parts.expert_parallel:  # expert shards: over the edp ranks holding the same experts (FSDP2 ignores them)
+            from .expert_parallel import reduce_expert_parallel_gradients
+
+            reduce_expert_parallel_gradients(parts.modules, parts.edp_group)
+    with _phase("clip"):
+        norm = float(clip_grad_norm(parts.modules, parts.max_grad_norm, tied=parts.tied, group=parts.pp_group))
+    with _phase("sums"):
+        loss, fraction = _global_sums(parts, share, losses)
     skip = parts.guard is not None and parts.guard.should_skip(-1 if step is None else step, loss, norm)
-    if skip:
+    with _phase("optimizer"):
         for optimizer in parts.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-    else:
-        for optimizer in parts.optimizers:
-            optimizer.step()
+            if skip:
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                optimizer.step()
     return StepResult(loss, norm, fraction, skip)
+
+
+def _phase(name: str) -> Any:
+    """A labelled range of the step for torch's profiler (``ppmedia:NAME``; near free unprofiled)."""
+    return torch.profiler.record_function(f"ppmedia:{name}")
 
 
 def _global_sums(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]) -> tuple[float, float]:
@@ -297,7 +317,7 @@ def _global_sums(parts: PipelineParts, share: ReplicaShare, losses: list[Tensor]
         sums[0] = torch.stack([loss.detach().double() for loss in losses]).sum().to(device)
     if counts and dist.get_rank(parts.pp_group) == 0:
         sums[1], sums[2] = share.pad_positions, share.positions
-    dist.all_reduce(sums)
+    dist.all_reduce(sums, group=parts.world_group)
     loss, pads, positions = sums.tolist()
     return loss, pads / positions if positions else 0.0
 
@@ -314,7 +334,8 @@ def eval_loss(parts: PipelineParts, shares: Sequence[ReplicaShare]) -> float:
         for share in shares:
             staged = share.staged if parts.first is not None or parts.presplit else None
             loss = eval_step(parts.schedule, parts.first, staged, share.input_ids, share.attention_mask, share.labels,
-                             share.num_valid_tokens, presplit=parts.presplit, tp_group=parts.tp_group)
+                             share.num_valid_tokens, presplit=parts.presplit, tp_group=parts.tp_group,
+                             group=parts.world_group)
             total += float(loss) * share.num_valid_tokens
             tokens += share.num_valid_tokens
     finally:

@@ -12,6 +12,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from torch import nn
 
+from .layer_split import default_layer_split, layer_split_problem  # default_layer_split: importable from here too
+
 __all__ = ["LANGUAGE_MODEL_PATHS", "default_layer_split", "find_language_model", "find_merge_module", "find_output_head"]
 
 #: where the language model sits inside a ``...ForConditionalGeneration`` model, tried in order when
@@ -214,29 +216,11 @@ def _child_name(parent: nn.Module, child: nn.Module | None, what: str) -> str:
     raise TypeError(f"{type(parent).__name__}: cannot find its {what} among its children")
 
 
-def default_layer_split(num_layers: int, n_stages: int) -> list[int]:
-    """Decoder layers per stage: as even as possible, extra layers to the stages after the first.
-
-    The first stage already runs the vision encoder, so it is the last to get a remainder layer.
-    With fewer layers than stages some stages hold none (2 layers, 4 stages: ``[0, 1, 1, 0]``).
-    """
-    if n_stages < 1:
-        raise ValueError(f"n_stages: got {n_stages}; expected >= 1")
-    base, extra = divmod(num_layers, n_stages)
-    sizes = [base] * n_stages
-    order = list(range(1, n_stages)) + [0]
-    for i in range(extra):
-        sizes[order[i]] += 1
-    return sizes
-
-
 def _layer_ranges(num_layers: int, n_stages: int, layers_per_stage: Sequence[int] | None) -> list[tuple[int, int]]:
+    problem = layer_split_problem(n_stages, num_layers, layers_per_stage)
+    if problem:  # before any stage is cut: a stage holding nothing would fail only at its optimizer
+        raise ValueError(problem)
     sizes = list(layers_per_stage) if layers_per_stage is not None else default_layer_split(num_layers, n_stages)
-    if len(sizes) != n_stages or any(s < 0 for s in sizes) or sum(sizes) != num_layers:
-        raise ValueError(
-            f"layers_per_stage: got {sizes}; expected {n_stages} non-negative counts summing to "
-            f"{num_layers} (the model's decoder layers)"
-        )
     bounds = [0]
     for s in sizes:
         bounds.append(bounds[-1] + s)

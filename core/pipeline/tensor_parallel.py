@@ -29,7 +29,9 @@ the tower's gradients over ``tp``, like the replicated-with-all-reduce modules o
 
 Refused before anything is sharded (:func:`check_tensor_parallel`): attention heads, key/value heads
 or (for a sharded head) the vocabulary not divisible by ``tp``; a plan style ppmedia does not map; the
-encoder spread (``make_pipeline_stages(..., encoder="spread")``) together with ``tp > 1``.
+encoder spread (``make_pipeline_stages(..., encoder="spread")``) together with ``tp > 1`` (both split the
+first stage's vision work, over ``tp`` and over the pipeline ranks; each ``tp`` column would encode its
+share again).
 
 FSDP2 over ``dp`` goes on top: :func:`~ppmedia.pipeline.apply_fsdp` with ``mesh["dp"]`` after this
 function (parameters become 2-D ``DTensor`` shards over ``(dp, tp)``; ``full_tensor()`` gathers both).
@@ -215,8 +217,10 @@ def apply_tensor_parallel(
     if plan is None:
         plan = check_tensor_parallel(config, tp, adapter=modules[0].adapter, shard_head=shard_head)
     if any(FEATURES_ATTRIBUTE in m.__dict__ or _spread_of(m) for m in modules):
-        raise ValueError("apply_tensor_parallel: the encoder spread (encoder='spread') does not go with tp > 1; "
-                         "build the stages with encoder='stage0'")
+        raise ValueError("apply_tensor_parallel: the encoder spread (encoder='spread') does not go with tp > 1: "
+                         "both split the first stage's vision work (tp: microbatch k on tp rank k % tp; the "
+                         "spread: microbatches over the pipeline ranks), and every tp column would encode its "
+                         "share again; build the stages with encoder='stage0'")
     parallel, reduced = _styles(plan)
     for module in modules:
         lm = module.stage_language_model

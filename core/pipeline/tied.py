@@ -131,4 +131,5 @@ def sync_tied_gradients(
                 total += _full(p.grad).to(entry.dtype)
         dist.all_reduce(total, group=group)
         for p in params:
-            p.grad = _like(total, p)
+            if p.requires_grad:  # a frozen tie (a LoRA run's embedding) gets no gradient to hold
+                p.grad = _like(total, p)

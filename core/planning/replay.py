@@ -6,7 +6,11 @@ need adds); when it ends it makes its events (after a delay: a send's latency). 
 jobs in order, each once its needs have happened, in the time the rank's own operations leave idle: an
 operation that becomes ready preempts the lane's job, which goes on when the rank idles again (so the
 lane is drawn in pieces). This is how :class:`ppmedia.pipeline.lane.Lane` behaves on a rank with a
-core (or device) of its own: its thread has the lowest priority. An operation may take a lane job back
+core (or device) of its own: its thread has the lowest priority. With ``cores`` (ranks sharing a
+machine's CPU cores, as gloo processes on one host do) the lanes run on the cores the ranks' own
+operations leave free, whichever rank is idle: ``cores - busy ranks`` cores shared by every lane with
+a job ready, at most one core each (two ranks on two cores: a lane runs only while some rank idles,
+at half speed while both lanes want that core). An operation may take a lane job back
 (``takes_back``): if the lane has not started that job when the operation is ready, the operation runs
 it first itself (drawn as an ``EI`` overlay) and the lane skips it, as the encoder spread's first stage
 does with an encode its lane has not reached.
@@ -75,11 +79,14 @@ def _finish(op: Op, end: float, done: dict[Any, float]) -> None:
 
 
 class _Replay:
-    def __init__(self, ranks: list[list[Op]], lanes: list[list[Op]]) -> None:
+    def __init__(self, ranks: list[list[Op]], lanes: list[list[Op]], cores: int | None = None,
+                 lane_share: float = 1.0) -> None:
         self.ranks = [_Rank(ops, lane) for ops, lane in zip(ranks, lanes)]
         self.done: dict[Any, float] = {lane_done(r): 0.0 for r, lane in enumerate(lanes) if not lane}
         self.bars: list[Bar] = []
         self.now = 0.0
+        self.cores, self.lane_share = cores, lane_share
+        self.rates = [0.0] * len(ranks)  # each lane's speed now (share of a core)
 
     def _start_ready(self) -> None:
         """Start every operation that can start now (instant ones finish at once)."""
@@ -91,7 +98,6 @@ class _Replay:
                     op, job, t = self._next_op(rank)
                     if t is None or t > self.now + _EPS:
                         break
-                    self._close_piece(r)  # preempts the lane
                     cost = op.cost
                     if job is not None:  # runs the job itself, first
                         job.taken, cost = True, cost + job.cost
@@ -147,18 +153,34 @@ class _Replay:
                 self.bars.append(Bar(r, job.kind, rank.piece, self.now, job.stage, job.mb))
             rank.piece = None
 
+    def _lane_ready(self, rank: _Rank) -> bool:
+        if rank.lpos >= len(rank.lane):
+            return False
+        t = _ready_at(rank.lane[rank.lpos], self.done)
+        return t is not None and t <= self.now + _EPS
+
     def _run_lanes(self) -> None:
-        for r, rank in enumerate(self.ranks):
+        """Each lane's speed from now on (its rank's operations preempt it; with ``cores``, the free
+        cores shared), its drawn piece opened or closed accordingly."""
+        for r in range(len(self.ranks)):
             self._skip_taken(r)
-            if rank.running is None and rank.piece is None and rank.lpos < len(rank.lane):
-                t = _ready_at(rank.lane[rank.lpos], self.done)
-                if t is not None and t <= self.now + _EPS:
-                    rank.left = rank.lane[rank.lpos].cost if rank.left is None else rank.left
-                    rank.piece = self.now
+        ready = [self._lane_ready(rank) for rank in self.ranks]
+        if self.cores is None:  # a core per rank: the lane runs while its rank idles
+            self.rates = [1.0 if ok and rank.running is None else 0.0 for ok, rank in zip(ready, self.ranks)]
+        else:
+            busy = sum(1 for rank in self.ranks if rank.running is not None and rank.running[2] > rank.running[1])
+            share = max(0.0, self.cores - busy) / max(1, sum(ready))
+            self.rates = [min(1.0, share) * self.lane_share if ok else 0.0 for ok in ready]
+        for r, rank in enumerate(self.ranks):
+            if self.rates[r] <= 0:
+                self._close_piece(r)
+            elif rank.piece is None:
+                rank.left = rank.lane[rank.lpos].cost if rank.left is None else rank.left
+                rank.piece = self.now
 
     def _next_time(self) -> float | None:
         times = []
-        for rank in self.ranks:
+        for r, rank in enumerate(self.ranks):
             if rank.running is not None:
                 times.append(rank.running[2])
             elif rank.pos < len(rank.ops):
@@ -167,8 +189,8 @@ class _Replay:
                     times.append(max(t, self.now))
             if rank.piece is not None:
                 assert rank.left is not None
-                times.append(self.now + rank.left)
-            elif rank.running is None and rank.lpos < len(rank.lane):  # a busy rank's lane waits for it
+                times.append(self.now + rank.left / self.rates[r])
+            elif rank.lpos < len(rank.lane):  # a lane waiting for its job's events
                 t = _ready_at(rank.lane[rank.lpos], self.done)
                 if t is not None and t > self.now:
                     times.append(t)
@@ -178,7 +200,7 @@ class _Replay:
         for r, rank in enumerate(self.ranks):
             if rank.piece is not None:
                 assert rank.left is not None
-                rank.left -= until - self.now
+                rank.left -= (until - self.now) * self.rates[r]
         self.now = until
         for r, rank in enumerate(self.ranks):
             if rank.running is not None and rank.running[2] <= self.now + _EPS:
@@ -203,9 +225,13 @@ class _Replay:
             self._advance(until)
 
 
-def replay(ranks: list[list[Op]], title: str, unit: str, lanes: list[list[Op]] | None = None) -> Timeline:
+def replay(ranks: list[list[Op]], title: str, unit: str, lanes: list[list[Op]] | None = None,
+           cores: int | None = None, lane_share: float = 1.0) -> Timeline:
     """Replay ``ranks`` (each rank's operations in order) and their ``lanes`` (each rank's background
-    jobs in order; default none) into a :class:`~ppmedia.planning.timeline.Timeline`.
+    jobs in order; default none) into a :class:`~ppmedia.planning.timeline.Timeline`. ``cores``: the
+    CPU cores all ranks and lanes share (``None``: a core or device per rank, its lane only in its idle
+    time). ``lane_share``: with ``cores``, the part of a free core a lane's work gets (below 1 where
+    the lane's thread loses time to the ranks' own: a hyperthread sibling, the interpreter lock).
 
     Raises:
         RuntimeError: the operations wait for each other in a cycle (an event nothing makes).
@@ -213,4 +239,8 @@ def replay(ranks: list[list[Op]], title: str, unit: str, lanes: list[list[Op]] |
     lanes = lanes if lanes is not None else [[] for _ in ranks]
     if len(lanes) != len(ranks):
         raise ValueError(f"lanes: {len(lanes)} for {len(ranks)} ranks; expected one per rank")
-    return Timeline(title, len(ranks), _Replay(ranks, lanes).run(title), unit)
+    if cores is not None and cores < 1:
+        raise ValueError(f"cores: got {cores}; expected >= 1 or None")
+    if not 0 < lane_share <= 1:
+        raise ValueError(f"lane_share: got {lane_share}; expected 0 < share <= 1")
+    return Timeline(title, len(ranks), _Replay(ranks, lanes, cores, lane_share).run(title), unit)

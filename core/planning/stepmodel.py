@@ -135,6 +135,12 @@ class OpCosts:
         sync: the encoder spread's per-step broadcast of the vision weights plus reduction of their
             gradients (half before the step, half after).
         unit: of all the above.
+        cores: the CPU cores the pipeline ranks of one machine share with the spread's background
+            lanes (gloo processes on one host); ``None``: a core or device per rank, each lane working
+            only in its own rank's idle time. With ``cores`` the lanes share the cores the ranks leave
+            free, whichever rank idles (:func:`ppmedia.planning.replay.replay`).
+        lane_share: with ``cores``, the part of a free core a lane's work gets (``tests/bench/run.py
+            --stage0`` measures it: a lane encoding while one rank computes and the other waits).
     """
 
     layer_forward: float
@@ -151,11 +157,17 @@ class OpCosts:
     latency: float = 0.0
     sync: float = 0.0
     unit: str = "units"
+    cores: int | None = None
+    lane_share: float = 1.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if name != "unit" and value is not None and (value != value or value < 0):
+            if name == "cores" and value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"OpCosts.cores: got {value!r}; expected a count >= 1 or None")
+            if name not in ("unit", "cores") and value is not None and (value != value or value < 0):
                 raise ValueError(f"OpCosts.{name}: got {value}; expected a cost >= 0")
+        if not 0 < self.lane_share <= 1:
+            raise ValueError(f"OpCosts.lane_share: got {self.lane_share}; expected 0 < share <= 1")
         if not 0 <= self.weight_share <= 1:
             raise ValueError(f"OpCosts.weight_share: got {self.weight_share}; expected 0..1")
 
@@ -349,7 +361,7 @@ def predict_step(
         chosen = [int(o) for o in (owners if owners is not None else default_assign(background)(loads, n_ranks))]
         body, lanes = _spread_ops(costs, loads, chosen, n_ranks, body, background, AHEAD if ahead is None else ahead)
     name = title or f"{schedule}, vision {'spread' if encoder == 'spread' else 'on stage 0'}, layers {layers}"
-    timeline = replay(body, name, costs.unit, lanes)
+    timeline = replay(body, name, costs.unit, lanes, cores=costs.cores, lane_share=costs.lane_share)
     return StepPrediction(schedule, encoder, layers, timeline.step_time, timeline.bubble, timeline, chosen)
 
 
@@ -373,9 +385,12 @@ def best_layer_split(
     Every split when there are at most ``limit`` of them, else a local search from the uniform split
     (moving one layer between two stages while the step gets shorter).
     """
-    from ..pipeline import default_layer_split, schedule_layout
+    from ..pipeline import default_layer_split, layer_split_problem, schedule_layout
 
     n_stages = schedule_layout(schedule).n_stages(n_ranks)
+    problem = layer_split_problem(n_stages, num_layers)
+    if problem:  # no split gives every stage something to run
+        raise ValueError(problem)
 
     def run(layers: Sequence[int]) -> StepPrediction:
         return predict_step(schedule, costs, loads, n_ranks=n_ranks, layers_per_stage=layers, encoder=encoder)
@@ -384,8 +399,9 @@ def best_layer_split(
         return (round(p.step_time, 12), max(p.layers_per_stage) - min(p.layers_per_stage))
 
     uniform = default_layer_split(num_layers, n_stages)
-    if math.comb(num_layers + n_stages - 1, n_stages - 1) <= limit:
-        return min((run(c) for c in _compositions(num_layers, n_stages)), key=key)
+    if math.comb(num_layers + n_stages - 1, n_stages - 1) <= limit:  # a middle stage with no layer holds nothing
+        return min((run(c) for c in _compositions(num_layers, n_stages)
+                    if layer_split_problem(n_stages, num_layers, c) is None), key=key)
     best = run(uniform)
     improved = True
     while improved:
@@ -396,6 +412,8 @@ def best_layer_split(
             layers = list(best.layers_per_stage)
             layers[a] -= 1
             layers[b] += 1
+            if layer_split_problem(n_stages, num_layers, layers) is not None:
+                continue
             trial = run(layers)
             if key(trial) < key(best):
                 best, improved = trial, True

@@ -22,7 +22,9 @@ sharded with FSDP2 over the replicas (gradients reduce-scattered as sums); witho
 holds whole stages and gradients are summed with one all-reduce. Then: tied embeddings summed across
 the pipeline, gradients clipped to a global L2 norm, AdamW (one optimizer per stage module).
 ``--tp N`` splits every stage's language model over N ranks (``pipeline.apply_tensor_parallel``,
-before FSDP2; the ranks laid out by ``pipeline.pipeline_mesh``; docs/tensor-parallel.md).
+before FSDP2; the ranks laid out by ``pipeline.pipeline_mesh``; docs/tensor-parallel.md); with ``--data`` stage 0's
+tp rank 0 reads each batch and sends it to its tp peers. Which options go together is one table,
+:mod:`.composition` (docs/composition.md): a refused pair is one argparse line before anything starts.
 
 Checkpoints are torch.distributed.checkpoint folders ``--save-dir/step{N}/`` under full-model names,
 published atomically; ``--resume`` takes one written at any ``pp x dp`` layout, with or without
@@ -40,22 +42,25 @@ its optimizer step and before any checkpoint (``--skip-nonfinite N`` skips at mo
 ``--resume`` applies this run's ``--lr`` from the resumed step and prints what changed; a fresh run
 refuses a ``--save-dir`` holding another run's checkpoints (``--overwrite`` deletes them).
 
-A rank that fails (an error, or a peer that died) prints ``train.py rank R: step S failed: ...`` and
-exits with status 1; a dead peer is noticed at the next communication with it, at the latest after the
-60 s process-group timeout.
+A failed run prints one line on the first rank to fail (``train.py: FILE:LINE: ...`` for a bad record,
+else ``train.py: step S: ...``; :mod:`.failures`), every failed rank writes its traceback to its log file
+and exits with status 1; a dead peer is noticed at the next communication with it, at the latest after
+the 60 s process-group timeout. A run whose first global batch holds no label token stops before its
+optimizer step; the last step is checkpointed with ``--save-dir`` and evaluated with ``--eval-every``.
 
 Everything in the loop is a library call (``ppmedia.pipeline``: ``stage_adamw``, ``learning_rate``, ``freeze``,
 ``train_step``, ``loader_shares``, ``step_record``, ...; docs/training.md "Fine-tuning with
 examples/train.py"); this package only wires the flags to them. ``--export`` writes the trained stages
 in their dtype with the processor's files.
 
-The package: :mod:`.options` (the parser and the checks before anything starts), :mod:`.sources` (the
+The package: :mod:`.options` (the parser and the checks before anything starts), :mod:`.composition` (which
+features go together), :mod:`.sources` (the
 steps' batches: ``--data`` or the stand-in), :mod:`.loop` (build, resume, the steps, checkpoints, export).
 """
 
 from .loop import build, main, resume, run
 from .options import DEFAULT_STEPS, bad_option, build_parser, parse_args
-from .sources import HELD_OUT_SEED, DataSource, StandIn, data_source
+from .sources import HELD_OUT_SEED, DataSource, StandIn, data_source, length_grouping
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -66,6 +71,7 @@ __all__ = [
     "build",
     "build_parser",
     "data_source",
+    "length_grouping",
     "main",
     "parse_args",
     "resume",

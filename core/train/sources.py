@@ -11,6 +11,29 @@ import torch.distributed as dist
 from .. import pipeline
 from ..testing import tiny_models
 
+#: the model types that cannot train through ``--data``, with why (docs/data.md, "Families"): refused
+#: by name before anything starts
+DATA_REFUSED: dict[str, str] = {
+    "step3p7": "its processor (Step3p7Processor) gives the crops as pixel_values_local with num_local_patches per "
+               "image, and ppmedia's step3 layout reads Step3-VL's patch_pixel_values with num_patches per sample",
+}
+
+
+def data_refusal(model: str) -> str | None:
+    """Why ``--data`` cannot train the checkpoint in ``model`` (its ``config.json``'s ``model_type`` in
+    :data:`DATA_REFUSED`), as one line naming the family; ``None`` when it can."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
+            model_type = json.load(fh).get("model_type")
+    except (OSError, ValueError):
+        return None  # the loader names a missing or bad config itself
+    reason = DATA_REFUSED.get(str(model_type))
+    return None if reason is None else f"--model {model}: {model_type} cannot train through --data: {reason}"
+
+
 #: the seed of the held-out batch ``--eval-every`` evaluates (the training batches use seeds 0 and 1).
 HELD_OUT_SEED = 1000
 
@@ -55,6 +78,13 @@ class StandIn:
         return None
 
 
+def length_grouping(args: argparse.Namespace) -> int:
+    """The training loader's ``group_by_length``: ``--group-by-length`` on the shuffled order; 1 (none)
+    with ``--no-shuffle`` (each step holds the next ``--batch-size`` records of the file, in order) and
+    with ``--pack`` (packed rows). The held-out data is never grouped."""
+    return 1 if args.no_shuffle or args.pack else int(args.group_by_length)
+
+
 class DataSource:
     """``--data`` through ``ppmedia.data``: the checkpoint's own processor (``AutoProcessor``) per sample,
     this replica's share of every global batch, media read only on the rank holding stage 0."""
@@ -65,8 +95,11 @@ class DataSource:
         from ppmedia import data
 
         self.ctx, self.args = ctx, args
-        self.processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(args.model),
-                                              max_length=args.max_length, config=ctx["config"])
+        processor = transformers.AutoProcessor.from_pretrained(args.model)
+        if args.chat_template:  # a processor saved without one (Phi-4-multimodal's)
+            with open(args.chat_template, encoding="utf-8") as fh:
+                processor.chat_template = fh.read()
+        self.processor = data.SampleProcessor(processor, max_length=args.max_length, config=ctx["config"])
         self.loader = self._loader(args.data, shuffle=not args.no_shuffle)
         self.per_epoch = len(self.loader.dataset) // args.batch_size
         self._held_out: list[pipeline.ReplicaShare] | None = None
@@ -84,7 +117,10 @@ class DataSource:
             seed=args.seed, shuffle=shuffle, workers=args.workers, pp_group=ctx["parts"].pp_group,
             reads_media=ctx["parts"].first is not None, adapter=ctx["adapter"], skip_bad_samples=args.skip_bad_samples,
             dp_group=ctx["parts"].dp_group,  # the counts (and the saved skip count) over all replicas
-            packing=self._packing() if args.pack else None)
+            packing=self._packing() if args.pack else None,
+            group_by_length=length_grouping(args) if shuffle else 1,
+            # --tp: stage 0's tp peers hold the same rows; their tp rank 0 reads, the peers receive the batch
+            tp_group=ctx["parts"].tp_group if ctx["parts"].first is not None else None)
 
     def _packing(self) -> Any:
         """``--pack``: rows of ``--max-length``, a multiple of ``--microbatches``, ordered by vision cost."""
@@ -102,9 +138,11 @@ class DataSource:
 
     def shares(self, start: int) -> Iterator[pipeline.ReplicaShare]:
         for share in self._shares(self.loader, None):
-            if not self.args.no_batch_check:  # the pipeline ranks of a replica must hold the same rows
-                pipeline.check_batch_agreement({"input_ids": share.input_ids, "attention_mask": share.attention_mask,
-                                                "labels": share.labels}, group=self.ctx["parts"].pp_group)
+            if not self.args.no_batch_check:  # the pipeline (and tp) ranks of a replica must hold the same rows
+                rows = {"input_ids": share.input_ids, "attention_mask": share.attention_mask, "labels": share.labels}
+                for group in (self.ctx["parts"].pp_group, self.ctx["parts"].tp_group):
+                    if group is not None:
+                        pipeline.check_batch_agreement(rows, group=group)
             yield share
 
     def held_out(self) -> list[pipeline.ReplicaShare]:

@@ -2,8 +2,11 @@
 on stage 0 (uniform and other static splits) against spread over both ranks, A/B alternated.
 
 Model: a tiny Qwen2.5-VL whose vision tower (depth 4, hidden 128, full attention in 2 of 4 layers)
-costs per microbatch about as much as one stage's share of the text model (4 decoder layers, hidden
-256, forward and backward; measured on quiet runs: 1.14-1.15 times, printed with every run): B=16 samples with one 8x12-patch image each, ``S = 80``, 8 microbatches
+costs per microbatch 1.1-1.2 times one stage's share of the text model (4 decoder layers, hidden
+256, forward and backward): the images' size is chosen on the machine at hand (:func:`size_tower`:
+the tower and a stage timed on both ranks at once, the patches rescaled; 8x12 patches gave 1.14 on
+the docs' machine, 0.93 on a 2-core AMD EPYC), and the ratio got is printed with every run. B=16
+samples with one image each, ``S = 80``, 8 microbatches
 of 2, 1F1B on 2 ranks (gloo on 127.0.0.1, one thread per process). Arms, alternated step by step with their order rotated
 every repetition: ``stage0`` (layers 2 + 2, the uniform split), ``stage0/1+3`` and ``stage0/0+4`` (vision
 on stage 0 with fewer layers there), ``spread`` (2 + 2, ``encoder="spread"`` with its background lane)
@@ -13,7 +16,8 @@ backward after it), so what the lane buys is measured side by side.
 Calibration for the planner (independent of the arms it predicts): before the repetitions both
 workers time, at the same time, the vision tower's forward and backward per MFLOP of the adapter's
 cost model, one decoder layer's forward and backward on a microbatch, and the spread's weight
-broadcast plus gradient reduction. After them, the ``stage0`` arm's own per-action medians give the
+broadcast plus gradient reduction, and the part of a free core the background lanes get (both
+lanes encoding while one rank computes and the other waits). After them, the ``stage0`` arm's own per-action medians give the
 first and last stages' extra work (embedding, merge, head and loss) and the send latency (fitted so
 the model reproduces that arm's step time). :mod:`ppmedia.planning.stepmodel` then predicts every arm.
 
@@ -65,12 +69,12 @@ def build_config() -> Any:
         bb.LM_LAYERS = saved
 
 
-def build_batch(seed: int = 0) -> dict[str, torch.Tensor]:
-    """``BATCH`` samples, each with one image of ``GRID`` patches, then random text to ``SEQ_LEN``."""
+def build_batch(seed: int = 0, grid: tuple[int, int, int] = GRID) -> dict[str, torch.Tensor]:
+    """``BATCH`` samples, each with one image of ``grid`` patches, then random text to ``SEQ_LEN``."""
     from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
 
     gen = torch.Generator().manual_seed(seed)
-    tokens = GRID[0] * GRID[1] * GRID[2] // 4
+    tokens = grid[0] * grid[1] * grid[2] // 4
     ids = torch.full((BATCH, SEQ_LEN), tiny.PAD_TOKEN_ID, dtype=torch.long)
     for s in range(BATCH):
         row = [tiny.BOS_TOKEN_ID, tiny.VISION_START_TOKEN_ID] + [tiny.IMAGE_TOKEN_ID] * tokens + [tiny.VISION_END_TOKEN_ID]
@@ -79,9 +83,149 @@ def build_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     return {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
-        "pixel_values": torch.randn(BATCH * GRID[0] * GRID[1] * GRID[2], tiny.PATCH_DIM, generator=gen),
-        "image_grid_thw": torch.tensor([GRID] * BATCH, dtype=torch.long),
+        "pixel_values": torch.randn(BATCH * grid[0] * grid[1] * grid[2], tiny.PATCH_DIM, generator=gen),
+        "image_grid_thw": torch.tensor([grid] * BATCH, dtype=torch.long),
     }
+
+
+#: the documented workload: vision per microbatch (forward + backward) / one stage's decoder work
+TARGET_RATIO = (1.1, 1.2)
+#: image grids the sizing picks from (``(t, h, w)`` patches; h and w even for the 2x2 merge; at most
+#: ``SEQ_LEN - 4`` image tokens)
+GRIDS = tuple((1, h, w) for h in range(4, 18, 2) for w in range(h, h + 6, 2) if h * w // 4 <= SEQ_LEN - 4)
+
+
+def _vision_and_stage(model: Any, adapter: Any, grid: tuple[int, int, int], repeat: int = 3) -> tuple[float, float]:
+    """Median seconds of the tower's forward + backward on one microbatch of ``grid`` images, and of
+    one stage's decoder work (``TEXT_LAYERS // 2`` layers and the stage's own, forward + backward),
+    timed on this rank (both ranks at once)."""
+    import ppmedia
+    from ppmedia.pipeline import build_stage_modules, vision_replica
+
+    config = model.config
+    batch = build_batch(0, grid)
+    staged = ppmedia.split_media(dict(batch), N_MICROBATCHES, **adapter.media_counts(batch, config))
+    vision = vision_replica(model)
+    half = TEXT_LAYERS // 2
+    stage = build_stage_modules(model, 3, stages=[1], layers_per_stage=[1, half, TEXT_LAYERS - half - 1])[0]
+    b = BATCH // N_MICROBATCHES
+    hidden = torch.randn(b, SEQ_LEN, config.text_config.hidden_size, requires_grad=True)
+    mask = torch.ones(b, SEQ_LEN, dtype=torch.long)
+    positions = torch.arange(SEQ_LEN).expand(b, 3, SEQ_LEN).contiguous()
+    ids = batch["input_ids"]
+    a, z = staged.samples[0]
+    chunk = staged.chunk(0)
+    _, host = adapter.check_counts(ids[a:z], chunk, config)
+    tower, decoder = [], []
+    for _ in range(repeat + 1):  # the first: warm-up
+        t0 = time.perf_counter()
+        out = adapter.encoder_outputs(vision, chunk, host)["image"]
+        out.backward(torch.ones_like(out))
+        t1 = time.perf_counter()
+        out = stage(hidden, mask, positions)[0]
+        out.backward(torch.ones_like(out))
+        t2 = time.perf_counter()
+        tower.append(t1 - t0)
+        decoder.append(t2 - t1)
+    for p in model.parameters():
+        p.grad = None
+    return statistics.median(tower[1:]), statistics.median(decoder[1:])
+
+
+def size_tower(model: Any, adapter: Any) -> tuple[tuple[int, int, int], float]:
+    """The image grid whose tower work per microbatch is ``TARGET_RATIO``'s middle times one stage's
+    decoder work on this machine (the tower's time taken as proportional to its patches, checked once
+    more on the grid chosen), and the ratio measured on it. Both ranks time at once and agree."""
+    import torch.distributed as dist
+
+    def ratio(grid: tuple[int, int, int]) -> float:
+        tower, decoder = _vision_and_stage(model, adapter, grid)
+        found = torch.tensor([tower / decoder])
+        dist.all_reduce(found)
+        return float(found) / dist.get_world_size()
+
+    target = sum(TARGET_RATIO) / 2
+    grid, got = GRID, ratio(GRID)
+    for _ in range(2):  # rescale the patches, then once more from the grid chosen
+        if TARGET_RATIO[0] <= got <= TARGET_RATIO[1]:
+            break
+        patches = grid[1] * grid[2] * target / got
+        grid = min(GRIDS, key=lambda g: abs(g[1] * g[2] - patches))
+        got = ratio(grid)
+    return grid, got
+
+
+def free_core_time(bars: list[Any], cores: int, lanes: int, start: float, end: float) -> float:
+    """Core-seconds in ``[start, end)`` that the ranks' own operations (``bars``: every rank's main-thread
+    bars) leave free for ``lanes`` background lanes, at most one core each."""
+    main = [b for b in bars if b[1] in ("F", "B", "I", "W", "E", "V")]
+    points = sorted({start, end} | {t for b in main for t in (b[2], b[3]) if start < t < end})
+    free = 0.0
+    for a, z in zip(points, points[1:]):
+        busy = sum(1 for b in main if b[2] <= (a + z) / 2 < b[3])
+        free += min(lanes, max(0, cores - busy)) * (z - a)
+    return free
+
+
+def lane_share_of_run(results: dict[str, Any], arm: str = "spread") -> float:
+    """The part of a free core the lanes' work got in a recorded spread arm (its per-action timestamps):
+    every lane job (``LE``, ``LV``) at its direct cost (the probe's vision forward / backward per
+    microbatch) over the core-time the ranks' operations left free while the lanes had work, shared
+    among the lanes then running. What :func:`lane_share_in` measures inside the baseline's schedule."""
+    probe, cores = results["probe"], int(results.get("cores") or os.cpu_count() or 1)
+    direct = {"LE": probe["vision_forward"], "LV": probe["vision_backward"]}
+    work = available = 0.0
+    for bars in results["arms"][arm]["bars"]:
+        lanes = [b for b in bars if b[1] in direct]
+        main = [b for b in bars if b[1] in ("F", "B", "I", "W", "E", "V")]
+        work += sum(direct[b[1]] for b in lanes)
+        points = sorted({t for b in bars for t in (b[2], b[3])})
+        for a, z in zip(points, points[1:]):
+            mid = (a + z) / 2
+            running = sum(1 for b in lanes if b[2] <= mid < b[3])
+            if running:
+                busy = sum(1 for b in main if b[2] <= mid < b[3])
+                available += min(running, max(0, cores - busy)) * (z - a)
+    return min(1.0, work / available) if available > 0 else 1.0
+
+
+def lane_share_in(step: Any, model: Any, adapter: Any, staged: Any, ids: torch.Tensor, direct: float) -> float:
+    """The part of a free core the background lanes' work gets inside a schedule: one step of the
+    baseline arm (``step()``: its wall and this rank's bars) while each rank's lane encodes (forward and
+    backward) the batch's chunks; the encodes finished within the step, at their direct cost
+    ``direct`` (seconds each), over the core-time the schedule's operations leave free (a waiting
+    rank's schedule is not all idle: it sends, receives and bookkeeps in Python)."""
+    import torch.distributed as dist
+
+    from ppmedia.pipeline import vision_replica
+    from ppmedia.pipeline.lane import Lane
+
+    config = model.config
+    vision = vision_replica(model)
+    chunks = [(k, staged.chunk(k)) for k in range(N_MICROBATCHES) if staged.chunk(k) is not None]
+    finished: list[float] = []
+
+    def encode(k: int, chunk: Any) -> None:
+        a, z = staged.samples[k]
+        _, host = adapter.check_counts(ids[a:z], chunk, config)
+        out = adapter.encoder_outputs(vision, chunk, host)["image"]
+        out.backward(torch.ones_like(out))
+        finished.append(time.perf_counter())
+
+    lane = Lane([(lambda: None, (lambda k=k, c=c: encode(k, c))) for k, c in chunks])
+    wall, bars = step()
+    end = time.perf_counter()
+    lane.cancel()
+    lane.join()
+    for p in vision.parameters():
+        p.grad = None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"bars": [_bar_json(b) for b in bars], "done": sum(1 for t in finished if t <= end)})
+    everyone = [b for g in gathered for b in g["bars"]]  # seconds from the step's start (a barrier)
+    last = max(b[3] for b in everyone)
+    free = free_core_time(everyone, os.cpu_count() or 1, len(gathered), 0.0, last)
+    work = sum(g["done"] for g in gathered) * direct
+    return min(1.0, max(0.05, work / free)) if free > 0 else 1.0
 
 
 def _probe(model: Any, adapter: Any, staged: Any, ids: torch.Tensor, spread: Any) -> Any:
@@ -145,6 +289,7 @@ def _probe(model: Any, adapter: Any, staged: Any, ids: torch.Tensor, spread: Any
         return found
 
     once.summary = summary  # type: ignore[attr-defined]
+    once.times = times  # type: ignore[attr-defined]
     return once
 
 
@@ -163,7 +308,8 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
         config = build_config()
         model = Qwen2_5_VLForConditionalGeneration(config).float()
         adapter = ppmedia.get_adapter(config)
-        batch = build_batch()
+        grid, sized = size_tower(model, adapter) if job.get("size", True) else (GRID, float("nan"))
+        batch = build_batch(0, grid)
         ids, mask = batch["input_ids"], batch["attention_mask"]
         labels = make_labels(ids, config, adapter, attention_mask=mask)
         staged = ppmedia.split_media(dict(batch), N_MICROBATCHES, **adapter.media_counts(batch, config))
@@ -202,17 +348,20 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
         busy0, own0, t_start = bb._cpu_busy(), bb._own_cpu(), time.perf_counter()
         records: dict[str, list[Any]] = {arm: [] for arm in ARMS}
         names = list(ARMS)
+        shares: list[float] = []
         for rep in range(job["pairs"]):
             shift = rep % len(names)
             for arm in names[shift:] + names[:shift]:
                 records[arm].append(step(arm))
             probe()
+            direct = statistics.median(probe.times["vision_forward"]) + statistics.median(probe.times["vision_backward"])  # type: ignore[attr-defined]
+            shares.append(lane_share_in(lambda: step(BASELINE), model, adapter, staged, ids, direct))
         window = time.perf_counter() - t_start
         own = torch.tensor([bb._own_cpu() - own0])
         dist.all_reduce(own)
         busy = bb._cpu_busy() - busy0
         gathered: list[Any] = [None, None]
-        dist.all_gather_object(gathered, {"records": records, "probe": probe.summary()})
+        dist.all_gather_object(gathered, {"records": records, "probe": {**probe.summary(), "lane_share": statistics.median(shares)}})
         if rank == 0:
             result = {
                 "arms": {arm: {"walls": [max(gathered[r]["records"][arm][i][0] for r in range(2)) for i in range(job["pairs"])],
@@ -221,6 +370,7 @@ def _worker(rank: int, init_method: str, job: dict[str, Any], out_dir: str) -> N
                          for arm in ARMS},
                 "probe": {k: statistics.mean(gathered[r]["probe"][k] for r in range(2)) for k in gathered[0]["probe"]},
                 "loads": list(built["spread"][2].last_plan.costs),
+                "grid": list(grid), "sized_ratio": sized,
                 "window": {"seconds": window, "foreign_cores": max(0.0, busy - float(own)) / window},
             }
             with open(os.path.join(out_dir, "stage0.json"), "w") as fh:
@@ -241,7 +391,7 @@ def _bar_json(bar: Any) -> Any:
     return [bar.rank, bar.kind, bar.start, bar.end, bar.stage, bar.microbatch]
 
 
-def run(pairs: int = 12, warmup: int = 2) -> dict[str, Any]:
+def run(pairs: int = 12, warmup: int = 2, size: bool = True) -> dict[str, Any]:
     """Spawn the two workers; the raw results plus the machine's state before."""
     import torch.multiprocessing as mp
     from ppmedia.testing.parity import _free_port
@@ -250,13 +400,13 @@ def run(pairs: int = 12, warmup: int = 2) -> dict[str, Any]:
     busy0, t0 = bb._cpu_busy(), time.perf_counter()
     time.sleep(1.0)  # this process idles: whatever runs now is someone else's
     foreign_before = (bb._cpu_busy() - busy0) / (time.perf_counter() - t0)
-    job = {"pairs": pairs, "warmup": warmup}
+    job = {"pairs": pairs, "warmup": warmup, "size": size}
     with tempfile.TemporaryDirectory(prefix="ppmedia-stage0-") as out_dir:
         mp.spawn(_worker, args=(f"tcp://127.0.0.1:{_free_port()}", job, out_dir), nprocs=2, join=True)
         with open(os.path.join(out_dir, "stage0.json")) as fh:
             results = json.load(fh)
     results.update(loadavg_before=load_before, loadavg_after=os.getloadavg()[0], foreign_cores_before=foreign_before,
-                   pairs=pairs)
+                   pairs=pairs, cores=os.cpu_count())
     return results
 
 
@@ -293,7 +443,8 @@ def calibrate(results: dict[str, Any]) -> Any:
     costs = OpCosts(layer_forward=lf, layer_backward=lb, vision_forward=vf, vision_backward=vb, stage_forward=sf,
                     stage_backward=sb, first_forward=max(0.0, f0 - l0 * lf - sf - vf * mean_load),
                     first_backward=max(0.0, b0 - l0 * lb - sb - vb * mean_load), last_forward=max(0.0, f1 - l1 * lf - sf),
-                    last_backward=max(0.0, b1 - l1 * lb - sb), sync=probe["sync"], unit="s")
+                    last_backward=max(0.0, b1 - l1 * lb - sb), sync=probe["sync"], unit="s",
+                    cores=results.get("cores"), lane_share=probe.get("lane_share", 1.0))
     target = statistics.median(results["arms"][BASELINE]["walls"])
 
     def step(latency: float) -> float:
@@ -368,7 +519,7 @@ def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = Fals
 
     arms = analysis["arms"]
     lines = [f"9. encoder spread: 2-process {SCHEDULE} pipelines, vision-heavy tiny Qwen2.5-VL (B={BATCH}, n={N_MICROBATCHES}, "
-             f"{TEXT_LAYERS} decoder layers, vision per microbatch about one stage's decoder work: measured below); "
+             f"{TEXT_LAYERS} decoder layers, images sized to {TARGET_RATIO[0]}-{TARGET_RATIO[1]} stages of decoder work per microbatch: measured below); "
              f"{results['pairs']} alternated repetitions per arm"]
     rows = [(arm, ARMS[arm][0], "+".join(map(str, ARMS[arm][1])), f"{a['median_s'] * 1e3:.1f}", f"{a['ratio']:.3f}",
              f"{a['predicted_s'] * 1e3:.1f}", f"{a['predicted_ratio']:.3f}", f"{a['predicted_ratio'] - a['ratio']:+.3f}")
@@ -380,8 +531,12 @@ def report(results: dict[str, Any], analysis: dict[str, Any], force: bool = Fals
                  f"+{c['stage_forward'] * 1e3:.2f}/+{c['stage_backward'] * 1e3:.2f}; vision "
                  f"fwd {c['vision_forward'] * 1e6:.2f} bwd {c['vision_backward'] * 1e6:.2f} us/MFLOP; first +{c['first_forward'] * 1e3:.2f}"
                  f"/+{c['first_backward'] * 1e3:.2f}, last +{c['last_forward'] * 1e3:.2f}/+{c['last_backward'] * 1e3:.2f}; "
-                 f"spread sync {c['sync'] * 1e3:.2f}; fitted latency {c['latency'] * 1e3:.2f}")
-    lines.append(f"vision per microbatch (forward + backward) / one stage's decoder work: {analysis['vision_over_stage']:.2f}")
+                 f"spread sync {c['sync'] * 1e3:.2f}; fitted latency {c['latency'] * 1e3:.2f}; {c.get('cores')} cores, "
+                 f"lane share of a free core {c.get('lane_share', 1.0):.2f}")
+    grid = results.get("grid", list(GRID))
+    lines.append(f"vision per microbatch (forward + backward) / one stage's decoder work: {analysis['vision_over_stage']:.2f} "
+                 f"(images of {grid[1]}x{grid[2]} patches, sized on this machine to {TARGET_RATIO[0]}-{TARGET_RATIO[1]}: "
+                 f"{results.get('sized_ratio', float('nan')):.2f} when sized)")
     lines.append("planner (" + "; ".join(f"{p['label']} {p['layers']}: {p['ratio']:.3f}" for p in analysis["planner"])
                  + f") recommends {analysis['recommended']}")
     lines.append(f"other processes' CPU: {results['foreign_cores_before']:.2f} cores in the second before, "

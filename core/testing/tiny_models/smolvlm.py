@@ -19,7 +19,7 @@ from . import _idefics, seeded_distinct
 from ._idefics import IMAGE_TOKEN_ID, SAMPLES, TOKENS_PER_CROP, build_batch, reference_inputs
 
 __all__ = ["IMAGE_TOKEN_ID", "MODEL_TYPE", "SAMPLES", "TOKENS_PER_CROP", "build_batch", "build_config", "build_model",
-           "reference_inputs"]
+           "build_processor", "reference_inputs"]
 
 MODEL_TYPE = "smolvlm"
 
@@ -39,3 +39,15 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     from transformers import SmolVLMForConditionalGeneration
 
     return seeded_distinct(SmolVLMForConditionalGeneration, build_config(), seed)
+
+
+def build_processor(image_backend: str = "torchvision") -> Any:
+    """A real ``SmolVLMProcessor`` (needs the ``num2words`` package: the ``data`` extra) with
+    ``SmolVLMImageProcessor`` (``...Pil`` with ``image_backend="pil"``) at Idefics3's tiny crop
+    (:func:`ppmedia.testing.tiny_models._idefics.build_processor`) and a ``SmolVLMVideoProcessor`` the
+    same size (the class needs one; its videos are not tested here)."""
+    import transformers
+
+    crop = {"size": {"longest_edge": 2 * _idefics.CROP}, "max_image_size": {"longest_edge": _idefics.CROP}}
+    videos = transformers.SmolVLMVideoProcessor(**crop, do_sample_frames=False)
+    return _idefics.build_processor("SmolVLMProcessor", "SmolVLMImageProcessor", image_backend, video_processor=videos)

@@ -1,0 +1,110 @@
+"""examples/train.py --cp 2 on a real checkpoint and data file (torchrun, 4 processes: pp2 x cp2).
+
+One run at lr 1e-2 over 3 steps: its step-0 loss is the model's own loss at the initial weights (the lr-0
+check), and steps 1 and 2 follow the model's own single-process AdamW within 1e-4; its DCP checkpoint
+then resumes WITHOUT --cp (pp2, 2 processes) for a 4th step that follows the same reference. Weight
+decay 0 and no clipping, so the reference is plain ``torch.optim.AdamW``. The options refused with
+--cp, and a family that cannot shard, exit 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ppmedia import data, pipeline
+from ppmedia.pipeline.loss import SHIFTED_MARK
+from ppmedia.testing.datasets import save_tiny_checkpoint, write_image_chat_dataset
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TORCHRUN = pathlib.Path(sys.executable).with_name("torchrun")
+N, B, MAX_LENGTH, LR = 16, 4, 64, 1e-2
+COMMON = ["--batch-size", str(B), "--max-length", str(MAX_LENGTH), "--lr", str(LR), "--weight-decay", "0",
+          "--max-grad-norm", "1e9", "--no-shuffle", "--steps"]
+
+
+def _torchrun(nproc: int, *args: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(ROOT / "examples" / "train.py"), *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout + result.stderr
+
+
+def _rows(path: pathlib.Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, path.read_text().splitlines())}
+
+
+def _reference(checkpoint: pathlib.Path, jsonl: pathlib.Path, steps: int) -> list[float]:
+    """The model's own losses under its own AdamW (one process, the same batches in order)."""
+    import transformers
+
+    torch.set_num_threads(1)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(checkpoint).train()
+    processor = data.SampleProcessor(transformers.AutoProcessor.from_pretrained(checkpoint), max_length=MAX_LENGTH,
+                                     config=model.config)
+    loader = data.ReplicaLoader(data.open_dataset(str(jsonl)), processor, global_batch_size=B, dp_rank=0, dp_size=1,
+                                seed=0, shuffle=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses: list[float] = []
+    for batch in loader:
+        if len(losses) == steps:
+            break
+        labels = batch["labels"]
+        unshifted = torch.full_like(labels, pipeline.IGNORE_INDEX)
+        unshifted[:, 1:] = labels[:, :-1]
+        unshifted[unshifted == SHIFTED_MARK] = pipeline.IGNORE_INDEX
+        inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
+        loss = model(**inputs, labels=unshifted, use_cache=False).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.multiprocess
+def test_pp2_cp2_trains_as_the_model_and_resumes_without_cp(tmp_path):
+    checkpoint = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "ckpt", max_shard_size="40KB")
+    import transformers
+
+    from ppmedia.testing.word_tokenizer import text_words
+
+    words = text_words(transformers.AutoProcessor.from_pretrained(checkpoint).tokenizer)
+    jsonl = write_image_chat_dataset(tmp_path / "data", N, words=words, seed=1)
+    log, resumed = tmp_path / "cp.jsonl", tmp_path / "resumed.jsonl"
+    model = ["--model", str(checkpoint), "--data", str(jsonl)]
+    printed = _torchrun(4, *model, "--pp", "2", "--cp", "2", *COMMON, "3", "--loss-log", str(log),
+                        "--save-dir", str(tmp_path / "runs"), "--save-every", "3")
+    _torchrun(2, *model, "--pp", "2", *COMMON, "4", "--loss-log", str(resumed), "--resume", "auto",
+              "--save-dir", str(tmp_path / "runs"), "--save-every", "4")
+    reference = _reference(checkpoint, jsonl, 4)
+    rows, more = _rows(log), _rows(resumed)
+    assert abs(rows[0]["loss"] - reference[0]) <= 1e-5, (rows[0]["loss"], reference[0])  # the lr-0 check
+    for step in (1, 2):
+        assert abs(rows[step]["loss"] - reference[step]) <= 1e-4, (step, rows[step]["loss"], reference[step])
+    assert sorted(more) == [3] and abs(more[3]["loss"] - reference[3]) <= 1e-4, (more, reference[3])
+    # each cp rank of stage 0 reads its replica's share itself: ranks 0 and 1 (cp 0, 1 of stage 0)
+    line = next(x for x in printed.splitlines() if x.startswith("media files opened per rank: "))
+    assert "2: 0 (0 distinct)" in line and "3: 0 (0 distinct)" in line and "0: 0 " not in line, line
+
+
+@pytest.mark.parametrize("extra, reason", [
+    (["--fsdp", "--dp", "2"], "--fsdp with --cp 2: FSDP2 reduce-scatters over the dp mesh only"),
+    (["--activation-checkpointing"], "--cp 2 with --activation-checkpointing: a layer recomputed"),
+    (["--family", "gemma4"], "--cp 2: the decoder cannot be sharded: gemma4:"),
+])
+def test_cp_refusals_exit_2_before_anything_starts(extra, reason, capsys):
+    from ppmedia.train.options import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--cp", "2", *extra])
+    assert exc.value.code == 2
+    assert reason in capsys.readouterr().err
