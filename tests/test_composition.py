@@ -32,7 +32,7 @@ def _argv(flag: str, tmp: pathlib.Path) -> list[str]:
         "--fsdp": ["--fsdp"],
         "--bf16": ["--fsdp", "--bf16"],
         "--tp": ["--tp", "2"],
-        "--ep": ["--ep", "2"],
+        "--ep": ["--ep", "2", "--dp", "2", "--family", "glm4v_moe"],
         "--lora-rank": ["--lora-rank", "4"],
         "--cp": ["--cp", "2"],
         "--encoder spread": ["--encoder", "spread"],
