@@ -128,9 +128,9 @@ def test_architecture_page_names_what_exists():
     for name in set(re.findall(r"`([a-z_/<>]+\.py)`", section)) - {"adapters/<family>.py"}:
         candidates = [ROOT / name, ROOT / "core" / name, ROOT / "core" / "testing" / name]
         assert any(c.is_file() for c in candidates), name
-    for command in ("demo", "inspect", "plan"):
+    for command in ("demo", "inspect", "plan", "train", "plot"):
         assert f"`{command}`" in section
-    assert {c.name for c in importlib.import_module("ppmedia.cli").COMMANDS} == {"demo", "adapters", "inspect", "plan"}
+    assert {c.name for c in importlib.import_module("ppmedia.cli").COMMANDS} == {"demo", "adapters", "inspect", "plan", "train", "plot"}
 
 
 def test_layout_table_names_files_that_exist():
