@@ -687,6 +687,7 @@ NOT_RUN: dict[str, NotRun] = {
         "--loss-log ep.jsonl --export ep-export",
         "torchrun --standalone --nproc-per-node 4 examples/train.py --model moe-ckpt --data moe-data/train.jsonl --pp 2 "
         "--dp 2 --batch-size 4 --max-length 64 --steps 2 --no-shuffle --resume ckpt/step1 --loss-log plain.jsonl"]},
+    **{command_key(line): NotRun(
         "it shows the flags on placeholder folders (demo-ckpt, demo-data)",
         "tests/test_composition_mp.py runs examples/train.py's loop at --pp 2 --tp 2 --pack on a checkpoint and a "
         "data file (the model's own losses within 1e-5) and resumes its checkpoint at --pp 2 --dp 2 --fsdp",

@@ -29,7 +29,7 @@ def test_bad_ep_options_exit_2_with_one_line_naming_ep_and_the_model_type(capsys
     line = _exit_2(["--family", "llama4", "--dp", "2", "--ep", "2"], capsys)
     assert "--ep 2: model type llama4 is refused" in line and "every expert on every token" in line, line
     line = _exit_2(["--family", "glm4v_moe", "--dp", "2", "--ep", "2", "--fsdp", "--bf16"], capsys)
-    assert "--ep 2 with --bf16: not supported" in line, line
+    assert "--bf16 with --ep 2: FSDP2's mixed precision" in line and "docs/composition.md" in line, line
     assert "--ep must be a finite number > 0 (got 0)" in _exit_2(["--ep", "0"], capsys)
     args = parse_args(["--family", "glm4v_moe", "--dp", "2", "--ep", "2", "--fsdp"])
     assert args.ep == 2
