@@ -457,7 +457,7 @@ def test_warnings_during_a_failure_are_dropped_and_after_a_success_shown(capsys,
 
 
 def test_commands_are_registered_as_entries():
-    assert [c.name for c in COMMANDS] == ["demo", "adapters", "inspect", "plan"]
+    assert [c.name for c in COMMANDS] == ["demo", "adapters", "inspect", "plan", "train", "plot"]
     parser = cli.build_parser()
     args = parser.parse_args(["inspect", "x.pt", "--microbatches", "3"])
     assert args.run is COMMANDS[2].run and args.microbatches == 3

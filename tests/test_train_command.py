@@ -63,19 +63,19 @@ def test_keys_follow_the_parser_and_the_command_line_wins(tmp_path, monkeypatch)
 
     def with_new_flag(parser_class=options.argparse.ArgumentParser):  # a flag another change adds
         parser = options.build_parser(parser_class)
-        parser.add_argument("--lora-rank", type=int, default=0)
+        parser.add_argument("--new-flag", type=int, default=0)
         return parser
 
     monkeypatch.setattr(train_config, "build_parser", with_new_flag)
-    (tmp_path / "c.yaml").write_text("lora-rank: 8\nbatch_size: 4\nepochs: 3\nfreeze: [vision, projector]\n"
+    (tmp_path / "c.yaml").write_text("new-flag: 8\nbatch_size: 4\nepochs: 3\nfreeze: [vision, projector]\n"
                                      f"model: {tmp_path}\ndata: {tmp_path / 'c.yaml'}\nfsdp: false\n")
     config = train_config.load_config(str(tmp_path / "c.yaml"), ["--steps", "2", "--batch-size", "8"])
-    assert config.argv[:2] == ["--lora-rank", "8"] and "--epochs" not in config.argv and "--fsdp" not in config.argv
+    assert config.argv[:2] == ["--new-flag", "8"] and "--epochs" not in config.argv and "--fsdp" not in config.argv
     assert config.args.steps == 2 and config.args.batch_size == 8 and config.args.freeze == ["vision", "projector"]
     assert config.world == 2 and config.launch == {"nproc_per_node": 2}
     command = launch.launcher_command(config)
     assert command[1:7] == ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m"]
-    assert command[7:9] == ["ppmedia.train", "--lora-rank"]
+    assert command[7:9] == ["ppmedia.train", "--new-flag"]
     config.launch.update(nnodes="2", nproc_per_node=1, rdzv_endpoint="node0:29500")
     command = launch.launcher_command(config)
     assert command[command.index("--rdzv-endpoint") + 1] == "node0:29500" and "--standalone" not in command

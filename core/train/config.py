@@ -84,7 +84,7 @@ def _tokens(where: str, key: str, value: Any, action: argparse.Action) -> list[s
     if action.nargs == 0:  # a flag
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: key '{key}': got {value!r}; expected true or false ({option} is a flag)")
-        return [option] if value == action.const else []
+        return [option] if value else []  # `no-pack: true` gives --no-pack, `pack: false` nothing
     if isinstance(value, list) and action.nargs is None:
         value = ",".join(map(str, value))
     if isinstance(value, bool) or value is None or isinstance(value, (dict, list)):

@@ -78,6 +78,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     add("--skip-bad-samples", action="store_true", help="skip (and count) bad records instead of stopping")
     add("--pack", action="store_true",
         help="pack each global batch's samples into rows of at most --max-length tokens (the same samples per step)")
+    add("--no-pack", dest="pack", action="store_false",
+        help="one sample per row (the default; --pack turns packing on, the last of the two given wins)")
     add("--group-by-length", type=int, default=DEFAULT_GROUP, metavar="N",
         help="shuffled order: pool N global batches, sort them by length and deal them out to N steps, so a step's "
              "rows are of similar length (less padding; changes which samples share a step); 1: no grouping")
