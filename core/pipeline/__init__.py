@@ -113,6 +113,7 @@ from .encoder import (ENCODER_MODES, EncoderSpread, SpreadPlan, assign_encoders,
 from .context_parallel import (ContextShard, context_loss, context_problem, enable_context_parallel, local_length,
                                padded_length, reduce_context_gradients)
 from .cp_attention import CP_ATTENTION, CP_BACKENDS, CpMask, register_cp_attention
+from .cp_vision import CP_VISION_MODES, vision_shard_problem
 from .distributed import TORCHRUN_VARIABLES, init_distributed, pipeline_mesh
 from .evaluate import eval_step
 from .export import LORA_EXPORTS, PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
@@ -185,6 +186,7 @@ __all__ = [
     "CHECKPOINT_INFO",
     "CP_ATTENTION",
     "CP_BACKENDS",
+    "CP_VISION_MODES",
     "ContextShard",
     "CpMask",
     "ENCODER_MODES",
@@ -297,4 +299,5 @@ __all__ = [
     "train_step",
     "vision_from_pretrained",
     "vision_replica",
+    "vision_shard_problem",
 ]

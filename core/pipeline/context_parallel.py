@@ -155,15 +155,22 @@ def context_problem(config: Any, adapter: Any = None) -> str | None:
     return None
 
 
-def enable_context_parallel(modules: Iterable[Any], shard: ContextShard) -> None:
+def enable_context_parallel(modules: Iterable[Any], shard: ContextShard, vision: str | None = None) -> None:
     """Shard every stage module (or ``PipelineStage``) of this rank over ``shard``'s ``cp`` group: the
     text config's attention becomes the gathered one (:data:`~ppmedia.pipeline.cp_attention.CP_ATTENTION`;
     the vision tower keeps its own). Call it on every rank, before the schedule is built.
 
+    ``vision``: stage 0's vision tower, ``"shard"`` (each cp rank encodes its share of a microbatch's
+    images and videos, gathered back: :mod:`ppmedia.pipeline.cp_vision`) or ``"replicate"`` (every cp
+    rank encodes them all); ``None``: shard where the family allows (:func:`~ppmedia.pipeline.cp_vision.
+    vision_shard_problem`), else replicate.
+
     Raises:
-        ValueError: the family cannot shard its decoder (:func:`context_problem`), naming ``--cp`` and why.
+        ValueError: the family cannot shard its decoder (:func:`context_problem`), naming ``--cp`` and why;
+            ``vision`` is not a mode, or ``"shard"`` for a family that keeps its tower replicated.
     """
     from .cp_attention import CP_ATTENTION, register_cp_attention
+    from .cp_vision import resolve_cp_vision
 
     register_cp_attention()
     for module in modules:
@@ -182,6 +189,7 @@ def enable_context_parallel(modules: Iterable[Any], shard: ContextShard) -> None
             for lm_config in _stage_text_configs(module):
                 lm_config._attn_implementation = CP_ATTENTION
         module.context = shard if shard.size > 1 else None
+        module.context_vision = resolve_cp_vision(module.adapter, vision)
 
 
 def _stage_text_configs(module: Any) -> list[Any]:

@@ -98,6 +98,7 @@ class StageModule(nn.Module):
         self.tied: tuple[TiedParameters, ...] = ()
         self.packed = False
         self.context: Any = None  # a ContextShard: the decoder's sequence divided over cp (enable_context_parallel)
+        self.context_vision = "replicate"  # under cp: "shard" divides stage 0's media items over cp (cp_vision)
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -237,6 +238,10 @@ class StageModule(nn.Module):
         features = self.__dict__.get(FEATURES_ATTRIBUTE)  # set for one step by an encoder spread
         k, chunk = self._microbatch_media(media)
         adapter = self.adapter if features is None else features.adapter_for(k, chunk)
+        if self.context is not None and self.context_vision == "shard" and features is None:
+            from .cp_vision import vision_sharded  # each cp rank encodes its share of the items, gathered
+
+            adapter = vision_sharded(adapter, self.context)
         segments = attention_mask
         if self.packed:
             attention_mask = segments.ne(0).to(segments.dtype)

@@ -31,10 +31,12 @@ class CpScenario:
     schedule: str
     pp: int
     packed: bool = False
+    vision: str = "replicate"  # stage 0's tower over cp: "replicate" or "shard" (frame sharding)
 
     @property
     def name(self) -> str:
-        return f"{self.family}{'/packed' if self.packed else ''} pp{self.pp}xcp2 {self.schedule}"
+        tail = " vision-shard" if self.vision == "shard" else ""
+        return f"{self.family}{'/packed' if self.packed else ''} pp{self.pp}xcp2 {self.schedule}{tail}"
 
 
 #: every scenario of the parity run (the families of docs/context-parallel.md, every schedule at pp1 and pp2)
@@ -49,6 +51,7 @@ CP_SCENARIOS: tuple[CpScenario, ...] = (
     CpScenario("gemma3", "1f1b", 1),
     CpScenario("qwen3_vl", "interleaved", 1),
     CpScenario("llava_next", "ZBVZeroBubble", 1),
+    CpScenario("qwen2_5_vl", "1f1b", 2, vision="shard"),  # images and videos divided over cp, gathered back
 )
 
 N_MICROBATCHES = 2
@@ -67,6 +70,18 @@ def _straddles(ids: torch.Tensor, mask: set[int], shard: Any) -> bool:
             if row[t] == row[t - 1] and row[t] in mask and owner[a] != owner[b]:
                 return True
     return False
+
+
+def _count_encoded(modules: list[Any]) -> list[int]:
+    """``[patch rows]`` this rank's vision tower encodes in the step (updated by a forward hook; ``[0]``
+    on a rank without the tower)."""
+    count = [0]
+    for module in modules:
+        visual = next((m for name, m in module.named_modules() if name.endswith("visual")), None)
+        if visual is not None:
+            visual.register_forward_hook(lambda mod, args, out: count.__setitem__(0, count[0] + int(args[0].shape[0])))
+            break
+    return count
 
 
 def _scenario(sc: CpScenario, shard: Any, pp_group: Any, pp_rank: int) -> dict[str, Any]:
@@ -93,7 +108,8 @@ def _scenario(sc: CpScenario, shard: Any, pp_group: Any, pp_rank: int) -> dict[s
     modules = pipeline.build_stage_modules(model, n_stages, stages=idx)
     if sc.packed:
         packing.enable_packing(modules)
-    pipeline.enable_context_parallel(modules, shard)
+    pipeline.enable_context_parallel(modules, shard, vision=sc.vision)
+    encoded = _count_encoded(modules)
     stages = pipeline.make_pipeline_stages(modules, n_stages, idx, "cpu", group=pp_group)
     schedule = pipeline.build_schedule(sc.schedule, stages, N_MICROBATCHES, loss_fn=pipeline.context_loss(shard))
     staged = split_media(batch, N_MICROBATCHES, **adapter.media_counts(batch, model.config))
@@ -104,7 +120,7 @@ def _scenario(sc: CpScenario, shard: Any, pp_group: Any, pp_rank: int) -> dict[s
                                loss_kwargs={"num_valid_tokens": count}, return_outputs=True)
     pipeline.reduce_context_gradients(modules, shard.group)
     pipeline.sync_tied_gradients(modules, modules[0].tied, group=pp_group)
-    result: dict[str, Any] = {"scenario": sc.name, "ref_loss": float(ref_loss)}
+    result: dict[str, Any] = {"scenario": sc.name, "ref_loss": float(ref_loss.detach()), "encoded": encoded[0]}
     if losses:
         total = torch.stack([loss.detach() for loss in losses]).sum().double().reshape(1)
         torch.distributed.all_reduce(total, group=shard.group)
