@@ -100,6 +100,7 @@ def test_pp2_cp2_trains_as_the_model_and_resumes_without_cp(tmp_path):
     (["--fsdp", "--dp", "2"], "--fsdp with --cp 2: FSDP2 reduce-scatters over the dp mesh only"),
     (["--activation-checkpointing"], "--cp 2 with --activation-checkpointing: a layer recomputed"),
     (["--family", "gemma4"], "--cp 2: the decoder cannot be sharded: gemma4:"),
+    (["--family", "qwen3_vl", "--cp-vision", "shard"], "--cp-vision shard: qwen3_vl keeps its vision tower replicated"),
 ])
 def test_cp_refusals_exit_2_before_anything_starts(extra, reason, capsys):
     from ppmedia.train.options import parse_args
@@ -108,3 +109,11 @@ def test_cp_refusals_exit_2_before_anything_starts(extra, reason, capsys):
         parse_args(["--cp", "2", *extra])
     assert exc.value.code == 2
     assert reason in capsys.readouterr().err
+
+
+def test_cp_vision_needs_cp(capsys):
+    from ppmedia.train.options import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--cp-vision", "shard"])
+    assert exc.value.code == 2 and "--cp-vision shard places stage 0's vision tower" in capsys.readouterr().err

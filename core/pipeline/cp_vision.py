@@ -203,9 +203,14 @@ def sharded_encode(adapter: Any, model: Any, chunk: VlmMediaChunk, host: Any, sh
         per_rank = [sum(i.rows for i, o in of if o == r) for r in range(shard.size)]
         most = max(per_rank)
         rows = local.get(modality)
-        if rows is None:  # no item of this modality here: a zero-row share that still joins the backward's sum
-            rows = weight.new_zeros((0, weight.shape[1])).requires_grad_(torch.is_grad_enabled())
-        gathered = GatherRows.apply(rows.to(weight.dtype), most, shard.group)
+        if rows is None:  # no item of this modality here: a zero-row share, it still joins the gather
+            rows = weight.new_zeros((0, weight.shape[1]))
+        rows = rows.to(weight.dtype)
+        if torch.is_grad_enabled() and not rows.requires_grad:
+            # every rank's share requires grad alike (a zero-row share, a frozen tower's), so every rank's
+            # backward reaches the gather's sum over cp
+            rows = rows.detach().requires_grad_()
+        gathered = GatherRows.apply(rows, most, shard.group)
         offset = [r * most for r in range(shard.size)]
         index: list[int] = []
         for item, owner in of:

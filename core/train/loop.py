@@ -111,7 +111,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     loss_fn = None
     if args.cp > 1:  # every stage's sequence divided over cp (a family that cannot is refused here too)
         shard = pipeline.ContextShard(args.cp, mesh["cp"].get_local_rank(), mesh["cp"].get_group())
-        pipeline.enable_context_parallel(modules, shard)
+        pipeline.enable_context_parallel(modules, shard, vision=getattr(args, "cp_vision", None))
         loss_fn = pipeline.context_loss(shard)
     parts = pipeline.PipelineParts(
         schedule=pipeline.build_schedule(args.schedule, stages, args.microbatches, loss_fn=loss_fn),

@@ -103,6 +103,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
         help="expert-parallel ranks carved out of --dp (it must divide --dp): the routed experts sharded over them")
     add("--cp", type=int, default=1,
         help="context-parallel ranks per stage: each holds a share of every row's sequence (docs/context-parallel.md)")
+    add("--cp-vision", choices=("shard", "replicate"), default=None,
+        help="with --cp: stage 0's images and videos divided over the cp ranks and gathered (shard) or encoded "
+             "by every cp rank (replicate); default shard where the family allows, else replicate")
     add("--fsdp", action="store_true", help="shard every stage with FSDP2 over the replicas")
     add("--bf16", action="store_true", help="with --fsdp: compute in bfloat16 (float32 master weights)")
     add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or any torch schedule name")
@@ -274,6 +277,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         problem = _expert_parallel_problem(args)
         if problem:
             parser.error(problem)
+    if getattr(args, "cp_vision", None) is not None and args.cp == 1:
+        parser.error(f"--cp-vision {args.cp_vision} places stage 0's vision tower over the cp ranks: give --cp N (N > 1)")
     if args.cp > 1:
         problem = context_option_problem(args)
         if problem:
@@ -313,8 +318,14 @@ def context_option_problem(args: argparse.Namespace) -> str | None:
         config = tiny_models.load(args.family).build_config()
     from ..registry import get_adapter
 
-    problem = pipeline.context_problem(config, get_adapter(config))
-    return None if problem is None else f"--cp {args.cp}: the decoder cannot be sharded: {problem}"
+    adapter = get_adapter(config)
+    problem = pipeline.context_problem(config, adapter)
+    if problem is not None:
+        return f"--cp {args.cp}: the decoder cannot be sharded: {problem}"
+    replicated = pipeline.vision_shard_problem(adapter)
+    if getattr(args, "cp_vision", None) == "shard" and replicated:
+        return f"--cp-vision shard: {adapter.name} keeps its vision tower replicated over cp: {replicated}"
+    return None
 
 
 def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
