@@ -2,7 +2,8 @@
 
 Under context parallelism every ``cp`` rank of stage 0 holds the same rows, so each would encode all of a
 microbatch's media. With frame sharding (``--cp-vision shard``) each rank encodes only its share of the
-microbatch's media ITEMS (whole images and whole videos, never a piece of one), the items assigned
+microbatch's media ITEMS (each a sequence the tower attends within: a whole image, or one temporal
+patch of a video where the tower attends frame by frame; never a piece of one), the items assigned
 longest first to the least loaded rank by the family's vision cost model (:meth:`VlmAdapter.image_costs
 <ppmedia.adapters.base.VlmAdapter.image_costs>`: :func:`assign_items`), through the family's own
 ``encode``. The features ``[rows, H]`` are then all-gathered over ``cp`` (:class:`GatherRows`: padded to the
@@ -16,7 +17,7 @@ joins that modality's gather (a zero-row share that requires grad, so its backwa
 
 Which families shard is decided here, in :data:`VISION_SHARDING` (adapter name -> item splitter) and
 :func:`vision_shard_problem`: the Qwen2-VL / Qwen2.5-VL layout (flat patch rows with a ``(t, h, w)`` grid
-per image and per video; the tower attends within an item only). Every other family keeps the
+per image and per video; the tower attends within one image or one temporal patch). Every other family keeps the
 replicated tower: towers with outputs beyond one feature row per placeholder (Qwen3-VL's deepstack), audio
 encoders (the Omni thinkers), and layouts without a per-item splitter here.
 """
@@ -51,50 +52,55 @@ CP_VISION_MODES = ("shard", "replicate")
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One image or video of a chunk: ``modality`` (``"image"`` / ``"video"``), its ``index`` among the
-    chunk's items of that modality, its ``patches`` (patch rows of the pixels), ``rows`` (feature rows it
-    gives) and ``cost`` (the family's vision cost model)."""
+    """One unit of a chunk's media that the tower encodes on its own: ``modality`` (``"image"`` /
+    ``"video"``), its ``index`` among the chunk's items of that modality, ``frame`` (a video's temporal
+    patch; 0 for an image), ``start`` (its first patch row in the modality's pixels), its ``patches`` (patch
+    rows), ``rows`` (feature rows it gives) and ``cost`` (the family's vision cost model)."""
 
     modality: str
     index: int
+    frame: int
+    start: int
     patches: int
     rows: int
     cost: float
 
 
 def _grid_items(adapter: Any, chunk: VlmMediaChunk, config: Any) -> list[MediaItem]:
-    """The Qwen2-VL / Qwen2.5-VL layout: images then videos, one item per grid row ``(t, h, w)``."""
+    """The Qwen2-VL / Qwen2.5-VL layout: every image, then every temporal patch of every video (``h x w``
+    patch rows each, ``t``-major): the tower attends within one temporal patch only (its ``cu_seqlens`` and
+    windows are per ``t``, its rotary positions ``(h, w)``), so each is encoded alone as ``(1, h, w)``."""
     from ..adapters.base import config_value
 
     merge = int(config_value(config, "vision_config.spatial_merge_size", "spatial_merge_size"))
-    items: list[MediaItem] = []
+    units: list[tuple[str, int, int, int, int]] = []
     for modality, grid in (("image", chunk.image_grid), ("video", chunk.video_grid)):
         if grid is None:
             continue
-        rows = grid.to(torch.int64).tolist()
-        patches = [int(np.prod(r)) for r in rows]
-        costs = adapter.image_costs(np.asarray(patches, dtype=np.int64), config) if patches else []
-        items.extend(MediaItem(modality, i, n, n // merge**2, float(c)) for i, (n, c) in enumerate(zip(patches, costs)))
-    return items
+        start = 0
+        for index, row in enumerate(grid.to(torch.int64).tolist()):
+            t, hw = (row[0], row[1] * row[2]) if len(row) == 3 else (1, row[0] * row[1])
+            for frame in range(t):
+                units.append((modality, index, frame, start, hw))
+                start += hw
+    costs = adapter.image_costs(np.asarray([u[4] for u in units], dtype=np.int64), config) if units else []
+    return [MediaItem(m, i, f, s0, n, n // merge**2, float(c)) for (m, i, f, s0, n), c in zip(units, costs)]
 
 
 def _grid_subchunk(chunk: VlmMediaChunk, items: list[MediaItem]) -> VlmMediaChunk:
-    """The chunk holding only ``items`` (in chunk order): their patch rows and grid rows; a modality
-    without one of them is left out (``None``)."""
+    """The chunk holding only ``items`` (in chunk order): their patch rows, each with grid row ``(1, h, w)``;
+    a modality without one of them is left out (``None``)."""
     fields: dict[str, Any] = {"pixel_values": None, "image_grid": None, "pixel_values_videos": None,
-                              "video_grid": None, "second_per_grid_ts": None}
+                              "video_grid": None}
     for modality, pixels_name, grid_name in (("image", "pixel_values", "image_grid"),
                                              ("video", "pixel_values_videos", "video_grid")):
         pixels, grid = getattr(chunk, pixels_name), getattr(chunk, grid_name)
         mine = [item for item in items if item.modality == modality]
         if pixels is None or grid is None or not mine:
             continue
-        starts = np.concatenate([[0], np.cumsum([int(np.prod(r)) for r in grid.to(torch.int64).tolist()])])
-        picked = torch.tensor([i.index for i in mine], dtype=torch.int64, device=grid.device)
-        fields[pixels_name] = torch.cat([pixels[int(starts[i.index]):int(starts[i.index + 1])] for i in mine])
-        fields[grid_name] = grid.index_select(0, picked)
-        if modality == "video" and chunk.second_per_grid_ts is not None:
-            fields["second_per_grid_ts"] = chunk.second_per_grid_ts.index_select(0, picked.to(chunk.second_per_grid_ts.device))
+        rows = grid.to(torch.int64).tolist()
+        fields[pixels_name] = torch.cat([pixels[i.start:i.start + i.patches] for i in mine])
+        fields[grid_name] = torch.tensor([[1, *rows[i.index][-2:]] for i in mine], dtype=grid.dtype, device=grid.device)
     return VlmMediaChunk(**fields)
 
 
