@@ -15,9 +15,15 @@ Counted: every tensor autograd saves for the backward during one training step's
 out, nothing saved inside a backward (the gathered attention's recomputation, transient) counted. The
 counted step follows a warm-up step of each side. ``R = the decoder stage's (stage 1) largest cp rank
 at pp2 x cp2 / the same stage at pp2 x cp1`` (goal ``<= 0.60``); stage 0, which embeds and merges the
-media on the full row and runs the vision tower replicated over cp, is reported beside it. Step times:
+media on the full row (its tower replicated here: one image a microbatch), is reported beside it. Step times:
 forward + backward + the cp gradient sum (no optimizer), medians of ``REPS`` steps alternated side by
 side, the slower rank's.
+
+Frame sharding (stage 0 only, counted once after a warm-up step, no times): the same decoder with a wider
+tower (vision hidden 128, MLP 512, 4 heads) on 2 rows of ``VIDEO_SEQ = 1024`` tokens, each a 64-frame
+video (32 temporal patches of 8 x 8 patches: 2048 patches, 512 tokens) and text, as 2 microbatches: stage
+0's largest cp rank at pp2 x cp2 with ``--cp-vision shard`` and with ``replicate``, each over pp2 x cp1
+(goal for the sharded one ``<= 0.70``).
 """
 
 from __future__ import annotations
@@ -39,16 +45,22 @@ N_MICROBATCHES = 2
 REPS = 3
 TARGET_R = 0.60
 SIDES = ("cp2", "cp1")
+VIDEO_SEQ = 1024
+VIDEO_GRID = (32, 8, 8)  # 64 frames at temporal patch 2, 8 x 8 patches a frame
+TARGET_VIDEO = 0.70
+VIDEO_SIDES = ("video-shard", "video-replicate", "video-cp1")
 
 
-def build_config() -> Any:
-    """The wide tiny Qwen2.5-VL (see the module docstring)."""
+def build_config(wide_tower: bool = False) -> Any:
+    """The wide tiny Qwen2.5-VL (see the module docstring); ``wide_tower``: the frame-sharding run's tower."""
     from transformers import Qwen2_5_VLConfig
 
     from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
 
     tower = tiny.build_config().vision_config.to_dict()
     tower["out_hidden_size"] = 256
+    if wide_tower:
+        tower.update(hidden_size=128, intermediate_size=512, num_heads=4)
     text = {
         "vocab_size": tiny.VOCAB, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": LAYERS,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ,
@@ -71,6 +83,19 @@ def build_batch() -> dict[str, torch.Tensor]:
     batch = grid_batch(samples, 0, family=tiny.MODEL_TYPE, patch_dim=tiny.PATCH_DIM, merge=tiny.MERGE,
                        video_steps=False, seq_len=SEQ)
     return {key: value for key, value in batch.items() if "video" not in key}  # images only
+
+
+def build_video_batch() -> dict[str, torch.Tensor]:
+    """2 rows of ``VIDEO_SEQ`` tokens: BOS, 2 words, a 64-frame video (512 tokens between its markers), text, EOS."""
+    from ppmedia.testing.tiny_models import qwen2_5_vl as tiny
+    from ppmedia.testing.tiny_models._qwen import grid_batch
+
+    t, h, w = VIDEO_GRID
+    rest = VIDEO_SEQ - 1 - 2 - (t * h * w // tiny.MERGE**2 + 2) - 1
+    samples = ((2, ("video", VIDEO_GRID), rest), (2, ("video", VIDEO_GRID), rest))
+    batch = grid_batch(samples, 0, family=tiny.MODEL_TYPE, patch_dim=tiny.PATCH_DIM, merge=tiny.MERGE,
+                       video_steps=False, seq_len=VIDEO_SEQ)
+    return {key: value for key, value in batch.items() if key not in ("pixel_values", "image_grid_thw")}  # videos only
 
 
 class SavedBytes:
@@ -99,22 +124,22 @@ class SavedBytes:
         self.bytes = 0
 
 
-def _side(mesh: Any, cp: int) -> dict[str, Any]:
+def _side(mesh: Any, cp: int, vision: str = "replicate", video: bool = False) -> dict[str, Any]:
     from ppmedia import pipeline, split_media
     from ppmedia.registry import get_adapter
     from ppmedia.testing.tiny_models import seeded
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    model = seeded(Qwen2_5_VLForConditionalGeneration, build_config(), 0).train()
+    model = seeded(Qwen2_5_VLForConditionalGeneration, build_config(wide_tower=video), 0).train()
     adapter = get_adapter(model)
     pp_rank = mesh["pp"].get_local_rank()
     shard = pipeline.ContextShard(cp, mesh["cp"].get_local_rank() if cp > 1 else 0,
                                   mesh["cp"].get_group() if cp > 1 else None)
     modules = pipeline.build_stage_modules(model, PP, stages=[pp_rank])
-    pipeline.enable_context_parallel(modules, shard)
+    pipeline.enable_context_parallel(modules, shard, vision=vision)
     stages = pipeline.make_pipeline_stages(modules, PP, [pp_rank], "cpu", group=mesh["pp"].get_group())
     schedule = pipeline.build_schedule("1f1b", stages, N_MICROBATCHES, loss_fn=pipeline.context_loss(shard))
-    batch = build_batch()
+    batch = build_video_batch() if video else build_batch()
     labels = pipeline.make_labels(batch["input_ids"], model.config, adapter, attention_mask=batch["attention_mask"])
     return {"modules": modules, "schedule": schedule, "shard": shard, "first": stages[0] if stages[0].is_first else None,
             "batch": batch, "labels": labels, "count": pipeline.count_valid_tokens(labels),
@@ -169,11 +194,31 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
                     elapsed = _step(sides[name], counting=False)
                     if rep > 1:
                         times[name].append(elapsed)
+        started = time.perf_counter()
+        saved.update(_video_saved(mesh, in_cp1))
+        video_s = time.perf_counter() - started
         write_result(out_dir, rank, {"rank": rank, "stage": mesh["pp"].get_local_rank(), "saved": saved,
-                                     "step_s": {name: statistics.median(ts) for name, ts in times.items()}})
+                                     "video_s": video_s, "step_s": {name: statistics.median(ts) for name, ts in times.items()}})
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _video_saved(mesh: Any, in_cp1: bool) -> dict[str, int]:
+    """The frame-sharding run: each of :data:`VIDEO_SIDES` built, warmed up and counted, one at a time."""
+    import torch.distributed as dist
+
+    saved: dict[str, int] = {}
+    for name in VIDEO_SIDES:
+        dist.barrier()
+        if name == "video-cp1" and not in_cp1:
+            continue
+        cp, vision = (1, "replicate") if name == "video-cp1" else (CP, name.split("-")[1])
+        side = _side(mesh, cp, vision, video=True)
+        _step(side, counting=False)
+        saved[name] = int(_step(side, counting=True))
+        del side
+    return saved
 
 
 def run() -> dict[str, Any]:
@@ -186,21 +231,36 @@ def run() -> dict[str, Any]:
             stage = stages.setdefault(r["stage"], {})
             stage[name] = max(stage.get(name, 0), value)
     ratio = {stage: held["cp2"] / held["cp1"] for stage, held in stages.items()}
+    first = stages[0]
     return {"pp": PP, "cp": CP, "seq": SEQ, "layers": LAYERS, "ranks": ranks, "saved": stages,
             "R": ratio[1], "stage0_ratio": ratio[0], "target": TARGET_R,
+            "video_seq": VIDEO_SEQ, "video_grid": list(VIDEO_GRID), "target_video": TARGET_VIDEO,
+            "stage0_video_ratio": first["video-shard"] / first["video-cp1"],
+            "stage0_video_replicated_ratio": first["video-replicate"] / first["video-cp1"],
+            "video_section_s": max(r["video_s"] for r in ranks),
             "step_s": {side: max(r["step_s"][side] for r in ranks if side in r["step_s"]) for side in SIDES}}
 
 
 def report(result: dict[str, Any]) -> str:
     lines = [f"cp memory: saved activations per rank, pp2 x cp2 vs pp2 x cp1 (S = {result['seq']}, "
              f"{result['layers']} decoder layers, 2 microbatches, 1F1B)"]
+    video = ""
     for stage in sorted(result["saved"], key=int):
         held = result["saved"][stage]
+        if "video-cp1" in held and int(stage) == 0:
+            video = (f"  stage 0, 64-frame video rows (S = {result['video_seq']}): cp1 {held['video-cp1'] / 2**20:.1f} MiB, "
+                     f"cp2 frame-sharded {held['video-shard'] / 2**20:.1f} MiB, cp2 tower replicated "
+                     f"{held['video-replicate'] / 2**20:.1f} MiB (largest cp rank)")
         lines.append(f"  stage {stage}: cp1 {held['cp1'] / 2**20:.1f} MiB, cp2 {held['cp2'] / 2**20:.1f} MiB "
                      f"(largest cp rank), ratio {held['cp2'] / held['cp1']:.3f}")
+    if video:
+        lines.append(video)
     step = result["step_s"]
     lines.append(f"  step time (forward + backward): pp2 x cp1 {step['cp1'] * 1e3:.0f} ms, "
                  f"pp2 x cp2 {step['cp2'] * 1e3:.0f} ms")
     lines.append(f"cp-memory: saved activations per rank at pp2 x cp2 / pp2 x cp1 = {result['R']:.3f} "
                  f"(decoder stage; stage 0: {result['stage0_ratio']:.3f}) (goal <= {result['target']})")
+    lines.append(f"cp-memory: stage 0 with frame sharding, 64-frame video, pp2 x cp2 / pp2 x cp1 = "
+                 f"{result['stage0_video_ratio']:.3f} (tower replicated: {result['stage0_video_replicated_ratio']:.3f}) "
+                 f"(goal <= {result['target_video']}; this run {result['video_section_s']:.0f} s)")
     return "\n".join(lines)
