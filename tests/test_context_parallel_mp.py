@@ -1,7 +1,8 @@
 """Context parallelism against the model's own single-process run (ppmedia.testing.parity.context): one spawned
 group of 4 gloo processes runs pp2 x cp2 and pp1 x cp2 under 1F1B, GPipe, ZBV and Interleaved for Qwen2.5-VL
-(images and videos whose token runs straddle a shard boundary; also with the tower frame-sharded), Qwen3-VL (deepstack), Gemma 3 (sliding window
-8 on longer rows), PaliGemma, LLaVA-NeXT and packed rows: loss, every gradient and the gathered logits within 1e-5."""
+(images and videos whose token runs straddle a shard boundary; also with the tower frame-sharded over cp),
+Qwen3-VL (deepstack), Gemma 3 (sliding window 8 on longer rows), PaliGemma, LLaVA-NeXT and packed rows: loss,
+every gradient and the gathered logits within 1e-5."""
 
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ class GatherRows(torch.autograd.Function):
     and this rank's own ``n_r`` rows of it."""
 
     @staticmethod
-    def forward(ctx: Any, local: Tensor, most: int, group: Any) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: Tensor, most: int, group: Any) -> Tensor:
         import torch.distributed as dist
 
         ctx.group, ctx.n, ctx.most = group, local.shape[0], most
@@ -178,7 +178,7 @@ class GatherRows(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         import torch.distributed as dist
 
         summed = grad.contiguous().clone()
