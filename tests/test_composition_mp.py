@@ -14,6 +14,12 @@ pair of the features it holds (``ppmedia.train.composition`` names these tests).
 * ``bf16-tp`` and ``bf16-spread``: ``--fsdp --bf16`` with tp at pp 1 x dp 2 x tp 2, and with the spread,
   resumed from ``tp``'s step 2: within the measured bf16 tolerance (FSDP2 computes in bfloat16).
 * ``tp-lr``: ``--pp 2 --tp 2`` at ``--lr 1e-2`` for 3 steps: the model's own AdamW within 1e-4.
+* on a tiny Qwen3-VL-MoE checkpoint (routed experts; its word tokenizer reads the same data files):
+  ``ep``: ``--pp 2 --dp 2 --ep 2 --pack --presplit --encoder spread --activation-checkpointing --freeze
+  projector --eval-data``, the model's own within 1e-5; ``lora-ep``: ``--lora-rank 4 --lora-alpha 16`` at
+  ``--pp 2 --dp 2 --ep 2 --pack --eval-data`` against PEFT's LoRA model over the checkpoint within 1e-5;
+  ``lora-bf16``: the same LoRA at ``--pp 2 --dp 2 --fsdp --bf16 --pack --eval-data`` within the bf16
+  tolerance of PEFT's float32 run.
 """
 
 from __future__ import annotations
