@@ -11,6 +11,8 @@ pair of the features it holds (``ppmedia.train.composition`` names these tests).
 * ``tp-presplit-resume``: ``--pp 2 --tp 2 --presplit`` resumed from ``tp``'s step 2.
 * ``fsdp-spread``: ``--pp 2 --dp 2 --fsdp --encoder spread --presplit --pack`` ... resumed from ``tp``'s step
   2 (a tp checkpoint at another layout).
+* ``cp``: ``--pp 2 --cp 2 --pack --presplit`` with ``--freeze`` and ``--eval-data``, resumed from ``tp``'s
+  step 2 (a checkpoint written without cp resumed at cp2).
 * ``bf16-tp`` and ``bf16-spread``: ``--fsdp --bf16`` with tp at pp 1 x dp 2 x tp 2, and with the spread,
   resumed from ``tp``'s step 2: within the measured bf16 tolerance (FSDP2 computes in bfloat16).
 * ``tp-lr``: ``--pp 2 --tp 2`` at ``--lr 1e-2`` for 3 steps: the model's own AdamW within 1e-4.
@@ -69,6 +71,8 @@ def _scenarios(root: pathlib.Path) -> list[tuple[str, list[str]]]:
         ("fsdp-spread", [*matrix, *log("fsdp-spread"), "--data", clean, "--pp", "2", "--dp", "2", "--fsdp",
                          "--encoder", "spread", "--presplit", "--pack", "--activation-checkpointing", *resume,
                          "--steps", str(STEPS)]),
+        ("cp", [*matrix, *log("cp"), "--data", clean, "--pp", "2", "--cp", "2", "--pack", "--presplit", *resume,
+                "--steps", str(STEPS)]),
         ("bf16-tp", [*matrix, *log("bf16-tp"), "--data", clean, "--pp", "1", "--dp", "2", "--tp", "2", "--fsdp",
                      "--bf16", "--pack", "--presplit", "--activation-checkpointing", *resume, "--steps", str(STEPS)]),
         ("bf16-spread", [*matrix, *log("bf16-spread"), "--data", clean, "--pp", "2", "--dp", "2", "--fsdp", "--bf16",
@@ -88,6 +92,7 @@ SCENARIOS_OF = {
     "test_tp_ranks_of_a_replica_read_each_file_once_on_stage_0s_tp_rank_0": ("tp", "tp-presplit-resume"),
     "test_tp_presplit_resumed_from_the_tp_checkpoint_continues_as_the_model": ("tp-presplit-resume",),
     "test_the_tp_checkpoint_resumes_at_pp2_dp2_fsdp_with_the_spread_presplit_and_pack": ("fsdp-spread",),
+    "test_cp_with_pack_presplit_freeze_and_eval_resumed_from_the_tp_checkpoint_is_the_model": ("cp",),
     "test_bf16_compositions_stay_within_the_bf16_tolerance": ("bf16-tp", "bf16-spread"),
     "test_pp2_tp2_on_data_at_lr_1e_2_is_the_models_own_adamw": ("tp-lr",),
     "test_ep_with_pack_presplit_spread_checkpointing_freeze_and_eval_gives_the_models_losses": ("ep",),
@@ -264,6 +269,12 @@ def test_tp_presplit_resumed_from_the_tp_checkpoint_continues_as_the_model(runs,
 
 def test_the_tp_checkpoint_resumes_at_pp2_dp2_fsdp_with_the_spread_presplit_and_pack(runs, own):
     _assert_own(runs["logs"]["fsdp-spread"], own, range(2, STEPS), TOL)
+
+
+def test_cp_with_pack_presplit_freeze_and_eval_resumed_from_the_tp_checkpoint_is_the_model(runs, own):
+    """``--pp 2 --cp 2 --pack --presplit --freeze projector --eval-data`` resumed from ``tp``'s step 2: steps 2
+    and 3 and the held-out loss are the model's own within 1e-5."""
+    _assert_own(runs["logs"]["cp"], own, range(2, STEPS), TOL)
 
 
 @pytest.mark.parametrize("name, steps", [("bf16-tp", range(2, STEPS)), ("bf16-spread", range(2, 3))])

@@ -664,6 +664,7 @@ NOT_RUN: dict[str, NotRun] = {
         "t.AutoModelForImageTextToText.from_pretrained('demo-ckpt'), 'out'); c = m.peft_config['default']; "
         "print(len(c.target_modules), ','.join(sorted({n.split('.layers.')[1].split('.')[0] for n in c.target_modules})))\""]},
     "python tests/bench/run.py --lora-memory": _BENCH,
+    "python tests/bench/run.py --cp-memory": _BENCH,
     **{command_key(line): _SPREAD_RUN for line in [
         "torchrun --standalone --nproc-per-node 2 examples/train.py --family qwen2_5_vl --pp 2 --schedule ZBVZeroBubble "
         "--microbatches 4 --steps 2 --encoder spread --trace step.svg --loss-log loss.jsonl"]},

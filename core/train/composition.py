@@ -267,5 +267,7 @@ refused("--cp", "--activation-checkpointing", "a layer recomputed in the backwar
         "forward, where the microbatch's cp mask is not set")
 refused("--cp", "--lora-rank", "LoRA adapters with cp are not built")
 refused("--cp", "--ep", "expert parallelism is carved out of the dp ranks; with cp it is not built")
-for _other in ("--pack", "--presplit", "--bf16", "--freeze", "--eval-data", "--resume"):
-    pending("--cp", _other, "not proven together yet: --cp landed (issue 41) without a run holding both")
+works("--cp", "--resume", "tests/test_context_parallel_train.py::test_pp2_cp2_trains_as_the_model_and_resumes_without_cp")
+refused("--cp", "--bf16", "--bf16 is FSDP2's mixed precision (it needs --fsdp), and FSDP2 does not go with --cp")
+proven_together(("--cp", "--data", "--pack", "--presplit", "--freeze", "--eval-data", "--resume"),
+                MP + "test_cp_with_pack_presplit_freeze_and_eval_resumed_from_the_tp_checkpoint_is_the_model")

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack | --video | --lora-memory | --e2e | --ep-memory]
+    python tests/bench/run.py [--out bench-results.json] [--quick] [--no-install] [--balance | --load-memory | --fsdp-memory | --stage0 [--timeline FILE.svg] | --data | --tp-memory | --pack | --video | --lora-memory | --e2e | --ep-memory | --cp-memory]
 
 Measures, in one process with ``torch.set_num_threads(1)``:
 
@@ -41,6 +41,9 @@ Measures, in one process with ``torch.set_num_threads(1)``:
    defaults and ``--pack``, against the model's own training loop written from transformers alone.
 16. expert-parallel memory (``--ep-memory`` alone; see ``ep_memory_bench.py``): pp=2 x dp=2 with ep=2
    against without on a Qwen3-VL-MoE whose experts hold most parameters, and the all-to-all bytes of a step.
+17. context-parallel memory (``--cp-memory``; see ``cp_memory_bench.py``): the activations saved for the
+   backward per rank at pp=2 x cp=2 over pp=2 x cp=1 on rows of 4096 tokens, the decoder stage and stage 0,
+   both step times.
 
 Every comparison interleaves its sides repetition by repetition; times are medians, ratios are
 medians of per-repetition ratios. Prints the tables and writes them as JSON (``--out``).
@@ -71,6 +74,7 @@ import ppmedia  # noqa: E402
 from ppmedia.testing.tiny_models import FAMILIES  # noqa: E402
 
 import balance_bench  # noqa: E402
+import cp_memory_bench  # noqa: E402
 import data_bench  # noqa: E402
 import e2e_bench  # noqa: E402
 import load_memory_bench  # noqa: E402
@@ -152,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pack", action="store_true", help="run only the packing benchmark (section 12)")
     parser.add_argument("--video", action="store_true", help="run only the video-reading benchmark (section 13)")
     parser.add_argument("--lora-memory", action="store_true", help="run only the LoRA memory benchmark (section 14)")
+    parser.add_argument("--cp-memory", action="store_true",
+                        help="run only the context-parallel memory benchmark (section 17)")
     parser.add_argument("--e2e", action="store_true",
                         help="run only the end-to-end benchmark against the model's own loop (section 15)")
     parser.add_argument("--timeline", type=Path, default=None,
@@ -179,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_video(args, None)
     if args.lora_memory:
         return _run_lora_memory(args, None)
+    if args.cp_memory:
+        return _run_cp_memory(args, None)
 
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -311,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     ep_memory = _run_ep_memory(args, targets)
     print()
 
+    # -- 17: context-parallel memory -----------------------------------------------------------------
+    cp_memory = _run_cp_memory(args, targets)
+    print()
+
     # -- targets ----------------------------------------------------------------------------------
     by_config = {(r["batch_size"], r["n_microbatches"]): r for r in staging}
     for (batch_size, n), floor in TARGET_SPEEDUP.items():
@@ -356,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "e2e": e2e_result,
         "video": video_result,
         "lora_memory": lora_memory,
+        "cp_memory": cp_memory,
         "environment": env,
         "command": "python tests/bench/run.py" + (" --quick" if args.quick else ""),
         "elapsed_s": round(elapsed, 1),
@@ -495,6 +508,19 @@ def _run_lora_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | N
         return 0
     targets.append({"target": f"lora-memory: pp=2, LoRA rank 8 / full fine-tuning <= {result['target']}",
                     "measured": round(result["R"], 4), "met": result["R"] <= result["target"]})
+    return result
+
+
+def _run_cp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
+    """Section 17; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
+    result = cp_memory_bench.run()
+    print(cp_memory_bench.report(result))
+    if targets is None:
+        _write_out(args, {"cp_memory": result})
+        return 0
+    targets.append({"target": f"cp-memory: saved activations per rank, pp=2 x cp=2 / pp=2 x cp=1 (decoder stage) "
+                              f"<= {result['target']}",
+                    "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
     return result
 
 
