@@ -16,6 +16,12 @@ pair of the features it holds (``ppmedia.train.composition`` names these tests).
 * ``bf16-tp`` and ``bf16-spread``: ``--fsdp --bf16`` with tp at pp 1 x dp 2 x tp 2, and with the spread,
   resumed from ``tp``'s step 2: within the measured bf16 tolerance (FSDP2 computes in bfloat16).
 * ``tp-lr``: ``--pp 2 --tp 2`` at ``--lr 1e-2`` for 3 steps: the model's own AdamW within 1e-4.
+* on a tiny Qwen3-VL-MoE checkpoint (routed experts; its word tokenizer reads the same data files):
+  ``ep``: ``--pp 2 --dp 2 --ep 2 --pack --presplit --encoder spread --activation-checkpointing --freeze
+  projector --eval-data``, the model's own within 1e-5; ``lora-ep``: ``--lora-rank 4 --lora-alpha 16`` at
+  ``--pp 2 --dp 2 --ep 2 --pack --eval-data`` against PEFT's LoRA model over the checkpoint within 1e-5;
+  ``lora-bf16``: the same LoRA at ``--pp 2 --dp 2 --fsdp --bf16 --pack --eval-data`` within the bf16
+  tolerance of PEFT's float32 run.
 """
 
 from __future__ import annotations
@@ -40,12 +46,18 @@ TOL = 1e-5
 LR_TOL = 1e-4  # --lr 1e-2 for 3 steps (issue 37, item 4)
 N, B, MAX_LENGTH, STEPS = 12, 4, 64, 4
 FREEZE = "projector"
+MOE = "ppmedia.testing.tiny_models.qwen3_vl_moe"  # routed experts (4, 2 a token) in both decoder layers
+LORA_RANK, LORA_ALPHA = 4, 16  # the update scaled by 4: a dropped scaling shows
 
 
 def _scenarios(root: pathlib.Path) -> list[tuple[str, list[str]]]:
-    common = ["--model", str(root / "ckpt"), "--batch-size", str(B), "--max-length", str(MAX_LENGTH), "--no-shuffle"]
+    shape = ["--batch-size", str(B), "--max-length", str(MAX_LENGTH), "--no-shuffle"]
+    common = ["--model", str(root / "ckpt"), *shape]
     matrix = [*common, "--freeze", FREEZE, "--eval-data", str(root / "data" / "eval.jsonl"), "--eval-every", "2"]
     clean, resume = str(root / "data" / "train.jsonl"), ["--resume", str(root / "tp" / "step2")]
+    moe = ["--model", str(root / "moe-ckpt"), *shape, "--data", clean, "--eval-data", str(root / "data" / "eval.jsonl"),
+           "--eval-every", "2"]
+    lora = ["--lora-rank", str(LORA_RANK), "--lora-alpha", str(LORA_ALPHA), "--steps", "3"]
 
     def log(name: str) -> list[str]:
         return ["--loss-log", str(root / f"{name}.jsonl")]
@@ -66,6 +78,11 @@ def _scenarios(root: pathlib.Path) -> list[tuple[str, list[str]]]:
         ("bf16-spread", [*matrix, *log("bf16-spread"), "--data", clean, "--pp", "2", "--dp", "2", "--fsdp", "--bf16",
                          "--encoder", "spread", *resume, "--steps", "3"]),
         ("tp-lr", [*common, *log("tp-lr"), "--data", clean, "--pp", "2", "--tp", "2", "--lr", "1e-2", "--steps", "3"]),
+        # the Qwen3-VL-MoE checkpoint (routed experts): --ep with the data features, then LoRA with --ep and --bf16
+        ("ep", [*moe, "--freeze", FREEZE, *log("ep"), "--pp", "2", "--dp", "2", "--ep", "2", "--pack", "--presplit",
+                "--encoder", "spread", "--activation-checkpointing", "--steps", "2"]),
+        ("lora-ep", [*moe, *lora, *log("lora-ep"), "--pp", "2", "--dp", "2", "--ep", "2", "--pack"]),
+        ("lora-bf16", [*moe, *lora, *log("lora-bf16"), "--pp", "2", "--dp", "2", "--fsdp", "--bf16", "--pack"]),
     ]
 
 
@@ -78,6 +95,9 @@ SCENARIOS_OF = {
     "test_cp_with_pack_presplit_freeze_and_eval_resumed_from_the_tp_checkpoint_is_the_model": ("cp",),
     "test_bf16_compositions_stay_within_the_bf16_tolerance": ("bf16-tp", "bf16-spread"),
     "test_pp2_tp2_on_data_at_lr_1e_2_is_the_models_own_adamw": ("tp-lr",),
+    "test_ep_with_pack_presplit_spread_checkpointing_freeze_and_eval_gives_the_models_losses": ("ep",),
+    "test_lora_with_ep_pack_and_eval_gives_peft_models_losses": ("lora-ep",),
+    "test_lora_with_bf16_stays_within_the_bf16_tolerance_of_peft": ("lora-bf16",),
 }
 
 
@@ -118,6 +138,7 @@ def world(tmp_path_factory) -> dict[str, Any]:
 
     root = tmp_path_factory.mktemp("composition")
     checkpoint = save_tiny_checkpoint("qwen2_5_vl", root / "ckpt")
+    moe = save_tiny_checkpoint(MOE, root / "moe-ckpt")  # the same word tokenizer: the same data files
     words = text_words(transformers.AutoProcessor.from_pretrained(checkpoint).tokenizer)
     train = write_image_chat_dataset(root / "data", N, words=words, seed=1)
     (root / "data" / "held").mkdir()
@@ -128,7 +149,7 @@ def world(tmp_path_factory) -> dict[str, Any]:
     missing = {"image": "no_such.png", "conversations": [{"from": "human", "value": f"<image>\n{words[6]}"},
                                                          {"from": "gpt", "value": words[0]}]}
     (root / "data" / "with_bad.jsonl").write_text("".join(lines[:5]) + json.dumps(missing) + "\n" + "".join(lines[5:]))
-    return {"root": root, "ckpt": checkpoint, "train": train, "eval": root / "data" / "eval.jsonl"}
+    return {"root": root, "ckpt": checkpoint, "moe": moe, "train": train, "eval": root / "data" / "eval.jsonl"}
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +181,27 @@ def _loss(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     return model(**inputs, labels=unshifted, use_cache=False).loss
 
 
-def _own_run(world, *, lr: float, steps: int, freeze: tuple[str, ...]) -> tuple[list[float], list[float]]:
-    """The model itself, one process: per step (loss, held-out loss at the weights it trains from);
-    AdamW(lr) with train.py's groups after clipping to norm 1, ``freeze``'s parameters frozen."""
+def _peft(model: Any) -> Any:
+    """PEFT's own LoRA model over ``model`` (rank LORA_RANK, alpha LORA_ALPHA, train.py's default targets),
+    each ``lora_A`` as train.py draws it (``--seed 0``), ``lora_B`` PEFT's zeros."""
+    from peft import LoraConfig, get_peft_model
+
+    settings = pipeline.LoraSettings(rank=LORA_RANK, alpha=float(LORA_ALPHA), seed=0)
+    peft_model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                                  target_modules=pipeline.lora_targets(model, settings)))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_A." in name:
+                key = name.removeprefix("base_model.model.").replace(".lora_A.default.", ".lora_A.")
+                param.copy_(pipeline.initial_lora_weight(key, param.shape, settings.seed))
+    return peft_model
+
+
+def _own_run(world, *, lr: float, steps: int, freeze: tuple[str, ...], checkpoint: str = "ckpt",
+             lora: bool = False) -> tuple[list[float], list[float]]:
+    """The model itself (``world[checkpoint]``; with ``lora`` PEFT's LoRA model over it), one process: per
+    step (loss, held-out loss at the weights it trains from); AdamW(lr) with train.py's groups after
+    clipping to norm 1, ``freeze``'s parameters frozen."""
     import transformers
 
     from train_helpers import train_py_groups
@@ -170,10 +209,12 @@ def _own_run(world, *, lr: float, steps: int, freeze: tuple[str, ...]) -> tuple[
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = transformers.AutoModelForImageTextToText.from_pretrained(world["ckpt"]).train()
+        ckpt = world[checkpoint]
+        model = transformers.AutoModelForImageTextToText.from_pretrained(ckpt).train()
         pipeline.freeze(pipeline.build_stage_modules(model, 1), freeze)  # the model's own parameters
+        model = _peft(model) if lora else model
         optimizer = torch.optim.AdamW(train_py_groups(model), lr=lr)
-        train, (held,) = _batches(world["train"], world["ckpt"], model), _batches(world["eval"], world["ckpt"], model)
+        train, (held,) = _batches(world["train"], ckpt, model), _batches(world["eval"], ckpt, model)
         losses, evals = [], []
         for step in range(steps):  # epoch after epoch, in the file's order (--no-shuffle)
             batch = train[step % len(train)]
@@ -250,3 +291,32 @@ def test_pp2_tp2_on_data_at_lr_1e_2_is_the_models_own_adamw(runs, world):
     assert losses[2] < losses[0] - 0.05  # it learns: a wrong reduction would not stay within 1e-4
     for step, loss in enumerate(losses):
         assert abs(rows[step]["loss"] - loss) <= LR_TOL, (step, rows[step]["loss"], loss)
+
+
+def test_ep_with_pack_presplit_spread_checkpointing_freeze_and_eval_gives_the_models_losses(runs, world):
+    """``--pp 2 --dp 2 --ep 2`` on the Qwen3-VL-MoE checkpoint with ``--pack --presplit --encoder spread
+    --activation-checkpointing --freeze projector --eval-data``: both steps' losses (the experts and
+    their gradients over ep) and the held-out loss are the model's own within 1e-5."""
+    _assert_own(runs["logs"]["ep"], _own_run(world, lr=1e-3, steps=2, freeze=(FREEZE,), checkpoint="moe"),
+                range(2), TOL)
+
+
+@pytest.fixture(scope="module")
+def peft_own(world) -> tuple[list[float], list[float]]:
+    """PEFT's LoRA model over the Qwen3-VL-MoE checkpoint, 3 steps (the experts frozen with the base)."""
+    return _own_run(world, lr=1e-3, steps=3, freeze=(), checkpoint="moe", lora=True)
+
+
+def test_lora_with_ep_pack_and_eval_gives_peft_models_losses(runs, peft_own):
+    """``--lora-rank 4 --lora-alpha 16`` at ``--pp 2 --dp 2 --ep 2 --pack --eval-data``: the adapters on
+    the attention projections (the routed experts' 3-D weights are not linear layers: none), every step's
+    and the held-out losses PEFT's own within 1e-5."""
+    evals = peft_own[1]
+    assert evals[2] < evals[0] - 0.01  # the adapters learn (no update, or alpha's scaling dropped: > 0.02 off)
+    _assert_own(runs["logs"]["lora-ep"], peft_own, range(3), TOL)
+
+
+def test_lora_with_bf16_stays_within_the_bf16_tolerance_of_peft(runs, peft_own):
+    """``--lora-rank`` at ``--pp 2 --dp 2 --fsdp --bf16 --pack --eval-data``: PEFT's float32 losses within
+    the measured bfloat16 tolerance (FSDP2 computes the base and the adapters in bfloat16)."""
+    _assert_own(runs["logs"]["lora-bf16"], peft_own, range(3), BF16_LOSS_TOLERANCE)

@@ -119,3 +119,28 @@ def test_wandb_logs_the_steps_offline(tmp_path, monkeypatch):
     sinks.close()
     (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert run.stat().st_size > 0
+
+
+# ------------------------------------------------------------------ --export checked before training
+def test_an_export_transformers_cannot_read_back_is_refused_before_anything_starts(tmp_path, capsys):
+    """The tiny Kimi-VL trains, but transformers 5.23 cannot read back the checkpoint it would write
+    (its rope permutation fails on the written shapes): ``--export`` is refused at the options, naming
+    the option and the tensor, instead of after the last step; the same run without ``--export`` and a
+    Qwen2.5-VL run with it pass the check."""
+    from ppmedia.testing.datasets import save_tiny_checkpoint
+    from ppmedia.train.options import parse_args
+
+    kimi = save_tiny_checkpoint("kimi_vl", tmp_path / "kimi")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}\n')
+    argv = ["--model", str(kimi), "--data", str(data), "--steps", "1", "--batch-size", "2"]
+    with pytest.raises(SystemExit) as info:
+        parse_args([*argv, "--export", str(tmp_path / "out")])
+    assert info.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert f"--export {tmp_path / 'out'}: the checkpoint would not load back with from_pretrained" in line, line
+    assert "q_proj.weight" in line and "--save-dir" in line, line
+    assert parse_args(argv).export is None
+    qwen = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "qwen")
+    assert parse_args(["--model", str(qwen), "--data", str(data), "--steps", "1", "--batch-size", "2",
+                       "--export", str(tmp_path / "out")]).export == str(tmp_path / "out")

@@ -116,7 +116,7 @@ from .cp_attention import CP_ATTENTION, CP_BACKENDS, CpMask, register_cp_attenti
 from .cp_vision import CP_VISION_MODES, vision_shard_problem
 from .distributed import TORCHRUN_VARIABLES, init_distributed, pipeline_mesh
 from .evaluate import eval_step
-from .export import LORA_EXPORTS, PROCESSOR_FILE_PATTERNS, copy_processor_files, save_pretrained_stages
+from .export import LORA_EXPORTS, PROCESSOR_FILE_PATTERNS, copy_processor_files, export_problem, save_pretrained_stages
 from .lora import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ALL_LINEAR, DEFAULT_LORA_TARGETS, LoraSettings, apply_lora,
                    check_lora_targets, has_lora, initial_lora_weight, lora_settings_of, lora_state_dict, lora_targets,
                    merged_state_dict, peft_key, save_lora_adapter)
@@ -277,6 +277,7 @@ __all__ = [
     "reshards_after_forward",
     "resolve_device",
     "save_checkpoint",
+    "export_problem",
     "save_pretrained_stages",
     "schedule_layout",
     "schedule_names",

@@ -31,7 +31,7 @@ from .pretrained import build_meta_model, tied_groups
 from .safetensors_files import shard_name, stale_files, write_index, write_safetensors
 from .stages import StageModule
 
-__all__ = ["LORA_EXPORTS", "PROCESSOR_FILE_PATTERNS", "copy_processor_files", "save_pretrained_stages"]
+__all__ = ["LORA_EXPORTS", "PROCESSOR_FILE_PATTERNS", "copy_processor_files", "export_problem", "save_pretrained_stages"]
 
 #: what :func:`save_pretrained_stages` writes of stages with LoRA adapters.
 LORA_EXPORTS = ("adapter", "merged")
@@ -188,6 +188,18 @@ def _reload_error(model: Any, written: dict[str, torch.Tensor], expected: set[st
         return f"{target} reads back with shape {list(seen)}; expected {list(want)}"
     lost = sorted(expected & set(info.missing_keys))
     return f"{lost[:5]} would not load back from the written names" if lost else None
+
+
+def export_problem(config: Any) -> str | None:
+    """Why :func:`save_pretrained_stages` would refuse to write a model of ``config``, found before any
+    training: the whole model built on the meta device, its tensors put in the files' names and read back
+    with transformers' own loader (names, shapes and conversions only, nothing allocated). ``None`` when
+    the export will load with ``from_pretrained``; else the reason (e.g. a transformers conversion that
+    cannot read back what it writes, as for the tiny Kimi-VL under transformers 5.23)."""
+    model = build_meta_model(config, torch.float32)
+    targets = {t for group in tied_groups(model) for t in group.names[1:]}
+    state = {k: v for k, v in model.state_dict().items() if k not in targets}
+    return _reload_error(model, _to_file_names(model, dict(state)), set(state))
 
 
 def _plan_shards(written: dict[str, torch.Tensor], max_shard_size: int | str, exchange: _Exchange) -> tuple[list[list[str]], int, int, int]:

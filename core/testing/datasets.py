@@ -217,8 +217,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from .word_tokenizer import text_words
 
+    kinds = args.mixed.split(",") if args.mixed else []
+    unknown = [k for k in kinds if k not in MIXED_KINDS]
+    if unknown:
+        parser.error(f"--mixed {args.mixed}: unknown kind(s) {', '.join(unknown)}; expected some of {','.join(MIXED_KINDS)}")
     checkpoint = save_tiny_checkpoint(args.family, args.checkpoint)
-    words = text_words(transformers.AutoProcessor.from_pretrained(checkpoint).tokenizer)
+    processor = transformers.AutoProcessor.from_pretrained(checkpoint)
+    if "video" in kinds and getattr(processor, "video_processor", None) is None:
+        parser.error(f"--mixed {args.mixed}: the tiny {args.family} processor ({type(processor).__name__}) takes no "
+                     f"videos; leave 'video' out")
+    words = text_words(processor.tokenizer)
     if args.mixed:
         path = write_mixed_dataset(args.data, args.mixed.split(","), words=words, name="train.jsonl")
         args.samples = len(args.mixed.split(","))

@@ -226,11 +226,6 @@ LORA_PARITY = LORA + "test_losses_and_adapters_equal_peft_trained_in_one_process
 works("--lora-rank", "--data", LORA + "test_the_pages_lines_train_and_export_an_adapter_peft_loads")
 for _flag in ("--fsdp", "--tp", "--presplit", "--encoder spread", "--activation-checkpointing", "--freeze", "--resume"):
     works("--lora-rank", _flag, LORA_PARITY)
-for _flag in ("--pack", "--eval-data", "--bf16"):
-    pending("--lora-rank", _flag, "the data / evaluation / precision paths do not touch the adapters, but no LoRA run "
-            "with it is compared yet")
-pending("--lora-rank", "--ep", "no LoRA run with --ep is compared yet (the adapters go on linear layers; the routed experts' "
-        "3-D weights get none)")
 # expert parallelism (issue 35): docs/expert-parallel.md
 EP = "tests/test_expert_parallel_mp.py::"
 EP_PARITY = EP + "test_expert_parallel_layouts_match_the_model_and_planted_bugs_fail"
@@ -240,8 +235,6 @@ works("--ep", "--fsdp", EP_PARITY)
 works("--ep", "--tp", EP_PARITY)
 refused("--ep", "--bf16", "FSDP2's mixed precision casts the parameters it shards, not the expert shards it leaves "
         "out of FSDP2")
-fallback("--ep", "not run together with --ep yet: the expert shards' dispatch does not touch it, but no --ep run "
-         "holding both is compared")
 # one spawn of 4 processes, several features a run (tests/test_composition_mp.py, SCENARIOS)
 proven_together(("--data", "--pack", "--tp", "--activation-checkpointing", "--freeze", "--eval-data"),
                 MP + "test_tp_with_data_pack_eval_checkpointing_and_freeze_gives_the_models_losses")
@@ -253,6 +246,15 @@ proven_together(("--data", "--fsdp", "--encoder spread", "--presplit", "--pack",
 proven_together(("--bf16", "--data", "--fsdp", "--tp", "--encoder spread", "--pack", "--presplit",
                  "--activation-checkpointing", "--freeze", "--eval-data", "--resume"),
                 MP + "test_bf16_compositions_stay_within_the_bf16_tolerance")
+# on a Qwen3-VL-MoE checkpoint: --ep with the data features; LoRA (adapters on the linear layers, the routed
+# experts' 3-D weights frozen with the base) with --ep, and with --bf16, against PEFT's own model
+proven_together(("--data", "--ep", "--pack", "--presplit", "--encoder spread", "--activation-checkpointing",
+                 "--freeze", "--eval-data"),
+                MP + "test_ep_with_pack_presplit_spread_checkpointing_freeze_and_eval_gives_the_models_losses")
+proven_together(("--data", "--lora-rank", "--ep", "--pack", "--eval-data"),
+                MP + "test_lora_with_ep_pack_and_eval_gives_peft_models_losses")
+proven_together(("--data", "--lora-rank", "--fsdp", "--bf16", "--pack", "--eval-data"),
+                MP + "test_lora_with_bf16_stays_within_the_bf16_tolerance_of_peft")
 
 # context parallelism (issue 41, on main): its refusals with their reasons (docs/context-parallel.md)
 works("--cp", "--data", "tests/test_context_parallel_train.py::test_pp2_cp2_trains_as_the_model_and_resumes_without_cp")

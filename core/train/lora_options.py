@@ -73,8 +73,6 @@ def _values_problem(args: argparse.Namespace) -> str | None:
     if args.lora_vision and args.tp > 1:
         return (f"--lora-vision with --tp {args.tp}: not supported (the tower is replicated over tp with its own "
                 f"gradient reduction, which does not cover adapters); drop one of them")
-    if getattr(args, "ep", 1) and getattr(args, "ep", 1) > 1:
-        return "--lora-rank with --ep: LoRA on routed experts is not supported; drop one of them"
     return None
 
 

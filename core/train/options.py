@@ -171,7 +171,7 @@ def bad_option(args: argparse.Namespace) -> str | None:
     if problem is None and args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
         problem = f"--profile {args.profile}: an existing file; expected a directory to write the trace into"
     if problem is None:  # the model's own config, read (not built): every rank refuses alike, before anything
-        problem = model_config_problem(args) or layer_split_option_problem(args)
+        problem = model_config_problem(args) or layer_split_option_problem(args) or export_option_problem(args)
     return problem
 
 
@@ -203,6 +203,25 @@ def model_config_problem(args: argparse.Namespace) -> str | None:
     except OSError:  # no config.json at all: the loader names the file
         return None
     return None
+
+
+def export_option_problem(args: argparse.Namespace) -> str | None:
+    """``--export`` / ``--export-merged`` of a full model that transformers could not read back
+    (:func:`ppmedia.pipeline.export_problem` on ``--model``'s config, built on meta): refused before the
+    run trains for nothing. A LoRA ``--export`` writes the adapter only and is not checked."""
+    targets = [(o, p) for o, p in (("--export", None if getattr(args, "lora_rank", 0) else args.export),
+                                   ("--export-merged", getattr(args, "export_merged", None))) if p]
+    if not targets or not args.model or not os.path.isfile(os.path.join(args.model, "config.json")):
+        return None
+    try:
+        problem = pipeline.export_problem(load_pretrained_config(args.model))
+    except Exception:  # noqa: BLE001 - a config that cannot be built is named by the loader itself
+        return None
+    if problem is None:
+        return None
+    option, path = targets[0]
+    return (f"{option} {path}: the checkpoint would not load back with from_pretrained ({problem}); train without "
+            f"{option} (the DCP checkpoints under --save-dir keep the weights)")
 
 
 def decoder_layers(args: argparse.Namespace) -> tuple[int, str] | None:
