@@ -117,3 +117,29 @@ def test_cp_vision_needs_cp(capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--cp-vision", "shard"])
     assert exc.value.code == 2 and "--cp-vision shard places stage 0's vision tower" in capsys.readouterr().err
+
+
+def test_frame_sharding_items_encode_alone_as_in_the_whole_chunk():
+    """The per-family decision, the longest-first assignment, and Qwen2.5-VL's units (each image, each temporal
+    patch of a video) encoded one by one give the whole chunk's features (one process, the real tower)."""
+    from ppmedia import split_media
+    from ppmedia.pipeline.cp_vision import VISION_SHARDING, assign_items, resolve_cp_vision
+    from ppmedia.registry import get_adapter
+    from ppmedia.testing import tiny_models
+
+    assert assign_items([1.0, 5.0, 3.0, 3.0], 2) == [0, 0, 1, 1]  # 5 -> 0, 3 -> 1, 3 -> 1, 1 -> 0 (5 < 6)
+    fam = tiny_models.load("qwen2_5_vl")
+    model, batch = fam.build_model(seed=0), fam.build_batch(seed=0)
+    adapter = get_adapter(model)
+    assert resolve_cp_vision(adapter, None) == "shard"
+    assert resolve_cp_vision(get_adapter(tiny_models.load("qwen3_vl").build_config()), None) == "replicate"
+    temporal_patches = int(batch["video_grid_thw"][:, 0].sum())
+    chunk = split_media(batch, 1, **adapter.media_counts(batch, model.config)).chunk(0)
+    items_of, subchunk = VISION_SHARDING[adapter.name]
+    items = items_of(adapter, chunk, model.config)
+    assert sum(i.modality == "video" for i in items) == temporal_patches > 3
+    with torch.no_grad():
+        whole = adapter.encode(model, chunk, None)
+        for modality in ("image", "video"):
+            alone = [adapter.encode(model, subchunk(chunk, [i]), None)[modality] for i in items if i.modality == modality]
+            assert torch.allclose(torch.cat(alone), whole[modality], atol=1e-6), modality
