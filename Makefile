@@ -7,13 +7,14 @@ STAMP := $(VENV)/.ppmedia-installed
 # installed together so pip never pairs torchvision with another torch build.
 TORCH := torch==2.14.1 torchvision==0.29.1
 TRANSFORMERS := transformers==5.23.0
+PEFT := peft==0.21.2
 
 .PHONY: demo test bench fixtures clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q $(TORCH) $(TRANSFORMERS) -e '.[test]'
+	$(BIN)/python -m pip install -q $(TORCH) $(TRANSFORMERS) $(PEFT) -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
