@@ -56,25 +56,10 @@ def ideal(pp: int, microbatches: int = MICROBATCHES) -> float:
 
 
 def _checkpoint(folder: str) -> str:
-    import transformers
+    """The issue's model: the tiny Qwen2.5-VL's tower and processor, a 31M-parameter language model."""
+    from pack_bench import wide_checkpoint
 
-    from ppmedia.testing.processors import save_tiny_processor
-    from ppmedia.testing.tiny_models import qwen2_5_vl
-
-    config = qwen2_5_vl.build_config()
-    text = config.text_config
-    text.hidden_size, text.intermediate_size, text.num_hidden_layers = HIDDEN, 4 * HIDDEN, LAYERS
-    text.num_attention_heads, text.num_key_value_heads = 8, 4
-    text.layer_types = ["full_attention"] * LAYERS
-    text.max_position_embeddings = 2 * MAX_LENGTH
-    text.rope_parameters = dict(text.rope_parameters, mrope_section=[8, 12, 12])  # head_dim 64 / 2
-    config.vision_config.out_hidden_size = HIDDEN
-    torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
-    path = os.path.join(folder, "ckpt")
-    model.save_pretrained(path)
-    save_tiny_processor("qwen2_5_vl", path)
-    return path
+    return wide_checkpoint(folder, HIDDEN, LAYERS, heads=(8, 4), max_length=MAX_LENGTH)
 
 
 def prepare(folder: str, records: int) -> tuple[str, str]:

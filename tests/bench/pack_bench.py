@@ -34,6 +34,14 @@ def _checkpoint(folder: str) -> str:
     """The tiny Qwen2.5-VL (its vision tower and processor) with a wider language model, so that the
     step's time follows its token positions rather than per-operation overheads: text hidden 256,
     4 layers, 4 heads, MLP 1024."""
+    return wide_checkpoint(folder, TEXT_HIDDEN, 4)
+
+
+def wide_checkpoint(folder: str, hidden: int, layers: int, heads: tuple[int, int] | None = None,
+                    max_length: int = MAX_LENGTH) -> str:
+    """``folder/ckpt``: the tiny Qwen2.5-VL's vision tower and processor with a language model of
+    ``hidden`` x ``layers`` (MLP 4 x hidden; ``heads``: attention and key-value heads, else the tiny
+    model's; positions for 2 x ``max_length``), seeded; the benches' model whose compute dominates on 2 cores."""
     import transformers
 
     from ppmedia.testing.processors import save_tiny_processor
@@ -41,11 +49,13 @@ def _checkpoint(folder: str) -> str:
 
     config = qwen2_5_vl.build_config()
     text = config.text_config
-    text.hidden_size, text.intermediate_size, text.num_hidden_layers = TEXT_HIDDEN, 4 * TEXT_HIDDEN, 4
-    text.layer_types = ["full_attention"] * 4
-    text.max_position_embeddings = 2 * MAX_LENGTH
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = hidden, 4 * hidden, layers
+    if heads is not None:
+        text.num_attention_heads, text.num_key_value_heads = heads
+    text.layer_types = ["full_attention"] * layers
+    text.max_position_embeddings = 2 * max_length
     text.rope_parameters = dict(text.rope_parameters, mrope_section=[8, 12, 12])  # head_dim 64 / 2
-    config.vision_config.out_hidden_size = TEXT_HIDDEN
+    config.vision_config.out_hidden_size = hidden
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config)
     path = os.path.join(folder, "ckpt")
