@@ -43,18 +43,7 @@ def test_pipeline_across_two_torchrun_agents_matches_the_model():
     cmd = [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"ppmedia-{port}", "--local-addr", "127.0.0.1",
            "-m", "ppmedia.testing.parity", "qwen2_5_vl", "--scenario", "ZBVZeroBubble/static", "--steps", "1"]
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-              for _ in range(2)]
-    outs = []
-    try:
-        for agent in agents:
-            out, err = agent.communicate(timeout=300)
-            outs.append((agent.returncode, out, err))
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-    assert all(code == 0 for code, _, _ in outs), [err[-3000:] for _, _, err in outs]
+    outs = _two_agents(cmd, env=_env(), cwd=ROOT)
     printed = "".join(out for _, out, _ in outs)
     assert printed.count("PASS: tolerance 1e-05, 2 processes (torchrun, 2 nodes)") == 1  # rank 0 reports
     assert "ZBVZeroBubble/static" in printed and "4/4" in printed
@@ -70,8 +59,17 @@ def test_ppmedia_train_across_two_agents(tmp_path):
                                        f"rdzv_endpoint: 127.0.0.1:{port}\nlocal_addr: 127.0.0.1\n")
     ppmedia = pathlib.Path(sys.executable).with_name("ppmedia")
     env = dict(_env(), PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    agents = [subprocess.Popen([str(ppmedia), "train", "two.yaml"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env, cwd=tmp_path) for _ in range(2)]
+    outs = _two_agents([str(ppmedia), "train", "two.yaml"], env=env, cwd=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and len(rows[0]["peak_memory_gb"]) == 2
+    assert "".join(out for _, out, _ in outs).count("step 1: loss") == 1  # rank 0 reports
+
+
+def _two_agents(cmd: list[str], env: dict[str, str], cwd: pathlib.Path) -> list[tuple[int, str, str]]:
+    """``cmd`` started twice (two torchrun agents of one rendezvous); each one's (return code, stdout,
+    stderr) once both ended, asserted 0; a still-running agent is killed."""
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+              for _ in range(2)]
     outs = []
     try:
         for agent in agents:
@@ -82,6 +80,4 @@ def test_ppmedia_train_across_two_agents(tmp_path):
             if agent.poll() is None:
                 agent.kill()
     assert all(code == 0 for code, _, _ in outs), [err[-3000:] for _, _, err in outs]
-    rows = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and len(rows[0]["peak_memory_gb"]) == 2
-    assert "".join(out for _, out, _ in outs).count("step 1: loss") == 1  # rank 0 reports
+    return outs
