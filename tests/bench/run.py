@@ -463,14 +463,8 @@ def _run_load_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | N
 
 def _run_fsdp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
     """Section 8; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
-    result = fsdp_memory_bench.run()
-    print(fsdp_memory_bench.report(result))
-    if targets is None:
-        _write_out(args, {"fsdp_memory": result})
-        return 0
-    targets.append({"target": f"fsdp-memory: pp=2 x dp=2 FSDP2, largest rank / one process <= {result['target']}",
-                    "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
-    return result
+    return _ratio_section(args, targets, "fsdp_memory", fsdp_memory_bench,
+                          "fsdp-memory: pp=2 x dp=2 FSDP2, largest rank / one process")
 
 
 def _run_tp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
@@ -489,42 +483,40 @@ def _run_tp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | Non
 
 def _run_ep_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
     """Section 16; alone (``targets`` None) it writes ``--out`` and returns 0."""
-    result = ep_memory_bench.run()
-    print(ep_memory_bench.report(result))
-    if targets is None:
-        _write_out(args, {"ep_memory": result})
-        return 0
-    targets.append({"target": f"ep-memory: pp=2 x dp=2, largest rank with ep2 / without <= {result['target']}",
-                    "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
-    return result
+    return _ratio_section(args, targets, "ep_memory", ep_memory_bench,
+                          "ep-memory: pp=2 x dp=2, largest rank with ep2 / without")
 
 
 def _run_lora_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
     """Section 14; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
-    result = lora_memory_bench.run()
-    print(lora_memory_bench.report(result))
-    if targets is None:
-        _write_out(args, {"lora_memory": result})
-        return 0
-    targets.append({"target": f"lora-memory: pp=2, LoRA rank 8 / full fine-tuning <= {result['target']}",
-                    "measured": round(result["R"], 4), "met": result["R"] <= result["target"]})
-    return result
+    return _ratio_section(args, targets, "lora_memory", lora_memory_bench,
+                          "lora-memory: pp=2, LoRA rank 8 / full fine-tuning", digits=4)
 
 
 def _run_cp_memory(args: argparse.Namespace, targets: list[dict[str, Any]] | None) -> Any:
     """Section 17; alone (``targets`` None) it writes ``--out`` with its own results and returns 0."""
-    result = cp_memory_bench.run()
-    print(cp_memory_bench.report(result))
+    result = _ratio_section(args, targets, "cp_memory", cp_memory_bench,
+                            "cp-memory: saved activations per rank, pp=2 x cp=2 / pp=2 x cp=1 (decoder stage)")
+    if targets is not None:
+        targets.append({"target": f"cp-memory: stage 0 with frame sharding (64-frame video), pp=2 x cp=2 / pp=2 x cp=1 "
+                                  f"<= {result['target_video']}",
+                        "measured": round(result["stage0_video_ratio"], 3),
+                        "met": result["stage0_video_ratio"] <= result["target_video"]})
+    return result
+
+
+def _ratio_section(args: argparse.Namespace, targets: list[dict[str, Any]] | None, key: str, bench: Any,
+                   label: str, digits: int = 3) -> Any:
+    """A memory section whose ``bench.run()`` gives a ratio ``R`` and its goal ``target``: printed; alone
+    (``targets`` None) written to ``--out`` under ``key`` (returns 0), else its ``label <= target`` entry
+    appended to ``targets`` (returns the result)."""
+    result = bench.run()
+    print(bench.report(result))
     if targets is None:
-        _write_out(args, {"cp_memory": result})
+        _write_out(args, {key: result})
         return 0
-    targets.append({"target": f"cp-memory: saved activations per rank, pp=2 x cp=2 / pp=2 x cp=1 (decoder stage) "
-                              f"<= {result['target']}",
-                    "measured": round(result["R"], 3), "met": result["R"] <= result["target"]})
-    targets.append({"target": f"cp-memory: stage 0 with frame sharding (64-frame video), pp=2 x cp=2 / pp=2 x cp=1 "
-                              f"<= {result['target_video']}",
-                    "measured": round(result["stage0_video_ratio"], 3),
-                    "met": result["stage0_video_ratio"] <= result["target_video"]})
+    targets.append({"target": f"{label} <= {result['target']}", "measured": round(result["R"], digits),
+                    "met": result["R"] <= result["target"]})
     return result
 
 
