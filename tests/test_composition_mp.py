@@ -37,7 +37,6 @@ import pytest
 import torch
 
 from ppmedia import data, pipeline
-from ppmedia.pipeline.loss import SHIFTED_MARK
 from ppmedia.testing.parity import BF16_LOSS_TOLERANCE
 
 pytestmark = pytest.mark.multiprocess
@@ -173,12 +172,9 @@ def _batches(path: pathlib.Path, ckpt: pathlib.Path, model: Any) -> list[dict[st
 
 def _loss(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     """The model's own loss on a loader batch (labels back in transformers' unshifted form)."""
-    labels = batch["labels"]
-    unshifted = torch.full_like(labels, pipeline.IGNORE_INDEX)
-    unshifted[:, 1:] = labels[:, :-1]
-    unshifted[unshifted == SHIFTED_MARK] = pipeline.IGNORE_INDEX
-    inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
-    return model(**inputs, labels=unshifted, use_cache=False).loss
+    from train_helpers import model_loss
+
+    return model_loss(model, batch)
 
 
 def _peft(model: Any) -> Any:

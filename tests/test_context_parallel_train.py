@@ -18,8 +18,7 @@ import sys
 import pytest
 import torch
 
-from ppmedia import data, pipeline
-from ppmedia.pipeline.loss import SHIFTED_MARK
+from ppmedia import data
 from ppmedia.testing.datasets import save_tiny_checkpoint, write_image_chat_dataset
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -45,6 +44,7 @@ def _rows(path: pathlib.Path) -> dict[int, dict]:
 def _reference(checkpoint: pathlib.Path, jsonl: pathlib.Path, steps: int) -> list[float]:
     """The model's own losses under its own AdamW (one process, the same batches in order)."""
     import transformers
+    from train_helpers import model_loss
 
     torch.set_num_threads(1)
     model = transformers.AutoModelForImageTextToText.from_pretrained(checkpoint).train()
@@ -57,12 +57,7 @@ def _reference(checkpoint: pathlib.Path, jsonl: pathlib.Path, steps: int) -> lis
     for batch in loader:
         if len(losses) == steps:
             break
-        labels = batch["labels"]
-        unshifted = torch.full_like(labels, pipeline.IGNORE_INDEX)
-        unshifted[:, 1:] = labels[:, :-1]
-        unshifted[unshifted == SHIFTED_MARK] = pipeline.IGNORE_INDEX
-        inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
-        loss = model(**inputs, labels=unshifted, use_cache=False).loss
+        loss = model_loss(model, batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -84,10 +84,9 @@ def _model_adamw(checkpoint: pathlib.Path) -> tuple[list[tuple[float, float]], d
     the data (unshuffled), the global norm before clipping to 1, train.py's AdamW (lr 1e-3, weight decay
     0.01 but none on 1-D tensors and the embedding table); the weights after the last step."""
     import transformers
-    from train_helpers import train_py_groups
+    from train_helpers import model_loss, train_py_groups
 
-    from ppmedia import data, pipeline
-    from ppmedia.pipeline.loss import SHIFTED_MARK
+    from ppmedia import data
 
     torch.set_num_threads(1)
     model = transformers.AutoModelForImageTextToText.from_pretrained(checkpoint).train()
@@ -100,12 +99,7 @@ def _model_adamw(checkpoint: pathlib.Path) -> tuple[list[tuple[float, float]], d
     for batch in loader:
         if len(out) == STEPS:
             break
-        labels = batch["labels"]
-        unshifted = torch.full_like(labels, pipeline.IGNORE_INDEX)
-        unshifted[:, 1:] = labels[:, :-1]
-        unshifted[unshifted == SHIFTED_MARK] = pipeline.IGNORE_INDEX
-        inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
-        loss = model(**inputs, labels=unshifted, use_cache=False).loss
+        loss = model_loss(model, batch)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -82,3 +82,16 @@ def model_adamw_run(family: str, seeds: Sequence[int], *, clip: float | None = N
     finally:
         torch.set_num_threads(threads)
     return OwnRun(train, evals, norms)
+
+
+def model_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """The model's own loss on a ``ppmedia.data`` loader batch: its labels (shifted by the loader, the
+    first label marked ``SHIFTED_MARK``) put back in transformers' unshifted form."""
+    from ppmedia.pipeline.loss import SHIFTED_MARK
+
+    labels = batch["labels"]
+    unshifted = torch.full_like(labels, pipeline.IGNORE_INDEX)
+    unshifted[:, 1:] = labels[:, :-1]
+    unshifted[unshifted == SHIFTED_MARK] = pipeline.IGNORE_INDEX
+    inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
+    return model(**inputs, labels=unshifted, use_cache=False).loss
