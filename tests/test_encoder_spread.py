@@ -561,6 +561,42 @@ def test_a_lane_runs_its_jobs_in_order_at_the_lowest_priority_and_hands_back_err
     assert "late" not in here
 
 
+def _policy() -> tuple[int, int]:
+    import os
+    import threading
+
+    tid = threading.get_native_id()
+    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def test_a_boosted_lane_runs_its_current_job_at_the_normal_priority_and_drops_back_after_it():
+    import os
+    import threading
+
+    from ppmedia.pipeline.lane import Lane
+
+    started, release, seen = threading.Event(), threading.Event(), []
+
+    def job() -> None:
+        seen.append(("before", _policy()))
+        started.set()
+        release.wait(5)
+        seen.append(("during", _policy()))
+
+    lane = Lane([(lambda: None, job), (lambda: None, lambda: seen.append(("next", _policy())))])
+    assert started.wait(5)
+    boosted = lane.boost()
+    assert not lane.boost()  # once per job
+    release.set()
+    lane.join()
+    low = {"idle": (os.SCHED_IDLE, 0), "nice": (os.SCHED_OTHER, 19)}.get(lane.priority)
+    if low is None or not boosted:  # neither low priority granted, or raising it back refused: nothing to see
+        pytest.skip(f"this machine granted the lane priority {lane.priority!r} and boost() {boosted}")
+    assert seen == [("before", low), ("during", (os.SCHED_OTHER, 0)), ("next", low)], seen
+    assert lane.boosts == 1
+    assert not Lane([(lambda: None, lambda: None)], background=False).boost()  # no thread: nothing to raise
+
+
 def test_the_spread_refuses_a_bad_ahead_share():
     with pytest.raises(ValueError, match="ahead: got -0.1"):
         pipeline.encoder.EncoderSpread.__init__(object.__new__(pipeline.encoder.EncoderSpread), torch.nn.Linear(1, 1),

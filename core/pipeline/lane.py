@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["Lane", "lower_thread_priority"]
+__all__ = ["Lane", "lower_thread_priority", "restore_thread_priority"]
 
 #: ``(wait, run)``: ``wait()`` blocks until the job's input is ready, then ``run()`` does the work.
 Job = tuple[Callable[[], None], Callable[[], None]]
@@ -39,6 +39,17 @@ def lower_thread_priority() -> str:
         return "nice"
     except (AttributeError, OSError):
         return "none"
+
+
+def restore_thread_priority(tid: int) -> bool:
+    """Give thread ``tid`` (a native id) the normal priority back (``SCHED_OTHER``, nice 0); ``False``
+    where the operating system refuses (an unprivileged process without ``RLIMIT_NICE`` headroom)."""
+    try:
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, 0)
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 class Lane:
@@ -62,11 +73,17 @@ class Lane:
         self._cancelled = threading.Event()
         self._thread: threading.Thread | None = None
         self._threads = torch.get_num_threads()  # the caller's intra-op threads, for the lane's thread too
+        self._tid: int | None = None
+        self._boost = threading.Lock()
+        self._boosted = False
+        #: how many times :meth:`boost` raised the lane's priority (for traces and tests)
+        self.boosts = 0
         if background and self.jobs:
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
+        self._tid = threading.get_native_id()
         self.priority = lower_thread_priority()
         # OpenMP's thread count is per thread: a new thread would compute with every core (its own
         # team, spinning against the processes' main threads) unless told the caller's count
@@ -77,10 +94,29 @@ class Lane:
                 if self._cancelled.is_set():
                     return
                 run()
+                self._unboost()
         except BaseException as error:  # handed to join()
             self.error = error
             if self.on_error is not None:
                 self.on_error(error)
+
+    def boost(self) -> bool:
+        """The caller waits for the job the lane runs now: run it at the normal priority until it
+        ends (the lane's low priority comes back with its next job), so that the wait does not last
+        as long as the idle time other threads leave it. ``False`` where nothing changed (no thread,
+        already boosted, the operating system refused)."""
+        with self._boost:
+            if self._tid is None or self._boosted or self.priority not in ("idle", "nice"):
+                return False
+            self._boosted = restore_thread_priority(self._tid)
+            self.boosts += int(self._boosted)
+            return self._boosted
+
+    def _unboost(self) -> None:
+        with self._boost:
+            if self._boosted:
+                lower_thread_priority()
+                self._boosted = False
 
     def join(self) -> None:
         """Wait for every job (or run them here without a thread); re-raise a job's error."""
