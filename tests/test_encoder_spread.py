@@ -585,7 +585,10 @@ def test_a_boosted_lane_runs_its_current_job_at_the_normal_priority_and_drops_ba
 
     lane = Lane([(lambda: None, job), (lambda: None, lambda: seen.append(("next", _policy())))])
     assert started.wait(5)
-    boosted = lane.boost()
+    done = threading.Event()
+    done.set()
+    assert not lane.boost(unless=done)  # the awaited job has ended: the one running now keeps its priority
+    boosted = lane.boost(unless=threading.Event())
     assert not lane.boost()  # once per job
     release.set()
     lane.join()

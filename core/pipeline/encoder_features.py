@@ -87,8 +87,8 @@ class _StepFeatures:
                 if k in self.step.later and self.step.claim(k):  # the lane has not started it: take it back
                     chunk_k, host = self.step.later[k]
                     spread._encode_one(self.plan, k, chunk_k, host, self.step, "EI")
-                elif not item.encoded.is_set() and spread._current_lane is not None:
-                    spread._current_lane.boost()  # the lane runs it: at the schedule's priority now
+                elif spread._current_lane is not None:
+                    spread._current_lane.boost(unless=item.encoded)  # the lane runs it: at the schedule's priority now
                 item.encoded.wait()
                 if not item.buffers:
                     raise RuntimeError(f"encoder spread: encoding microbatch {k} failed on the lane") from spread._lane_error()

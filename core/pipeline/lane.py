@@ -100,13 +100,17 @@ class Lane:
             if self.on_error is not None:
                 self.on_error(error)
 
-    def boost(self) -> bool:
+    def boost(self, unless: threading.Event | None = None) -> bool:
         """The caller waits for the job the lane runs now: run it at the normal priority until it
         ends (the lane's low priority comes back with its next job), so that the wait does not last
-        as long as the idle time other threads leave it. ``False`` where nothing changed (no thread,
-        already boosted, the operating system refused)."""
+        as long as the idle time other threads leave it. ``unless``: the event the awaited job sets
+        when done, read under the lock the lane drops its boost with, so a job that has just ended
+        does not pass the boost on to the next one. ``False`` where nothing changed (no thread,
+        already boosted, ``unless`` set, the operating system refused)."""
         with self._boost:
             if self._tid is None or self._boosted or self.priority not in ("idle", "nice"):
+                return False
+            if unless is not None and unless.is_set():
                 return False
             self._boosted = restore_thread_priority(self._tid)
             self.boosts += int(self._boosted)
